@@ -1,0 +1,5 @@
+import sys
+
+from jaxlp.cli import main
+
+sys.exit(main())

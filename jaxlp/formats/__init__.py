@@ -1,0 +1,46 @@
+"""jaxlp.formats: number formats and the pure-jnp rounding functions (the numerical spec).
+
+Imports only jax, numpy and ml_dtypes.
+"""
+
+from jaxlp.formats.block import BlockFormat as BlockFormat
+from jaxlp.formats.block import MXFormat as MXFormat
+from jaxlp.formats.block import QPyTorchBlock as QPyTorchBlock
+from jaxlp.formats.block import hbfp as hbfp
+from jaxlp.formats.block import hbfp_batched as hbfp_batched
+from jaxlp.formats.block import mx as mx
+from jaxlp.formats.block import qpytorch_block as qpytorch_block
+from jaxlp.formats.compat import CPDFloat as CPDFloat
+from jaxlp.formats.compat import QPyTorchFloat as QPyTorchFloat
+from jaxlp.formats.compat import cpd_float as cpd_float
+from jaxlp.formats.compat import qpytorch_float as qpytorch_float
+from jaxlp.formats.fixed_point import FixedPoint as FixedPoint
+from jaxlp.formats.float_format import FloatFormat as FloatFormat
+from jaxlp.formats.presets import BF16 as BF16
+from jaxlp.formats.presets import E2M1FN as E2M1FN
+from jaxlp.formats.presets import E2M3FN as E2M3FN
+from jaxlp.formats.presets import E3M2FN as E3M2FN
+from jaxlp.formats.presets import E3M4 as E3M4
+from jaxlp.formats.presets import E4M3 as E4M3
+from jaxlp.formats.presets import E4M3FN as E4M3FN
+from jaxlp.formats.presets import E4M3FNUZ as E4M3FNUZ
+from jaxlp.formats.presets import E5M2 as E5M2
+from jaxlp.formats.presets import E5M2FNUZ as E5M2FNUZ
+from jaxlp.formats.presets import FP16 as FP16
+from jaxlp.formats.presets import FP32 as FP32
+from jaxlp.formats.presets import PRESETS as PRESETS
+from jaxlp.formats.presets import TF32 as TF32
+from jaxlp.formats.presets import get_format as get_format
+from jaxlp.formats.quantize import ROUNDINGS as ROUNDINGS
+from jaxlp.formats.quantize import DTypeError as DTypeError
+from jaxlp.formats.quantize import check_format as check_format
+from jaxlp.formats.quantize import quantize as quantize
+from jaxlp.formats.quantize import random_bits as random_bits
+
+__all__ = [
+    "BF16", "BlockFormat", "CPDFloat", "DTypeError", "E2M1FN", "E2M3FN", "E3M2FN", "E3M4",
+    "E4M3", "E4M3FN", "E4M3FNUZ", "E5M2", "E5M2FNUZ", "FP16", "FP32", "FixedPoint",
+    "FloatFormat", "MXFormat", "PRESETS", "QPyTorchBlock", "QPyTorchFloat", "ROUNDINGS",
+    "TF32", "check_format", "cpd_float", "get_format", "hbfp", "hbfp_batched", "mx",
+    "qpytorch_block", "qpytorch_float", "quantize", "random_bits",
+]

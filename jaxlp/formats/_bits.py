@@ -1,0 +1,209 @@
+"""Bit-level helpers on the float32 pattern: the one rounding primitive every format uses.
+
+Everything here is elementwise and written with integer ops on ``uint32`` bit patterns
+(plus ``where``), so that
+
+* float32 subnormal inputs are handled exactly (XLA on CPU flushes subnormals in float
+  arithmetic, never in integer arithmetic);
+* XLA cannot simplify a "round to a narrower type and back" pair away;
+* the same functions can be called inside a Pallas kernel body, so kernel == reference
+  bit for bit by construction.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+U32 = jnp.uint32
+I32 = jnp.int32
+
+SIGN_MASK = 0x80000000
+ABS_MASK = 0x7FFFFFFF
+EXP_MASK = 0x7F800000
+FRAC_MASK = 0x007FFFFF
+INF_BITS = 0x7F800000
+QNAN_BITS = 0x7FC00000
+
+# Rounding modes understood by :func:`round_to_quantum`.
+ROUNDINGS = ("nearest", "nearest_away", "toward_zero", "up", "down", "stochastic")
+# Internal-only mode: ties toward +inf (QPyTorch's block rebase trick).
+_HALF_UP = "nearest_half_up"
+
+
+def u32(v):
+  return jnp.asarray(v, U32)
+
+
+def to_bits(x: jnp.ndarray) -> jnp.ndarray:
+  """float32 -> uint32 bit pattern (exact)."""
+  return lax.bitcast_convert_type(x, U32)
+
+
+def from_bits(b: jnp.ndarray) -> jnp.ndarray:
+  """uint32 bit pattern -> float32 (exact)."""
+  return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def split(bits):
+  """Split float32 bits into (sign bit as bool, magnitude bits, biased exponent field)."""
+  sign = (bits & u32(SIGN_MASK)) != 0
+  mag = bits & u32(ABS_MASK)
+  field = (mag >> 23).astype(I32)
+  return sign, mag, field
+
+
+def is_finite_mag(mag):
+  return mag < u32(INF_BITS)
+
+
+def is_nan_mag(mag):
+  return mag > u32(INF_BITS)
+
+
+def floor_log2(mag):
+  """floor(log2 |x|) of finite, nonzero float32 magnitude bits, exact (subnormals too).
+
+  Zero gives -150 (below every representable exponent).
+  """
+  field = (mag >> 23).astype(I32)
+  frac = mag & u32(FRAC_MASK)
+  # For subnormals: position of the highest set bit of the fraction.
+  nlz = lax.clz(frac).astype(I32)  # 9..32 for a 23-bit fraction (32 when zero)
+  sub_e = (31 - nlz) - 149  # frac = 2^p * (1.xxx)  => value = 2^(p - 149)
+  return jnp.where(field > 0, field - 127, jnp.where(frac == 0, -150, sub_e))
+
+
+def ceil_log2(mag):
+  """ceil(log2 |x|) of finite nonzero float32 magnitude bits, exact. Zero gives -150."""
+  fl = floor_log2(mag)
+  field = (mag >> 23).astype(I32)
+  frac = mag & u32(FRAC_MASK)
+  is_pow2 = jnp.where(field > 0, frac == 0, (frac & (frac - u32(1))) == 0)
+  return jnp.where((mag == 0) | is_pow2, fl, fl + 1)
+
+
+def pow2_bits(e):
+  """Bits of 2^e for integer e in [-149, 128] (128 gives +inf's bits)."""
+  e = jnp.asarray(e, I32)
+  normal = (jnp.clip(e, -126, 128) + 127).astype(U32) << 23
+  sub = u32(1) << jnp.clip(e + 149, 0, 22).astype(U32)
+  return jnp.where(e >= -126, normal, sub)
+
+
+def round_to_quantum(mag, qe, rounding: str, *, negative=None, rand=None, rand_bits=None):
+  """Round a finite float32 magnitude to an integer multiple of 2^qe.
+
+  Args:
+    mag: uint32 magnitude bits (sign cleared) of finite values.
+    qe: int32 quantum exponent per element (any int; values below -149 mean "no rounding",
+      since every float32 is a multiple of 2^-149).
+    rounding: one of :data:`ROUNDINGS` (or the internal ties-toward-+inf mode).
+    negative: bool array, the sign of the value (needed by "up"/"down"/half-up).
+    rand: uint32 uniform random words (needed by "stochastic").
+    rand_bits: if set, only this many random bits are used (limited-precision stochastic
+      rounding: P(round up) = floor(frac * 2^rand_bits) / 2^rand_bits).
+
+  Returns:
+    uint32 magnitude bits of the rounded value k * 2^qe. A carry past the float32 range
+    gives the bits of +inf (0x7F800000).
+
+  The rounding is exact: the kept integer k = floor(|x| / 2^qe) and the remainder are read
+  off the significand with shifts, and the increment is decided with integer compares.
+  """
+  field = (mag >> 23).astype(I32)
+  frac = mag & u32(FRAC_MASK)
+  sig = jnp.where(field > 0, frac | u32(0x800000), frac)
+  e_lsb = jnp.maximum(field, 1) - 150  # exponent of the significand's lowest bit
+  d = jnp.asarray(qe, I32) - e_lsb  # number of low significand bits to drop
+  dc = jnp.clip(d, 0, 31).astype(U32)
+  low_mask = (u32(1) << dc) - u32(1)
+  rem = jnp.where(d >= 32, sig, sig & low_mask)
+  k = sig >> dc
+  half = u32(1) << jnp.maximum(dc, 1) - u32(1)
+
+  if rounding == "nearest":
+    inc = (rem > half) | ((rem == half) & ((k & u32(1)) == 1))
+  elif rounding == "nearest_away":
+    inc = rem >= half
+  elif rounding == _HALF_UP:
+    inc = (rem > half) | ((rem == half) & ~negative)
+  elif rounding == "toward_zero":
+    inc = jnp.zeros(mag.shape, bool)
+  elif rounding == "up":
+    inc = (rem != 0) & ~negative
+  elif rounding == "down":
+    inc = (rem != 0) & negative
+  elif rounding == "stochastic":
+    # P(inc) = rem / 2^d exactly for d <= 32 (threshold T / 2^32 with T = rem * 2^(32-d)).
+    shl = jnp.clip(32 - d, 0, 31).astype(U32)
+    shr = jnp.clip(d - 32, 0, 31).astype(U32)
+    thr = jnp.where(d <= 32, rem << shl, rem >> shr)
+    thr = jnp.where(d >= 56, u32(0), thr)
+    if rand_bits is not None and rand_bits < 32:
+      thr = thr & ~((u32(1) << u32(32 - rand_bits)) - u32(1))
+    inc = rand < thr
+  else:  # pragma: no cover - validated by callers
+    raise ValueError(f"unknown rounding {rounding!r}")
+
+  inc = inc & (d > 0)
+  # d <= 23: clear the dropped bits of the pattern and add the increment; a carry ripples
+  # into the exponent field exactly as the value demands.
+  small = (mag & ~low_mask) + (inc.astype(U32) << dc)
+  # d >= 24: the value is below 2^qe, so the result is either 0 or 2^qe.
+  big = jnp.where(inc, pow2_bits(jnp.clip(jnp.asarray(qe, I32), -149, 128)), u32(0))
+  out = jnp.where(d <= 23, small, big)
+  return jnp.where(d <= 0, mag, out)
+
+
+def fmix32(h):
+  """MurmurHash3 finaliser: a bijection on uint32 with full avalanche."""
+  h = h ^ (h >> 16)
+  h = h * u32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * u32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return h
+
+
+def hash_bits(k0, k1, index):
+  """Counter-based random word for element ``index`` under key words (k0, k1).
+
+  For a fixed key this is a bijection of the 32-bit index (no two elements of one array
+  share a noise word). It depends only on (key, index), never on sharding or backend.
+
+  References:
+    Austin Appleby, MurmurHash3 (public domain) — the ``fmix32`` finaliser constants.
+  """
+  h = index * u32(0x9E3779B9) ^ k0
+  h = fmix32(h)
+  h = fmix32(h ^ k1)
+  return h
+
+
+def ldexp_bits(mag, s):
+  """Bits of |x| * 2^s for finite float32 magnitude bits ``mag`` and int32 ``s``.
+
+  Exact whenever the result is representable (no rounding is done: dropped bits of a
+  subnormal result are truncated, so callers use it only where the result is on the
+  float32 grid). Results beyond float32 give +inf's bits; zero stays zero.
+  """
+  s = jnp.asarray(s, I32)
+  field = (mag >> 23).astype(I32)
+  frac = mag & u32(FRAC_MASK)
+  sig = jnp.where(field > 0, frac | u32(0x800000), frac)
+  e = floor_log2(mag)
+  new_e = e + s
+  # For normal inputs the fraction is unchanged; for subnormal inputs normalise explicitly.
+  top = 31 - lax.clz(jnp.maximum(sig, u32(1))).astype(I32)  # index of the top set bit
+  norm_frac = jnp.where(top <= 23, sig << jnp.clip(23 - top, 0, 31).astype(U32),
+                        sig >> jnp.clip(top - 23, 0, 31).astype(U32)) & u32(FRAC_MASK)
+  normal = (((jnp.clip(new_e, -126, 128) + 127).astype(U32)) << 23) | norm_frac
+  normal = jnp.where(new_e >= 128, u32(INF_BITS), normal)
+  # Subnormal result: value = sig * 2^(e_lsb + s) with e_lsb = max(field,1) - 150.
+  sh = jnp.maximum(field, 1) - 150 + s + 149
+  sub = jnp.where(sh >= 0, sig << jnp.clip(sh, 0, 31).astype(U32),
+                  sig >> jnp.clip(-sh, 0, 31).astype(U32))
+  sub = jnp.where(sh <= -32, u32(0), sub)
+  out = jnp.where(new_e >= -126, normal, sub)
+  return jnp.where(mag == 0, u32(0), out)

@@ -1,0 +1,311 @@
+"""Block floating point: BFP/HBFP, QPyTorch's block_quantize and OCP MX.
+
+A block format shares one exponent among a block of elements. Blocks are described
+geometrically and the shared exponent is computed from the block's largest magnitude,
+read exactly from float32 bit patterns (never through a float ``log2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlp.formats import _bits as B
+from jaxlp.formats.float_format import FloatFormat
+
+EXPONENT_RULES = ("exact", "hbfp")
+
+
+def _is_int(v):
+  return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------
+# Block geometry: reduce |x| over blocks, broadcast a per-block value back.
+# ---------------------------------------------------------------------------------------
+def _tile_view(shape, tile):
+  """(rows, cols, tr, tc) of the (dim0, rest) view with tile sizes (None = whole extent)."""
+  rows = shape[0] if len(shape) >= 1 else 1
+  cols = math.prod(shape[1:]) if len(shape) >= 2 else 1
+  tr = rows if tile[0] is None else tile[0]
+  tc = cols if tile[1] is None else tile[1]
+  return rows, cols, max(tr, 1), max(tc, 1)
+
+
+def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
+  """Per-element uint32 magnitude bits of its block's max |x| (NaN > inf > finite).
+
+  Either ``tile=(tr, tc)`` — tiles of the (dim0, prod(rest)) view, ``None`` meaning the
+  whole extent — or ``axis`` (+ optional ``block_size``, default the whole axis).
+  """
+  shape = mag.shape
+  if axis is not None:
+    ax = axis % max(len(shape), 1)
+    m = jnp.moveaxis(mag, ax, -1)
+    n = m.shape[-1]
+    bs = n if block_size is None else block_size
+    nb = -(-n // bs) if n else 0
+    pad = nb * bs - n
+    mp = jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, pad)])
+    blk = mp.reshape(m.shape[:-1] + (nb, bs))
+    mx = jnp.max(blk, axis=-1, keepdims=True, initial=B.u32(0))
+    full = jnp.broadcast_to(mx, blk.shape).reshape(mp.shape)[..., :n]
+    return jnp.moveaxis(full, -1, ax)
+  rows, cols, tr, tc = _tile_view(shape, tile)
+  m2 = mag.reshape(rows, cols)
+  R = -(-rows // tr) * tr
+  C = -(-cols // tc) * tc
+  mp = jnp.pad(m2, [(0, R - rows), (0, C - cols)])
+  blk = mp.reshape(R // tr, tr, C // tc, tc)
+  mx = jnp.max(blk, axis=(1, 3), keepdims=True, initial=B.u32(0))
+  full = jnp.broadcast_to(mx, blk.shape).reshape(R, C)[:rows, :cols]
+  return full.reshape(shape)
+
+
+def _bfp_round(bits, e, man_bits, rounding, rand, rand_bits):
+  """Sign-magnitude grid k * 2^(e-m), |k| <= 2^m - 1, with per-element shared exponent e."""
+  sign, mag, _ = B.split(bits)
+  qe = e - man_bits
+  r = B.round_to_quantum(mag, qe, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
+  # vmax = 2^e - 2^(e-m): exponent e-1, top m-1 fraction bits set.
+  frac = B.u32(((1 << 23) - 1) & ~((1 << max(24 - man_bits, 0)) - 1)) if man_bits <= 24 else 0
+  vmax_normal = (((jnp.clip(e - 1, -126, 127) + 127).astype(B.U32)) << 23) | frac
+  vmax_sub = B.u32((1 << man_bits) - 1) << jnp.clip(qe + 149, 0, 31).astype(B.U32)
+  vmax = jnp.where(e - 1 >= -126, vmax_normal,
+                   jnp.where(qe >= -149, vmax_sub, B.u32(B.INF_BITS)))
+  r = jnp.minimum(r, vmax)
+  return r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+  """Block floating point: one shared exponent per block, sign-magnitude mantissas.
+
+  Each element is ``k * 2**(e - man_bits)`` with integer ``|k| <= 2**man_bits - 1``
+  (``man_bits`` magnitude bits, no hidden bit; values saturate at ``2**e - 2**(e-m)``),
+  where ``e`` is the block's shared exponent.
+
+  Blocks (exactly one of the two ways):
+    * ``tile=(tr, tc)``: tiles of the 2-D (dim0, prod(rest)) view of the array, ``None``
+      meaning the whole extent: ``(None, None)`` = one exponent per tensor (the default),
+      ``(1, None)`` = one per index of dim 0 (per sample), ``(24, 24)`` = HBFP's 24x24 tiles.
+    * ``axis=a`` with optional ``block_size=b``: blocks of ``b`` consecutive elements along
+      axis ``a`` (the last block may be partial; zero padding never raises a block max).
+
+  Shared exponent rules (``exponent``):
+    * ``"exact"``: the smallest ``e`` with ``max|x| < 2**e`` (= floor(log2 max) + 1).
+    * ``"hbfp"``: HBFPEmulator's ``ceil(log2(max|x| + eps))`` with the add done in float32
+      and the ``ceil(log2 .)`` computed exactly from the bits (HBFPEmulator uses torch's
+      float32 ``log2``, which can differ by one at a few magnitudes just above a power of
+      two, e.g. ``2**20 * (1 + 2**-23)``; jaxlp follows the exact value).
+
+  A block containing inf or NaN becomes all NaN (as in HBFPEmulator). -0.0 is kept for
+  negatives that round to zero.
+  """
+
+  man_bits: int
+  tile: tuple | None = (None, None)
+  axis: int | None = None
+  block_size: int | None = None
+  exponent: str = "exact"
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    if not _is_int(self.man_bits) or not 1 <= self.man_bits <= 24:
+      raise ValueError(f"BlockFormat: man_bits must be an int in 1..24, got {self.man_bits!r}")
+    if self.exponent not in EXPONENT_RULES:
+      raise ValueError(
+          f"BlockFormat: exponent must be one of {EXPONENT_RULES}, got {self.exponent!r}")
+    if self.axis is not None:
+      if self.tile not in (None, (None, None)):
+        raise ValueError("BlockFormat: give either tile=... or axis=..., not both")
+      object.__setattr__(self, "tile", None)
+      if not _is_int(self.axis):
+        raise ValueError(f"BlockFormat: axis must be an int, got {self.axis!r}")
+      if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
+        raise ValueError(f"BlockFormat: block_size must be a positive int, got {self.block_size!r}")
+    else:
+      if self.block_size is not None:
+        raise ValueError("BlockFormat: block_size needs axis=...")
+      t = self.tile
+      if t is None:
+        t = (None, None)
+      if not isinstance(t, tuple) or len(t) != 2 or any(
+          v is not None and (not _is_int(v) or v < 1) for v in t):
+        raise ValueError(f"BlockFormat: tile must be a pair of positive ints or None, got {t!r}")
+      object.__setattr__(self, "tile", t)
+    if not (isinstance(self.eps, float) and self.eps >= 0):
+      raise ValueError(f"BlockFormat: eps must be a non-negative float, got {self.eps!r}")
+
+  supported_roundings = B.ROUNDINGS
+
+  def _block_max(self, mag):
+    return block_max_bits(mag, tile=self.tile, axis=self.axis, block_size=self.block_size)
+
+  def shared_exponent(self, mx_bits):
+    """Shared exponent (int32) from the block max magnitude bits."""
+    if self.exponent == "hbfp":
+      y = B.from_bits(mx_bits) + jnp.float32(self.eps)
+      return B.ceil_log2(B.to_bits(y))
+    return B.floor_log2(mx_bits) + 1
+
+  def _quantize_f32(self, x, rounding, rand, rand_bits):
+    bits = B.to_bits(x)
+    mag = bits & B.u32(B.ABS_MASK)
+    mx = self._block_max(mag)
+    e = self.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
+    out = _bfp_round(bits, e, self.man_bits, rounding, rand, rand_bits)
+    out = jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+    return B.from_bits(out)
+
+
+def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
+  """HBFPEmulator's ``float_to_bfp_tiled``: T x T tiles of the (dim0, rest) view.
+
+  ``tile=0`` shares one exponent over the whole tensor.
+
+  References:
+    parsa-epfl/HBFPEmulator@b5cdb1d, ``bfp/bfp_ops.py`` (``_float_to_bfp``,
+    ``float_to_bfp_tiled``); Drumond et al., "Training DNNs with Hybrid Block Floating
+    Point", NeurIPS 2018.
+  """
+  if not _is_int(tile) or tile < 0:
+    raise ValueError(f"hbfp: tile must be a non-negative int, got tile={tile!r}")
+  t = (None, None) if tile == 0 else (tile, tile)
+  return BlockFormat(man_bits, tile=t, exponent="hbfp", eps=eps)
+
+
+def hbfp_batched(man_bits: int, *, eps: float = 1e-8) -> BlockFormat:
+  """HBFPEmulator's ``float_to_bfp_batched``: one exponent per index of dim 0."""
+  return BlockFormat(man_bits, tile=(1, None), exponent="hbfp", eps=eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class QPyTorchBlock:
+  """QPyTorch's ``block_quantize(x, wl, dim)``.
+
+  ``dim=-1``: one exponent for the whole tensor; ``dim=d >= 0``: one per index along axis
+  ``d``. With block max ``Mx`` and ``E = floor(log2 Mx)``, an element is rebased
+  ``v = fl32(x + 6*2**E)``, v's fraction rounded to ``wl`` bits (nearest: ties toward
+  +inf in x; stochastic: unbiased), rebased back and clipped to
+  ``±(2**(wl-1) - 1) * 2**(E+2-wl)``. The float32 pre-rounding of the rebase add is
+  reproduced exactly with integer ops. A block whose max is a float32 subnormal has base 0
+  in QPyTorch (degenerate); jaxlp reproduces that case too.
+
+  References:
+    Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp`` (``block_quantize``).
+  """
+
+  wl: int
+  dim: int = -1
+
+  def __post_init__(self):
+    if not _is_int(self.wl) or not 2 <= self.wl <= 23:
+      raise ValueError(f"qpytorch_block: wl must be an int in 2..23, got wl={self.wl!r}")
+    if not _is_int(self.dim) or self.dim < -1:
+      raise ValueError(f"qpytorch_block: dim must be -1 (whole tensor) or >= 0, got {self.dim!r}")
+
+  supported_roundings = ("nearest", "stochastic")
+
+  def _quantize_f32(self, x, rounding, rand, rand_bits):
+    bits = B.to_bits(x)
+    sign, mag, _ = B.split(bits)
+    if self.dim == -1:
+      mx = jnp.max(mag, initial=B.u32(0)) if mag.size else B.u32(0)
+      mx = jnp.broadcast_to(mx, mag.shape)
+    else:
+      if self.dim >= x.ndim:
+        raise ValueError(f"qpytorch_block: dim={self.dim} out of range for ndim={x.ndim}")
+      axes = tuple(a for a in range(x.ndim) if a != self.dim)
+      mx = jnp.broadcast_to(jnp.max(mag, axis=axes, keepdims=True, initial=B.u32(0)), mag.shape)
+    mx_field = (mx >> 23).astype(B.I32)
+    E = mx_field - 127
+    wl = self.wl
+    mode = "nearest_half_up" if rounding == "nearest" else "stochastic"
+    # Rebase add v = fl32(x + 6*2^E) lands in [2^(E+2), 2^(E+3)): x rounded (RNE) to 2^(E-21).
+    pre = B.round_to_quantum(mag, E - 21, "nearest", negative=sign)
+    q = B.round_to_quantum(pre, E + 2 - wl, mode, negative=sign, rand=rand, rand_bits=rand_bits)
+    clip = B.ldexp_bits(B.u32(np.float32(2 ** (wl - 1) - 1).view(np.uint32)), E + 2 - wl)
+    q = jnp.where(q >= B.pow2_bits(jnp.clip(E + 1, -149, 128)), clip, q)
+    out = q | jnp.where(sign & (q != 0), B.u32(B.SIGN_MASK), B.u32(0))
+    # Degenerate base 0 (block max is zero or a float32 subnormal): the wl-bit rounding is
+    # applied to x's own pattern, and a carry into the exponent field clips (QPyTorch's clip
+    # with a zero max exponent).
+    rb = bits
+    if rounding == "nearest":
+      rb = rb + B.u32(1 << (22 - wl))
+    else:
+      rb = rb + ((rand >> B.u32(32 - (23 - wl))) & B.u32((1 << (23 - wl)) - 1))
+    rb = rb & ~B.u32((1 << (23 - wl)) - 1)
+    # clip: exponent field 0 | the top wl-2 fraction bits set, with the result's sign.
+    clip0 = B.u32(((1 << (wl - 2)) - 1) << (25 - wl)) | (rb & B.u32(B.SIGN_MASK))
+    rb = jnp.where((rb & B.u32(B.EXP_MASK)) != 0, clip0, rb)
+    out = jnp.where(mx_field == 0, rb, out)
+    # Non-finite inputs: QPyTorch's arithmetic turns them into NaN.
+    out = jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+    return B.from_bits(out)
+
+
+def qpytorch_block(wl: int, dim: int = -1) -> QPyTorchBlock:
+  """QPyTorch ``block_quantize`` format (see :class:`QPyTorchBlock`)."""
+  return QPyTorchBlock(wl, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFormat:
+  """OCP Microscaling (MX v1.0): ``block_size`` elements along ``axis`` share an E8M0 scale.
+
+  scale ``= 2**(floor(log2 amax) - emax(elem))`` clamped to E8M0's ``[2**-127, 2**127]``;
+  each element is ``elem``'s saturating cast of ``x / scale`` (computed exactly as a
+  rounding of x onto elem's grid scaled by the scale). An all-zero block gives zeros; a
+  block containing inf or NaN gives NaN. ``elem`` is a :class:`FloatFormat` or ``"int8"``
+  (MXINT8: two's complement with implied scale 2**-6, clamped to [-2, 127/64]).
+
+  References:
+    OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–6.
+  """
+
+  elem: object
+  block_size: int = 32
+  axis: int = -1
+
+  def __post_init__(self):
+    if not (isinstance(self.elem, FloatFormat) or self.elem == "int8"):
+      raise ValueError(f"mx: elem must be a FloatFormat or 'int8', got {self.elem!r}")
+    if not _is_int(self.block_size) or self.block_size < 1:
+      raise ValueError(f"mx: block_size must be a positive int, got {self.block_size!r}")
+    if not _is_int(self.axis):
+      raise ValueError(f"mx: axis must be an int, got {self.axis!r}")
+
+  supported_roundings = B.ROUNDINGS
+
+  @property
+  def elem_emax(self) -> int:
+    return 0 if self.elem == "int8" else self.elem.emax
+
+  def _quantize_f32(self, x, rounding, rand, rand_bits):
+    bits = B.to_bits(x)
+    mag = bits & B.u32(B.ABS_MASK)
+    mx = block_max_bits(mag, axis=self.axis, block_size=self.block_size)
+    s = jnp.clip(B.floor_log2(jnp.minimum(mx, B.u32(0x7F7FFFFF))) - self.elem_emax, -127, 127)
+    if self.elem == "int8":
+      sign = (bits & B.u32(B.SIGN_MASK)) != 0
+      r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand,
+                             rand_bits=rand_bits)
+      lim_pos = B.ldexp_bits(B.u32(np.float32(127.0).view(np.uint32)), s - 6)
+      lim_neg = B.ldexp_bits(B.u32(np.float32(128.0).view(np.uint32)), s - 6)
+      r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
+      out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
+    else:
+      out = self.elem._round_bits(bits, rounding, rand, rand_bits, scale_exp=s, saturate=True)
+    out = jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+    return B.from_bits(out)
+
+
+def mx(elem, block_size: int = 32, axis: int = -1) -> MXFormat:
+  """OCP MX format with element type ``elem`` (e.g. ``E4M3FN`` for MXFP8, ``E2M1FN`` for
+  MXFP4, ``"int8"`` for MXINT8); see :class:`MXFormat`."""
+  return MXFormat(elem, block_size, axis)

@@ -1,0 +1,77 @@
+"""`FixedPoint`: two's-complement fixed point emulated on float32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlp.formats import _bits as B
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedPoint:
+  """Signed fixed point with ``wl`` total bits, ``fl`` of them fractional.
+
+  Values are multiples of ``2**-fl``. With ``clamp=True`` results are clamped (after
+  rounding) to ``[-2**(wl-fl-1), 2**(wl-fl-1) - 2**-fl]`` (``symmetric=True``: the lower
+  bound is ``-upper``), as QPyTorch's ``fixed_point_quantize`` does. ``"nearest"`` is
+  round-half-to-even (QPyTorch's CPU build; its CUDA build rounds half away from zero, which
+  is ``rounding="nearest_away"`` here). NaN stays NaN; ±inf clamps to the range (or stays
+  inf when ``clamp=False``).
+
+  References:
+    Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp`` (fixed point).
+  """
+
+  wl: int
+  fl: int
+  clamp: bool = True
+  symmetric: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.wl, int) or isinstance(self.wl, bool) or not 1 <= self.wl <= 32:
+      raise ValueError(f"FixedPoint: wl must be an int in 1..32, got wl={self.wl!r}")
+    if not isinstance(self.fl, int) or isinstance(self.fl, bool):
+      raise ValueError(f"FixedPoint: fl must be an int, got fl={self.fl!r}")
+    if not -100 <= self.fl <= 149:
+      raise ValueError(f"FixedPoint: fl must be in -100..149 (2**-fl inside float32), got fl={self.fl}")
+    if self.wl - self.fl - 1 > 127:
+      raise ValueError(f"FixedPoint: range 2**(wl-fl-1) = 2**{self.wl - self.fl - 1} exceeds float32")
+
+  supported_roundings = B.ROUNDINGS
+
+  @property
+  def max_value(self) -> float:
+    return 2.0 ** (self.wl - self.fl - 1) - 2.0**-self.fl
+
+  @property
+  def min_value(self) -> float:
+    return -self.max_value if self.symmetric else -(2.0 ** (self.wl - self.fl - 1))
+
+  def _round_bits(self, bits, rounding, rand, rand_bits):
+    sign, mag, _ = B.split(bits)
+    finite = B.is_finite_mag(mag)
+    r = B.round_to_quantum(mag, -self.fl, rounding, negative=sign, rand=rand,
+                           rand_bits=rand_bits)
+    out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
+    out = jnp.where(finite, out, bits)
+    if self.clamp:
+      # The bounds rounded toward zero into float32 (exact whenever wl <= 25).
+      hi = B.u32(_f32_toward_zero_bits(self.max_value))
+      lo = B.u32(_f32_toward_zero_bits(-self.min_value)) | B.u32(B.SIGN_MASK)
+      omag = out & B.u32(B.ABS_MASK)
+      nan = B.is_nan_mag(omag)
+      neg = (out & B.u32(B.SIGN_MASK)) != 0
+      out = jnp.where(~nan & ~neg & (omag > hi), hi, out)
+      out = jnp.where(~nan & neg & (omag > (lo & B.u32(B.ABS_MASK))), lo, out)
+    return out
+
+
+def _f32_toward_zero_bits(v: float) -> int:
+  """Bits of the largest-magnitude float32 not exceeding |v| (v >= 0)."""
+  f = np.float32(v)
+  if float(f) > v:
+    f = np.nextafter(f, np.float32(0))
+  return int(np.asarray(f).view(np.uint32))

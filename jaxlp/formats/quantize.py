@@ -1,0 +1,143 @@
+"""`quantize`: the pure-jnp specification of rounding a float array to a jaxlp format."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxlp.formats import _bits as B
+from jaxlp.formats.block import BlockFormat, MXFormat, QPyTorchBlock
+from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
+from jaxlp.formats.fixed_point import FixedPoint
+from jaxlp.formats.float_format import FloatFormat
+
+ROUNDINGS = B.ROUNDINGS
+FORMAT_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint, BlockFormat, QPyTorchBlock,
+                MXFormat)
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+class DTypeError(TypeError, ValueError):
+  """An array of an unsupported dtype was passed (a TypeError and a ValueError)."""
+
+
+def is_elementwise(fmt) -> bool:
+  """True if ``fmt`` rounds each element independently (no shared block exponent)."""
+  return hasattr(fmt, "_round_bits")
+
+
+def check_format(fmt, rounding: str = "nearest") -> None:
+  """Raise a clear error if ``fmt`` is not a jaxlp format or does not support ``rounding``."""
+  if not isinstance(fmt, FORMAT_TYPES):
+    raise TypeError(
+        f"quantize: fmt must be a jaxlp format (FloatFormat, BlockFormat, FixedPoint, mx(...), "
+        f"cpd_float(...), qpytorch_float(...), ...), got {fmt!r} of type {type(fmt).__name__}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"quantize: unknown rounding={rounding!r}; expected one of {ROUNDINGS}")
+  if rounding not in fmt.supported_roundings:
+    raise ValueError(
+        f"quantize: {type(fmt).__name__} supports rounding in {fmt.supported_roundings}, "
+        f"got rounding={rounding!r}")
+
+
+def key_words(key) -> tuple[jax.Array, jax.Array]:
+  """Two uint32 words derived from a PRNG key (typed ``jax.random.key`` or legacy uint32)."""
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"quantize: key must be a single PRNG key, got key shape {key.shape}")
+  else:
+    k = jnp.asarray(key)
+    if k.dtype != jnp.uint32 or k.shape != (2,):
+      raise ValueError(
+          "quantize: key must be a jax.random.key(...) or a legacy uint32[2] PRNGKey, got "
+          f"dtype={k.dtype}, shape={k.shape}")
+    key = k
+  w = jax.random.bits(key, (2,), jnp.uint32)
+  return w[0], w[1]
+
+
+def element_index(shape) -> jax.Array:
+  """uint32 flat C-order index of every element of ``shape``."""
+  size = int(np.prod(shape, dtype=np.int64))
+  if size >= 2**32:
+    raise ValueError(f"quantize: stochastic rounding supports < 2**32 elements, got {size}")
+  return lax.iota(jnp.uint32, size).reshape(shape) if size else jnp.zeros(shape, jnp.uint32)
+
+
+def random_bits(key, shape) -> jax.Array:
+  """The uint32 noise word of every element: hash of (key, flat element index)."""
+  k0, k1 = key_words(key)
+  return B.hash_bits(k0, k1, element_index(shape))
+
+
+def quantize_f32(x, fmt, rounding: str = "nearest", rand=None, rand_bits=None):
+  """Quantize a float32 array given precomputed noise words (no validation): the core."""
+  if is_elementwise(fmt):
+    return B.from_bits(fmt._round_bits(B.to_bits(x), rounding, rand, rand_bits))
+  return fmt._quantize_f32(x, rounding, rand, rand_bits)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _quantize_ste(x, rand, fmt, rounding, rand_bits):
+  xf = x.astype(jnp.float32)
+  return quantize_f32(xf, fmt, rounding, rand, rand_bits).astype(x.dtype)
+
+
+@_quantize_ste.defjvp
+def _quantize_ste_jvp(fmt, rounding, rand_bits, primals, tangents):
+  x, rand = primals
+  x_dot, _ = tangents
+  return _quantize_ste(x, rand, fmt, rounding, rand_bits), x_dot
+
+
+def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | None = None):
+  """Round every element of ``x`` to a value representable in ``fmt``.
+
+  This is the pure-jnp specification (any backend). ``jaxlp.quantize`` has the same
+  signature and bits, and may dispatch to a Pallas kernel on GPU.
+
+  Args:
+    x: float32, float16 or bfloat16 array (other dtypes raise). float16/bfloat16 inputs are
+      widened exactly to float32, rounded, and cast back (exact whenever the format fits in
+      the input dtype; otherwise the result is rounded once more to the input dtype).
+    fmt: a jaxlp format: :class:`FloatFormat` (or a preset such as ``E4M3``),
+      :class:`BlockFormat`, :class:`FixedPoint`, ``mx(...)``, ``cpd_float(...)``,
+      ``qpytorch_float(...)``, ``qpytorch_block(...)``.
+    rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``,
+      ``"up"``, ``"down"`` or ``"stochastic"``. Compatibility formats define their own
+      ``"nearest"`` (QPyTorch: ties away) and support fewer modes.
+    key: PRNG key for ``"stochastic"`` (required there, ignored otherwise). The noise of
+      element i is a counter-based hash of (key, i) with i the flat C-order index, so the
+      result is the same under any sharding and on any backend.
+    rand_bits: stochastic rounding with only this many random bits (1..32): the dropped
+      bits are truncated to ``rand_bits`` bits before comparison with the noise (MPTorch's
+      limited-precision SR; slightly biased toward zero by design).
+
+  Returns:
+    Array of x's shape and dtype. Gradient: straight-through (identity).
+
+  Raises:
+    TypeError/ValueError naming the problem: bad dtype, format, rounding, missing key.
+  """
+  check_format(fmt, rounding)
+  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  if x.dtype not in _INPUT_DTYPES:
+    raise DTypeError(
+        f"quantize: x must be float32, float16 or bfloat16, got dtype={x.dtype} (cast "
+        "explicitly; float64 would be double-rounded through float32)")
+  if rand_bits is not None:
+    if rounding != "stochastic":
+      raise ValueError("quantize: rand_bits applies only to rounding='stochastic'")
+    if not isinstance(rand_bits, int) or not 1 <= rand_bits <= 32:
+      raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
+  if rounding == "stochastic":
+    if key is None:
+      raise ValueError("quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    rand = random_bits(key, x.shape)
+  else:
+    rand = jnp.zeros((), jnp.uint32)
+  return _quantize_ste(x, rand, fmt, rounding, rand_bits)

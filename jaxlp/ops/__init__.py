@@ -1,0 +1,5 @@
+"""jaxlp.ops: the public compute entry points (quantize dispatch, matmul, quantized layers)."""
+
+from jaxlp.ops.quantize import quantize as quantize
+
+__all__ = ["quantize"]
