@@ -1,16 +1,10 @@
-"""The ``jaxlp`` command (also ``python -m jaxlp``).
-
-Subcommands:
-  formats   table of the preset formats and a rounding demo (the default)
-"""
+"""``jaxlp formats``: the preset table and a rounding demo."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 
-
-def _cmd_formats(args) -> int:
+def show(values) -> int:
+  """Print the preset table and round a few values with several formats."""
   import jax.numpy as jnp
   import numpy as np
 
@@ -25,7 +19,7 @@ def _cmd_formats(args) -> int:
     print(f"{name:<10}{f.bits:>5}{f.exp_bits:>5}{f.man_bits:>5}{f.bias:>6}  {f.specials:<8}"
           f"{f.overflow:<10}{f.max_normal:>14.6g}{f.min_normal:>14.6g}{f.min_subnormal:>15.6g}")
 
-  x = np.array(args.values, np.float32)
+  x = np.array(values, np.float32)
   print(f"\nRounding x = {list(map(float, x))}")
   rows = [
       ("E4M3 nearest", F.E4M3, "nearest", {}),
@@ -39,31 +33,6 @@ def _cmd_formats(args) -> int:
   ]
   for label, fmt, rnd, kw in rows:
     q = np.asarray(F.quantize(jnp.asarray(x), fmt, rnd, **kw))
-    print(f"  {label:<22} {np.array2string(q, precision=6, separator=', ')}")
+    txt = np.array2string(q, separator=", ", floatmode="maxprec", max_line_width=200)
+    print(f"  {label:<22} {txt}")
   return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog="jaxlp",
-      description="jaxlp: low-precision training research in JAX. Run a subcommand; with "
-                  "none, 'formats' is shown.")
-  sub = p.add_subparsers(dest="command", metavar="COMMAND")
-  pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")
-  pf.add_argument("--values", type=float, nargs="+",
-                  default=[1.0625, 3.14159, 250.0, 1000.0, -0.001, 1e-40],
-                  help="values to round (default: a few ties, overflows and tiny values)")
-  pf.set_defaults(func=_cmd_formats)
-  return p
-
-
-def main(argv=None) -> int:
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  if args.command is None:
-    args = parser.parse_args(["formats"])
-  return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-  sys.exit(main())

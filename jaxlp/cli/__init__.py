@@ -1,0 +1,296 @@
+"""The ``jaxlp`` command (also ``python -m jaxlp``): train, compare, plot, plan, bench, formats.
+
+Argument parsing lives here only; the library never reads argv or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+
+from jaxlp.cli.train import ORDERS, TrainConfig
+
+DEFAULT_COMPARE = [
+    "fp32=",
+    "E3M0=--grad-exp 3 --grad-man 0",
+    "E3M0+APS=--grad-exp 3 --grad-man 0 --aps",
+    "E4M3=--grad-exp 4 --grad-man 3",
+    "E4M3+APS=--grad-exp 4 --grad-man 3 --aps",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # exit code 2 with a clear message (argparse's contract)
+    self.print_usage(sys.stderr)
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
+  from jaxlp.cli.data import DATASETS
+  from jaxlp.cli.models import MODELS
+
+  g = p.add_argument_group("model and data")
+  g.add_argument("--model", choices=MODELS, default="mlp", help="network (default: mlp)")
+  g.add_argument("--data", choices=DATASETS, default="digits",
+                 help="dataset; digits = scikit-learn's bundled 8x8 digits (no download)")
+  g.add_argument("--data-dir", default=None, help="folder with CIFAR-10 pickles / MNIST IDX files")
+  g.add_argument("--width", type=int, default=16, help="base channel width of cnn/resnet18/vgg19")
+  g = p.add_argument_group("workers and gradient reduction")
+  g.add_argument("--nodes", type=int, default=8,
+                 help="number of data-parallel workers, emulated with named vmap (default: 8)")
+  g.add_argument("--grad-exp", type=int, default=None,
+                 help="CPD gradient exponent bits (with --grad-man; 8/23 = fp32)")
+  g.add_argument("--grad-man", type=int, default=None, help="CPD gradient mantissa bits")
+  g.add_argument("--grad-format", default=None, help="a preset gradient format, e.g. E4M3, BF16")
+  g.add_argument("--order", choices=ORDERS, default="chain",
+                 help="summation order of the low-precision all-reduce (default: chain = CPD)")
+  g.add_argument("--aps", action="store_true", help="Auto Precision Scaling")
+  g.add_argument("--kahan", action="store_true", help="Kahan-compensated low-precision sum")
+  g.add_argument("--lars", action="store_true", help="LARS optimizer (CPD's variant)")
+  g.add_argument("--compress", default=None, metavar="SPEC",
+                 help="gradient compressor, e.g. cgx:bits=4,bucket=512  powersgd:rank=2  "
+                      "dgc:ratio=0.001  onebit  topk:ratio=0.01")
+  g = p.add_argument_group("forward/backward quantization")
+  g.add_argument("--hbfp", type=int, default=None, metavar="MANT", help="HBFP mantissa bits")
+  g.add_argument("--tile", type=int, default=24, help="HBFP tile size (default 24)")
+  g.add_argument("--policy", default=None, help="layer policy preset: hbfp8, hbfp12, mxfp8, e4m3")
+  g = p.add_argument_group("optimisation")
+  g.add_argument("--epochs", type=int, default=10)
+  g.add_argument("--batch-size", type=int, default=128, help="global batch (split over workers)")
+  g.add_argument("--lr", type=float, default=0.05)
+  g.add_argument("--momentum", type=float, default=0.9)
+  g.add_argument("--weight-decay", type=float, default=0.0)
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--max-steps-per-epoch", type=int, default=None, help=argparse.SUPPRESS)
+  if with_out:
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write config.json, metrics.jsonl and checkpoint.pkl here")
+    p.add_argument("--resume", action="store_true", help="continue from DIR's checkpoint")
+  p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _config_from_args(args) -> TrainConfig:
+  names = {f.name for f in dataclasses.fields(TrainConfig)}
+  return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _cmd_train(args) -> int:
+  from jaxlp.cli.train import train
+
+  cfg = _config_from_args(args)
+  train(cfg)
+  return 0
+
+
+def _parse_compare_spec(spec: str):
+  name, sep, flags = spec.partition("=")
+  if not sep:
+    name, flags = spec, spec
+  return name.strip(), shlex.split(flags)
+
+
+def _cmd_compare(args) -> int:
+  from jaxlp.cli.plot import plot_runs
+  from jaxlp.cli.train import train
+
+  specs = args.config or DEFAULT_COMPARE
+  out = args.out or "runs/compare"
+  os.makedirs(out, exist_ok=True)
+  base = [a for a in args.base_flags]
+  results = []
+  for spec in specs:
+    name, flags = _parse_compare_spec(spec)
+    sub = _Parser(prog="jaxlp compare --config")
+    _add_train_args(sub, with_out=False)
+    try:
+      a = sub.parse_args(base + flags)
+    except SystemExit as e:
+      raise SystemExit(2) from e
+    cfg = _config_from_args(a)
+    cfg.out = os.path.join(out, _safe(name))
+    cfg.quiet = True
+    print(f"[{len(results) + 1}/{len(specs)}] {name}: {' '.join(base + flags) or '(defaults)'}",
+          flush=True)
+    hist = train(cfg)
+    results.append((name, cfg.out, hist))
+    last = hist[-1]
+    print(f"      final test acc {last['test_accuracy']:.4f}  loss {last['train_loss']:.4f}  "
+          f"{sum(h['seconds'] for h in hist):.1f}s", flush=True)
+  print()
+  hdr = f"{'config':<14}{'final acc':>10}{'best acc':>10}{'final loss':>12}{'wire MB':>10}" \
+        f"{'seconds':>9}"
+  print(hdr)
+  print("-" * len(hdr))
+  for name, _, hist in results:
+    print(f"{name:<14}{hist[-1]['test_accuracy']:>10.4f}"
+          f"{max(h['test_accuracy'] for h in hist):>10.4f}{hist[-1]['train_loss']:>12.4f}"
+          f"{sum(h['wire_bytes'] for h in hist) / 1e6:>10.2f}"
+          f"{sum(h['seconds'] for h in hist):>9.1f}")
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump([{"config": n, "dir": d, "final_test_accuracy": h[-1]["test_accuracy"],
+                "best_test_accuracy": max(x["test_accuracy"] for x in h)}
+               for n, d, h in results], f, indent=2)
+  if not args.no_plot:
+    paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])
+    print("\nplots: " + ", ".join(paths))
+  return 0
+
+
+def _safe(name: str) -> str:
+  return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
+
+
+def _cmd_plot(args) -> int:
+  from jaxlp.cli.plot import plot_runs
+
+  for d in args.dirs:
+    if not os.path.exists(os.path.join(d, "metrics.jsonl")):
+      print(f"jaxlp plot: error: {d} has no metrics.jsonl", file=sys.stderr)
+      return 2
+  paths = plot_runs(args.dirs, args.out or ".")
+  print("\n".join(paths))
+  return 0
+
+
+def _cmd_plan(args) -> int:
+  import jax
+  import jax.numpy as jnp
+
+  from jaxlp.cli import models as M
+  from jaxlp.parallel import secopa_plan
+
+  shape = {"digits": (8, 8, 1), "synthetic": (8, 8, 1), "mnist": (28, 28, 1),
+           "cifar10": (32, 32, 3)}[args.data]
+  model = M.build(args.model, 10, width=args.width)
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2,) + shape)))
+  leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
+  sizes = [int(jnp.size(jnp.zeros(v.shape))) if False else int(_prod(v.shape)) for _, v in leaves]
+  plan = secopa_plan(sizes, topology=args.topology, num_nodes=args.nodes)
+  print(f"SeCoPa plan for {args.model} ({len(sizes)} gradient tensors, {sum(sizes)} elements), "
+        f"{args.nodes} nodes, topology {args.topology}\n")
+  print(plan if isinstance(plan, str) else _format_plan(leaves, sizes, plan))
+  return 0
+
+
+def _prod(shape):
+  n = 1
+  for s in shape:
+    n *= int(s)
+  return n
+
+
+def _format_plan(leaves, sizes, plan):
+  lines = [f"{'tensor':<48}{'elements':>12}  decision"]
+  decisions = getattr(plan, "decisions", plan)
+  for (path, _), n, d in zip(leaves, sizes, decisions):
+    lines.append(f"{jax_path(path):<48}{n:>12}  {d}")
+  return "\n".join(lines)
+
+
+def jax_path(path) -> str:
+  import jax
+
+  return jax.tree_util.keystr(path)
+
+
+def _cmd_bench(args) -> int:
+  import subprocess
+
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  bdir = os.path.join(here, "benchmarks")
+  if not os.path.isdir(bdir):
+    print("jaxlp bench: error: benchmarks/ folder not found (run from a source checkout)",
+          file=sys.stderr)
+    return 2
+  names = args.only or sorted(f[:-3] for f in os.listdir(bdir)
+                              if f.endswith(".py") and not f.startswith("_"))
+  rc = 0
+  for n in names:
+    path = os.path.join(bdir, n + ".py")
+    if not os.path.exists(path):
+      print(f"jaxlp bench: error: no benchmark {n!r}", file=sys.stderr)
+      return 2
+    print(f"== {n} ==", flush=True)
+    cmd = [sys.executable, path] + (["--small"] if args.small else [])
+    rc |= subprocess.call(cmd)
+  return rc
+
+
+def _cmd_formats(args) -> int:
+  from jaxlp.cli.formats_demo import show
+
+  return show(args.values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="jaxlp",
+              description="jaxlp: low-precision training research in JAX. With no command, "
+                          "'formats' is shown.")
+  sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+  pt = sub.add_parser("train", help="train one configuration",
+                      description="Data-parallel training with N emulated workers whose "
+                                  "gradients are reduced in low precision or compressed.")
+  _add_train_args(pt)
+  pt.set_defaults(func=_cmd_train)
+
+  pc = sub.add_parser("compare", help="train several configurations; table + plots",
+                      description="Run several configurations (each a set of 'jaxlp train' "
+                                  "flags) and print a table; writes accuracy plots (PNG).")
+  pc.add_argument("--config", action="append", metavar="NAME=FLAGS",
+                  help="a configuration, e.g. 'E3M0+APS=--grad-exp 3 --grad-man 0 --aps' "
+                       "(repeatable; default: fp32, E3M0, E3M0+APS, E4M3, E4M3+APS)")
+  pc.add_argument("--out", default=None, metavar="DIR", help="output folder (runs/compare)")
+  pc.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+  pc.add_argument("base_flags", nargs=argparse.REMAINDER,
+                  help="flags shared by every configuration, after '--', e.g. -- --epochs 5")
+  pc.set_defaults(func=_cmd_compare)
+
+  pp = sub.add_parser("plot", help="plot metrics of existing runs",
+                      description="Draw accuracy vs epoch and accuracy vs wire bytes (PNG).")
+  pp.add_argument("dirs", nargs="+", metavar="DIR", help="run folders with metrics.jsonl")
+  pp.add_argument("--out", default=None, metavar="DIR", help="where to write the PNGs (.)")
+  pp.set_defaults(func=_cmd_plot)
+
+  pl = sub.add_parser("plan", help="SeCoPa selective-compression plan for a model",
+                      description="HiPress's SeCoPa cost model applied to a model's gradients.")
+  pl.add_argument("--model", default="resnet18", choices=("mlp", "cnn", "resnet18", "vgg19"))
+  pl.add_argument("--data", default="cifar10", choices=("digits", "synthetic", "mnist", "cifar10"))
+  pl.add_argument("--width", type=int, default=64)
+  pl.add_argument("--nodes", type=int, default=16)
+  pl.add_argument("--topology", choices=("ps", "ring"), default="ring")
+  pl.set_defaults(func=_cmd_plan)
+
+  pb = sub.add_parser("bench", help="run the benchmark suite and print its tables")
+  pb.add_argument("--small", action="store_true", help="CI-sized inputs")
+  pb.add_argument("--only", nargs="+", metavar="NAME", help="benchmark names (files in benchmarks/)")
+  pb.set_defaults(func=_cmd_bench)
+
+  pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")
+  pf.add_argument("--values", type=float, nargs="+",
+                  default=[1.0625, 3.14159, 250.0, 1000.0, -0.001, 1e-40],
+                  help="values to round (default: a few ties, overflows and tiny values)")
+  pf.set_defaults(func=_cmd_formats)
+  return p
+
+
+def main(argv=None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.command is None:
+    args = parser.parse_args(["formats"])
+  if getattr(args, "base_flags", None) and args.base_flags[0] == "--":
+    args.base_flags = args.base_flags[1:]
+  try:
+    return args.func(args)
+  except (ValueError, ImportError) as e:
+    print(f"jaxlp {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+  sys.exit(main())

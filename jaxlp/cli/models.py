@@ -1,0 +1,80 @@
+"""Flax linen models for the ``jaxlp`` command: MLP, small CNN, ResNet-18 (CIFAR), VGG-19."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODELS = ("mlp", "cnn", "resnet18", "vgg19")
+
+
+def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
+          width: int = 64) -> Any:
+  """Return a linen Module; ``dot_general``/``conv_general_dilated`` go into every Dense/Conv."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+
+  dkw = {} if dot_general is None else {"dot_general": dot_general}
+  ckw = {} if conv_general_dilated is None else {"conv_general_dilated": conv_general_dilated}
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = x.reshape((x.shape[0], -1))
+      x = nn.relu(nn.Dense(128, **dkw)(x))
+      x = nn.relu(nn.Dense(128, **dkw)(x))
+      return nn.Dense(num_classes, **dkw)(x)
+
+  class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = nn.relu(nn.Conv(32, (3, 3), **ckw)(x))
+      x = nn.relu(nn.Conv(64, (3, 3), strides=(2, 2), **ckw)(x))
+      x = jnp.mean(x, axis=(1, 2))
+      x = nn.relu(nn.Dense(128, **dkw)(x))
+      return nn.Dense(num_classes, **dkw)(x)
+
+  class Block(nn.Module):
+    features: int
+    strides: int = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+      norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)
+      y = nn.Conv(self.features, (3, 3), (self.strides,) * 2, use_bias=False, **ckw)(x)
+      y = nn.relu(norm()(y))
+      y = nn.Conv(self.features, (3, 3), use_bias=False, **ckw)(y)
+      y = norm()(y)
+      if self.strides != 1 or x.shape[-1] != self.features:
+        x = nn.Conv(self.features, (1, 1), (self.strides,) * 2, use_bias=False, **ckw)(x)
+        x = norm()(x)
+      return nn.relu(x + y)
+
+  class ResNet18(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      x = nn.Conv(width, (3, 3), use_bias=False, **ckw)(x)
+      x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+      for i, f in enumerate([width, 2 * width, 4 * width, 8 * width]):
+        for j in range(2):
+          x = Block(f, strides=2 if (i > 0 and j == 0) else 1)(x, train)
+      x = jnp.mean(x, axis=(1, 2))
+      return nn.Dense(num_classes, **dkw)(x)
+
+  class VGG19(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      cfg = [1, 1, "M", 2, 2, "M", 4, 4, 4, 4, "M", 8, 8, 8, 8, "M", 8, 8, 8, 8]
+      for c in cfg:
+        if c == "M":
+          if x.shape[1] > 1:
+            x = nn.max_pool(x, (2, 2), (2, 2))
+        else:
+          x = nn.Conv(c * width, (3, 3), **ckw)(x)
+          x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+      x = jnp.mean(x, axis=(1, 2))
+      return nn.Dense(num_classes, **dkw)(x)
+
+  table = {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "vgg19": VGG19}
+  if name not in table:
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+  return table[name]()

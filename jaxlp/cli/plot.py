@@ -1,0 +1,53 @@
+"""Plots for ``jaxlp compare`` / ``jaxlp plot`` (matplotlib, PNG): CPD's draw_curve, redone."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:
+  """Write ``accuracy_vs_epoch.png`` and ``accuracy_vs_wire_bytes.png``; return their paths."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError as e:  # pragma: no cover
+    raise ImportError("plots need matplotlib: pip install 'jaxlp[examples]'") from e
+  labels = labels or [os.path.basename(os.path.normpath(d)) for d in dirs]
+  runs = [(lab, read_metrics(d)) for lab, d in zip(labels, dirs)]
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for xkey, fname, xlabel in (("epoch", "accuracy_vs_epoch.png", "epoch"),
+                              ("wire", "accuracy_vs_wire_bytes.png",
+                               "cumulative bytes sent per worker (MB)")):
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    for lab, hist in runs:
+      if not hist:
+        continue
+      ys = [h["test_accuracy"] for h in hist]
+      if xkey == "epoch":
+        xs = [h["epoch"] for h in hist]
+      else:
+        acc, xs = 0, []
+        for h in hist:
+          acc += h.get("wire_bytes", 0)
+          xs.append(acc / 1e6)
+      ax.plot(xs, ys, marker="o", ms=3, label=lab)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, fname)
+    fig.savefig(path)
+    plt.close(fig)
+    paths.append(path)
+  return paths

@@ -1,0 +1,403 @@
+"""Training core of ``jaxlp train``: data-parallel SGD over N (emulated) workers whose
+gradients are summed in low precision (optionally with APS/Kahan), compressed, or in fp32.
+
+Gradient convention (CPD's): each worker's loss is divided by the number of workers before
+the backward pass, so the low-precision SUM across workers is the mean gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pickle
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ORDERS = ("chain", "ring", "tree", "native")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  model: str = "mlp"
+  data: str = "digits"
+  data_dir: str | None = None
+  nodes: int = 1
+  grad_exp: int | None = None
+  grad_man: int | None = None
+  grad_format: str | None = None
+  order: str = "chain"
+  aps: bool = False
+  kahan: bool = False
+  lars: bool = False
+  compress: str | None = None
+  hbfp: int | None = None
+  tile: int = 24
+  policy: str | None = None
+  epochs: int = 10
+  batch_size: int = 128
+  lr: float = 0.05
+  momentum: float = 0.9
+  weight_decay: float = 0.0
+  seed: int = 0
+  width: int = 16
+  max_steps_per_epoch: int | None = None
+  out: str | None = None
+  resume: bool = False
+  quiet: bool = False
+
+
+def grad_format(cfg: TrainConfig):
+  """The gradient-communication format of a config, or None for fp32."""
+  from jaxlp import formats as F
+
+  if cfg.grad_format is not None and (cfg.grad_exp is not None or cfg.grad_man is not None):
+    raise ValueError("give either --grad-format or --grad-exp/--grad-man, not both")
+  if cfg.grad_format is not None:
+    f = F.get_format(cfg.grad_format)
+    return None if f == F.FP32 else f
+  if cfg.grad_exp is None and cfg.grad_man is None:
+    return None
+  if cfg.grad_exp is None or cfg.grad_man is None:
+    raise ValueError("--grad-exp and --grad-man must be given together")
+  if (cfg.grad_exp, cfg.grad_man) == (8, 23):
+    return None  # CPD: 8/23 means an ordinary fp32 all-reduce
+  return F.cpd_float(cfg.grad_exp, cfg.grad_man)
+
+
+def _storage_bytes(fmt) -> int:
+  bits = getattr(fmt, "bits", None)
+  if bits is None:
+    bits = 1 + fmt.exp_bits + fmt.man_bits
+  return 1 if bits <= 8 else 2 if bits <= 16 else 4
+
+
+def wire_bytes_per_step(cfg: TrainConfig, n_params: int, compressor=None, params=None) -> int:
+  """Bytes each worker sends per step for the configured gradient reduction."""
+  W = cfg.nodes
+  if W <= 1:
+    return 0
+  if compressor is not None and params is not None:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(params)
+    return int(sum(compressor.wire_bytes(leaf.shape, leaf.dtype) for leaf in leaves))
+  fmt = grad_format(cfg)
+  wb = 4 if fmt is None else _storage_bytes(fmt)
+  order = cfg.order if fmt is not None else "ring"
+  chunk = math.ceil(n_params / W)
+  if order == "ring":  # reduce-scatter + all-gather
+    return int(2 * (W - 1) * chunk * wb)
+  if order == "chain":  # CPD: all-gather of every worker's full gradient
+    return int((W - 1) * n_params * wb)
+  if order == "tree":  # recursive halving: log2(W) full exchanges, then broadcast back
+    return int(2 * math.ceil(math.log2(W)) * n_params * wb)
+  return int(2 * (W - 1) * chunk * wb)  # native psum (ring-like)
+
+
+def _policy(cfg: TrainConfig):
+  if cfg.hbfp is not None and cfg.policy is not None:
+    raise ValueError("give either --hbfp or --policy, not both")
+  if cfg.hbfp is None and cfg.policy is None:
+    return None
+  import jaxlp
+
+  if cfg.hbfp is not None:
+    return jaxlp.hbfp_policy(man_bits=cfg.hbfp, tile=cfg.tile)
+  presets = {
+      "hbfp8": lambda: jaxlp.hbfp_policy(man_bits=8, tile=cfg.tile),
+      "hbfp12": lambda: jaxlp.hbfp_policy(man_bits=12, tile=cfg.tile),
+      "mxfp8": lambda: jaxlp.mx_policy(),
+      "e4m3": lambda: jaxlp.float_policy(fwd=jaxlp.formats.E4M3, bwd=jaxlp.formats.E5M2),
+  }
+  if cfg.policy not in presets:
+    raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}")
+  return presets[cfg.policy]()
+
+
+def _parse_compress(spec: str):
+  """``name:key=value,key=value`` -> compressor object from jaxlp.parallel.compressors."""
+  from jaxlp.parallel import compressors as C
+
+  name, _, rest = spec.partition(":")
+  kwargs: dict[str, Any] = {}
+  for item in filter(None, rest.split(",")):
+    k, _, v = item.partition("=")
+    if not _:
+      raise ValueError(f"--compress {spec!r}: expected key=value, got {item!r}")
+    k = {"bucket": "bucket_size"}.get(k, k)
+    try:
+      val: Any = int(v)
+    except ValueError:
+      try:
+        val = float(v)
+      except ValueError:
+        val = {"true": True, "false": False}.get(v.lower(), v)
+    kwargs[k] = val
+  factory = getattr(C, name, None)
+  if factory is None or name.startswith("_"):
+    raise ValueError(f"--compress: unknown compressor {name!r}")
+  try:
+    return factory(**kwargs)
+  except TypeError as e:
+    raise ValueError(f"--compress {spec!r}: {e}") from e
+
+
+class Trainer:
+  """Builds the model, the jitted data-parallel step and runs epochs."""
+
+  def __init__(self, cfg: TrainConfig):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxlp.cli import data as D
+    from jaxlp.cli import models as M
+
+    self.cfg = cfg
+    if cfg.nodes < 1:
+      raise ValueError(f"--nodes must be >= 1, got {cfg.nodes}")
+    if cfg.batch_size % cfg.nodes:
+      raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
+    if cfg.order not in ORDERS:
+      raise ValueError(f"--order must be one of {ORDERS}, got {cfg.order!r}")
+    self.fmt = grad_format(cfg)
+    if (cfg.aps or cfg.kahan) and self.fmt is None:
+      raise ValueError("--aps/--kahan need a low-precision gradient format "
+                       "(--grad-exp/--grad-man or --grad-format)")
+    self.compressor = _parse_compress(cfg.compress) if cfg.compress else None
+    if self.compressor is not None and self.fmt is not None:
+      raise ValueError("give either --compress or a gradient format, not both")
+    self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
+    policy = _policy(cfg)
+    kw = {}
+    if policy is not None:
+      import jaxlp
+
+      kw = dict(dot_general=jaxlp.dot_general(policy),
+                conv_general_dilated=jaxlp.conv_general_dilated(policy))
+    self.model = M.build(cfg.model, self.ds.num_classes, width=cfg.width, **kw)
+    key = jax.random.key(cfg.seed)
+    init_key, self.step_key = jax.random.split(key)
+    variables = self.model.init(init_key, jnp.asarray(self.ds.x_train[:2]), train=False)
+    self.params = variables["params"]
+    self.batch_stats = variables.get("batch_stats", {})
+    self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
+    if cfg.lars:
+      from jaxlp.parallel import lars
+
+      self.tx = lars(cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+      self.tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
+                            optax.sgd(cfg.lr, momentum=cfg.momentum))
+    self.opt_state = self.tx.init(self.params)
+    self.comp_state = None
+    if self.compressor is not None:
+      from jaxlp.parallel.compressed import init_compression_state
+
+      one = init_compression_state(self.compressor, self.params)
+      self.comp_state = jax.tree_util.tree_map(
+          lambda a: jnp.broadcast_to(a, (cfg.nodes,) + a.shape), one)
+    self.wire_per_step = wire_bytes_per_step(cfg, self.n_params, self.compressor, self.params)
+    self.epoch = 0
+    self.step = 0
+    self._build_step()
+
+  # -- the jitted step ---------------------------------------------------------------------
+  def _reduce(self, g, key, comp_state):
+    import jax
+    from jax import lax
+
+    cfg = self.cfg
+    W = cfg.nodes
+    if self.compressor is not None:
+      from jaxlp.parallel.compressed import compressed_allreduce
+
+      # compressed_allreduce with mean=False: the loss is already pre-scaled by 1/W.
+      return compressed_allreduce(g, comp_state, "nodes", self.compressor, mean=False, key=key)
+    if self.fmt is None or W == 1:
+      return jax.tree_util.tree_map(lambda a: lax.psum(a, "nodes"), g), comp_state
+    from jaxlp.parallel import psum
+
+    return psum(g, "nodes", fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
+                rounding="nearest"), comp_state
+
+  def _build_step(self):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+
+    cfg, model, W = self.cfg, self.model, self.cfg.nodes
+    has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
+
+    def node_loss(params, batch_stats, x, y):
+      if has_bn:
+        logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                                  mutable=["batch_stats"])
+        new_bs = upd["batch_stats"]
+      else:
+        logits = model.apply({"params": params}, x, train=True)
+        new_bs = batch_stats
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
+
+    def node_step(params, batch_stats, x, y, key, comp_state):
+      (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x, y)
+      g, comp_state = self._reduce(g, key, comp_state)
+      loss = lax.psum(loss, "nodes")
+      new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, "nodes"), new_bs)
+      return g, loss, new_bs, comp_state
+
+    vstep = jax.vmap(node_step, in_axes=(None, None, 0, 0, None, 0), axis_name="nodes")
+
+    def train_step(params, batch_stats, opt_state, comp_state, x, y, key):
+      xs = x.reshape((W, x.shape[0] // W) + x.shape[1:])
+      ys = y.reshape((W, y.shape[0] // W))
+      cs = comp_state if comp_state is not None else jnp.zeros((W,), jnp.float32)
+      g, loss, bs, cs = vstep(params, batch_stats, xs, ys, key, cs)
+      g0 = jax.tree_util.tree_map(lambda a: a[0], g)  # identical on every worker
+      bs0 = jax.tree_util.tree_map(lambda a: a[0], bs)
+      updates, opt_state = self.tx.update(g0, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(g0)]))
+      return params, bs0, opt_state, (cs if comp_state is not None else None), loss[0], finite
+
+    self._train_step = jax.jit(train_step)
+
+    def predict(params, batch_stats, x):
+      v = {"params": params}
+      if has_bn:
+        v["batch_stats"] = batch_stats
+      return jnp.argmax(model.apply(v, x, train=False), -1)
+
+    self._predict = jax.jit(predict)
+
+  # -- epochs ----------------------------------------------------------------------------
+  def evaluate(self) -> float:
+    import jax.numpy as jnp
+
+    ds, correct = self.ds, 0
+    bs = 512
+    for i in range(0, len(ds.x_test), bs):
+      pred = self._predict(self.params, self.batch_stats, jnp.asarray(ds.x_test[i:i + bs]))
+      correct += int(np.sum(np.asarray(pred) == ds.y_test[i:i + bs]))
+    return correct / len(ds.x_test)
+
+  def run_epoch(self, progress=None) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    cfg, ds = self.cfg, self.ds
+    t0 = time.perf_counter()
+    rng = np.random.default_rng([cfg.seed, self.epoch])
+    perm = rng.permutation(len(ds.x_train))
+    steps = len(perm) // cfg.batch_size
+    if steps == 0:
+      raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set ({len(perm)})")
+    if cfg.max_steps_per_epoch:
+      steps = min(steps, cfg.max_steps_per_epoch)
+    losses, nonfinite = [], 0
+    for s in range(steps):
+      idx = perm[s * cfg.batch_size:(s + 1) * cfg.batch_size]
+      key = jax.random.fold_in(self.step_key, self.step)
+      (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
+       finite) = self._train_step(self.params, self.batch_stats, self.opt_state, self.comp_state,
+                                  jnp.asarray(ds.x_train[idx]), jnp.asarray(ds.y_train[idx]), key)
+      losses.append(float(loss))
+      nonfinite += int(not bool(finite))
+      self.step += 1
+      if progress:
+        progress(s + 1, steps, losses[-1])
+    acc = self.evaluate()
+    self.epoch += 1
+    return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), "test_accuracy": acc,
+            "wire_bytes": int(self.wire_per_step * steps), "steps": steps,
+            "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0}
+
+  # -- checkpoints -----------------------------------------------------------------------
+  def state_dict(self):
+    import jax
+
+    return jax.device_get({"params": self.params, "batch_stats": self.batch_stats,
+                           "opt_state": self.opt_state, "comp_state": self.comp_state,
+                           "epoch": self.epoch, "step": self.step})
+
+  def load_state_dict(self, st):
+    import jax
+    import jax.numpy as jnp
+
+    as_jnp = lambda t: jax.tree_util.tree_map(jnp.asarray, t)
+    self.params = as_jnp(st["params"])
+    self.batch_stats = as_jnp(st["batch_stats"])
+    self.opt_state = as_jnp(st["opt_state"])
+    self.comp_state = None if st["comp_state"] is None else as_jnp(st["comp_state"])
+    self.epoch, self.step = int(st["epoch"]), int(st["step"])
+
+
+def _progress_printer(epoch, epochs, stream):
+  if not stream.isatty():
+    return None
+  width = 28
+
+  def show(i, n, loss):
+    filled = int(width * i / n)
+    stream.write(f"\repoch {epoch}/{epochs} [{'#' * filled}{'.' * (width - filled)}] "
+                 f"{i}/{n} loss {loss:.4f}")
+    stream.flush()
+    if i == n:
+      stream.write("\r" + " " * (width + 48) + "\r")
+
+  return show
+
+
+def train(cfg: TrainConfig, stream=None) -> list[dict]:
+  """Run (or resume) training; write config.json, metrics.jsonl and a checkpoint to cfg.out."""
+  stream = stream or sys.stdout
+  trainer = Trainer(cfg)
+  history: list[dict] = []
+  ckpt = metrics_path = None
+  if cfg.out:
+    os.makedirs(cfg.out, exist_ok=True)
+    ckpt = os.path.join(cfg.out, "checkpoint.pkl")
+    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    if cfg.resume:
+      if not os.path.exists(ckpt):
+        raise ValueError(f"--resume: no checkpoint in {cfg.out}")
+      with open(ckpt, "rb") as f:
+        trainer.load_state_dict(pickle.load(f))
+      with open(metrics_path) as f:
+        history = [json.loads(line) for line in f if line.strip()][: trainer.epoch]
+    with open(os.path.join(cfg.out, "config.json"), "w") as f:
+      json.dump(dataclasses.asdict(cfg) | {"n_params": trainer.n_params,
+                                           "wire_bytes_per_step": trainer.wire_per_step},
+                f, indent=2)
+    with open(metrics_path, "w") as f:
+      for h in history:
+        f.write(json.dumps(h) + "\n")
+  if not cfg.quiet:
+    fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
+    stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
+                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s), gradients {fmt}"
+                 f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
+                 f"{cfg.order}, {trainer.n_params} params\n")
+  while trainer.epoch < cfg.epochs:
+    prog = None if cfg.quiet else _progress_printer(trainer.epoch + 1, cfg.epochs, stream)
+    m = trainer.run_epoch(prog)
+    history.append(m)
+    if not cfg.quiet:
+      stream.write(f"epoch {m['epoch']:>3}/{cfg.epochs}  loss {m['train_loss']:.4f}  "
+                   f"test acc {m['test_accuracy']:.4f}  wire {m['wire_bytes'] / 1e6:.2f} MB  "
+                   f"{m['seconds']:.1f}s\n")
+      stream.flush()
+    if cfg.out:
+      with open(metrics_path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+      with open(ckpt + ".tmp", "wb") as f:
+        pickle.dump(trainer.state_dict(), f)
+      os.replace(ckpt + ".tmp", ckpt)
+  return history

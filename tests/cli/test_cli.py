@@ -1,0 +1,108 @@
+"""End-to-end tests of the ``jaxlp`` command on built-in data (small and fast)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxlp.cli import main
+from jaxlp.cli.train import TrainConfig, train
+
+FAST = ["--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "64", "--quiet"]
+
+
+def _metrics(d):
+  with open(os.path.join(d, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_train_writes_outputs_and_is_deterministic(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  assert main(["train", "--nodes", "4", "--out", a] + FAST) == 0
+  assert main(["train", "--nodes", "4", "--out", b] + FAST) == 0
+  ma, mb = _metrics(a), _metrics(b)
+  assert [m["epoch"] for m in ma] == [1, 2]
+  for m in ma:
+    assert set(m) >= {"epoch", "train_loss", "test_accuracy", "wire_bytes", "seconds"}
+    assert 0.0 <= m["test_accuracy"] <= 1.0
+  strip = lambda ms: [{k: v for k, v in m.items() if k != "seconds"} for m in ms]
+  assert strip(ma) == strip(mb)
+  cfg = json.load(open(os.path.join(a, "config.json")))
+  assert cfg["nodes"] == 4 and cfg["model"] == "mlp"
+  assert os.path.exists(os.path.join(a, "checkpoint.pkl"))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+  full, part = str(tmp_path / "full"), str(tmp_path / "part")
+  common = dict(nodes=2, batch_size=64, max_steps_per_epoch=3, quiet=True, seed=3)
+  h_full = train(TrainConfig(epochs=3, out=full, **common))
+  train(TrainConfig(epochs=1, out=part, **common))
+  h_res = train(TrainConfig(epochs=3, out=part, resume=True, **common))
+  strip = lambda ms: [{k: v for k, v in m.items() if k != "seconds"} for m in ms]
+  assert strip(h_full) == strip(h_res)
+  import pickle
+  pf = pickle.load(open(os.path.join(full, "checkpoint.pkl"), "rb"))["params"]
+  pr = pickle.load(open(os.path.join(part, "checkpoint.pkl"), "rb"))["params"]
+  import jax
+  for x, y in zip(jax.tree_util.tree_leaves(pf), jax.tree_util.tree_leaves(pr)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--model", "nope"],
+    ["train", "--nodes", "3", "--batch-size", "64"],
+    ["train", "--aps"],
+    ["train", "--grad-exp", "4"],
+    ["train", "--data", "cifar10"],
+    ["train", "--compress", "nosuch:bits=4"],
+    ["train", "--grad-format", "E9M9"],
+    ["plot", "/nonexistent-dir"],
+    ["frobnicate"],
+])
+def test_bad_input_exits_2(argv, capsys):
+  with pytest.raises(SystemExit) as e:
+    rc = main(argv)
+    raise SystemExit(rc)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "error" in err
+
+
+def test_help_is_complete():
+  out = subprocess.run([sys.executable, "-m", "jaxlp", "--help"], capture_output=True, text=True)
+  assert out.returncode == 0
+  for cmd in ("train", "compare", "plot", "plan", "bench", "formats"):
+    assert cmd in out.stdout
+  out = subprocess.run([sys.executable, "-m", "jaxlp", "train", "--help"], capture_output=True,
+                       text=True)
+  for flag in ("--model", "--data", "--data-dir", "--nodes", "--grad-exp", "--grad-man",
+               "--grad-format", "--order", "--aps", "--kahan", "--lars", "--compress", "--hbfp",
+               "--tile", "--policy", "--epochs", "--batch-size", "--lr", "--seed", "--out",
+               "--resume"):
+    assert flag in out.stdout, flag
+
+
+def test_compare_and_plot(tmp_path):
+  out = str(tmp_path / "cmp")
+  rc = main(["compare", "--out", out, "--config", "fp32=", "--config",
+             "E4M3=--grad-exp 4 --grad-man 3", "--", "--nodes", "2"] + FAST[:-1])
+  assert rc == 0
+  for name in ("accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png"):
+    p = os.path.join(out, name)
+    assert os.path.getsize(p) > 1000
+    with open(p, "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  summary = json.load(open(os.path.join(out, "summary.json")))
+  assert [s["config"] for s in summary] == ["fp32", "E4M3"]
+  pdir = str(tmp_path / "plots")
+  assert main(["plot", os.path.join(out, "fp32"), os.path.join(out, "E4M3"), "--out", pdir]) == 0
+  assert os.path.getsize(os.path.join(pdir, "accuracy_vs_epoch.png")) > 1000
+
+
+def test_formats_demo(capsys):
+  assert main(["formats", "--values", "1.0625", "300"]) == 0
+  out = capsys.readouterr().out
+  assert "E4M3FN" in out and "448" in out
