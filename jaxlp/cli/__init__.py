@@ -168,7 +168,7 @@ def _cmd_plan(args) -> int:
   model = M.build(args.model, 10, width=args.width)
   variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2,) + shape)))
   leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
-  sizes = [int(jnp.size(jnp.zeros(v.shape))) if False else int(_prod(v.shape)) for _, v in leaves]
+  sizes = [_prod(v.shape) for _, v in leaves]
   plan = secopa_plan(sizes, topology=args.topology, num_nodes=args.nodes)
   print(f"SeCoPa plan for {args.model} ({len(sizes)} gradient tensors, {sum(sizes)} elements), "
         f"{args.nodes} nodes, topology {args.topology}\n")
@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   pb = sub.add_parser("bench", help="run the benchmark suite and print its tables")
   pb.add_argument("--small", action="store_true", help="CI-sized inputs")
-  pb.add_argument("--only", nargs="+", metavar="NAME", help="benchmark names (files in benchmarks/)")
+  pb.add_argument("--only", nargs="+", metavar="NAME",
+                  help="benchmark names (files in benchmarks/)")
   pb.set_defaults(func=_cmd_bench)
 
   pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")

@@ -232,7 +232,7 @@ class Trainer:
     import optax
     from jax import lax
 
-    cfg, model, W = self.cfg, self.model, self.cfg.nodes
+    model, W = self.model, self.cfg.nodes
     has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
 
     def node_loss(params, batch_stats, x, y):
@@ -264,7 +264,8 @@ class Trainer:
       bs0 = jax.tree_util.tree_map(lambda a: a[0], bs)
       updates, opt_state = self.tx.update(g0, opt_state, params)
       params = optax.apply_updates(params, updates)
-      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(g0)]))
+      leaves = jax.tree_util.tree_leaves(g0)
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in leaves]))
       return params, bs0, opt_state, (cs if comp_state is not None else None), loss[0], finite
 
     self._train_step = jax.jit(train_step)
