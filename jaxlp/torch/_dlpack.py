@@ -24,6 +24,8 @@ _EXCHANGE_DTYPES = (
     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
 
+_X64_DTYPES = (torch.float64, torch.int64, torch.complex128)
+
 
 def check_quantize_dtype(t, what: str = "quantize") -> None:
   """Raise a ``TypeError`` unless ``t`` is float32, float16 or bfloat16."""
@@ -72,13 +74,18 @@ def to_jax(t) -> jax.Array:
     A ``jax.Array`` of the same shape and dtype on the matching JAX device.
 
   Raises:
-    TypeError: ``t`` is not a tensor or has a dtype JAX cannot import.
+    TypeError: ``t`` is not a tensor or has a dtype JAX cannot import (64-bit dtypes need
+      ``jax_enable_x64``).
     ValueError: ``t`` lives on a device JAX cannot read (e.g. 'mps', 'meta').
   """
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"jaxlp.torch.to_jax: expected a torch.Tensor, got {type(t).__name__}")
   if t.dtype not in _EXCHANGE_DTYPES:
     raise TypeError(f"jaxlp.torch.to_jax: dtype={t.dtype} cannot be exchanged with JAX")
+  if t.dtype in _X64_DTYPES and not jax.config.jax_enable_x64:
+    raise TypeError(
+        f"jaxlp.torch.to_jax: dtype={t.dtype} needs jax_enable_x64 (JAX would silently "
+        "narrow it to 32 bits); enable it or cast the tensor first")
   _jax_device_for(t)  # device check with a clear message
   t = t.detach()
   if t.is_conj():
