@@ -36,7 +36,8 @@ def seed_to_key(seed: int) -> np.ndarray:
   """The legacy uint32[2] JAX key of an integer seed: ``[seed >> 32, seed & 0xFFFFFFFF]``.
 
   This equals ``jax.random.PRNGKey(seed)`` (default threefry implementation) for
-  ``0 <= seed < 2**32`` (and up to ``2**64`` with ``jax_enable_x64``), so ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the
+  ``0 <= seed < 2**32`` (and up to ``2**64`` with ``jax_enable_x64``), so
+  ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the
   same bits as ``jaxlp.quantize(to_jax(t), fmt, "stochastic", key=jax.random.PRNGKey(s))``.
   """
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
