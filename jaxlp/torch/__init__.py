@@ -1,0 +1,31 @@
+"""jaxlp.torch: the PyTorch bridge (torch tensors in, torch tensors out, same bits as JAX).
+
+* :func:`to_jax` / :func:`to_torch`: zero-copy DLPack exchange.
+* :func:`quantize`: any jaxlp format on a torch tensor, bit-identical to ``jaxlp.quantize``.
+* QPyTorch drop-ins: :func:`float_quantize`, :func:`block_quantize`,
+  :func:`fixed_point_quantize`, :func:`quantizer`, :class:`Quantizer`, :class:`OptimLP`.
+* CPD drop-ins: ``jaxlp.torch.cpd.float_quantize``, ``quantizer``, ``Quantizer``.
+
+torch is imported only inside this subpackage.
+"""
+
+from jaxlp.torch import cpd as cpd
+from jaxlp.torch._dlpack import to_jax as to_jax
+from jaxlp.torch._dlpack import to_torch as to_torch
+from jaxlp.torch._formats import QPyTorchFixedPoint as QPyTorchFixedPoint
+from jaxlp.torch._optim import OptimLP as OptimLP
+from jaxlp.torch._qpytorch import Quantizer as Quantizer
+from jaxlp.torch._qpytorch import as_format as as_format
+from jaxlp.torch._qpytorch import block_quantize as block_quantize
+from jaxlp.torch._qpytorch import fixed_point_quantize as fixed_point_quantize
+from jaxlp.torch._qpytorch import float_quantize as float_quantize
+from jaxlp.torch._qpytorch import quantizer as quantizer
+from jaxlp.torch._quantize import draw_key as draw_key
+from jaxlp.torch._quantize import quantize as quantize
+from jaxlp.torch._quantize import seed_to_key as seed_to_key
+
+__all__ = [
+    "OptimLP", "QPyTorchFixedPoint", "Quantizer", "as_format", "block_quantize", "cpd",
+    "draw_key", "fixed_point_quantize", "float_quantize", "quantize", "quantizer",
+    "seed_to_key", "to_jax", "to_torch",
+]

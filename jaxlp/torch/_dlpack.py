@@ -1,0 +1,116 @@
+"""Zero-copy exchange of tensors between PyTorch and JAX through DLPack.
+
+``to_jax(t)`` and ``to_torch(a)`` share memory whenever both frameworks can: a contiguous,
+suitably aligned CPU tensor becomes a JAX array on the CPU device that reads the same
+buffer, and a JAX result becomes a torch tensor that owns the JAX buffer. CUDA tensors go
+through the same protocol (``jax.dlpack.from_dlpack(t)`` / ``torch.from_dlpack(array)``,
+both framework's documented entry points), which synchronises the producer's stream.
+
+References:
+  DLPack specification, https://dmlc.github.io/dlpack/latest/ ;
+  ``jax.dlpack.from_dlpack`` and ``torch.from_dlpack`` documentation.
+"""
+
+from __future__ import annotations
+
+import jax
+import torch
+
+# torch dtypes that may be quantized (the others can still be exchanged).
+QUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# torch dtypes JAX can import through DLPack.
+_EXCHANGE_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+
+_X64_DTYPES = (torch.float64, torch.int64, torch.complex128)
+
+
+def check_quantize_dtype(t, what: str = "quantize") -> None:
+  """Raise a ``TypeError`` unless ``t`` is float32, float16 or bfloat16."""
+  if t.dtype not in QUANTIZE_DTYPES:
+    raise TypeError(
+        f"jaxlp.torch.{what}: tensor dtype must be torch.float32, torch.float16 or "
+        f"torch.bfloat16, got dtype={t.dtype} (cast explicitly; float64 would be rounded "
+        "twice through float32)")
+
+
+def _jax_device_for(t):
+  """The JAX device that holds the memory of torch tensor ``t`` (or a clear error)."""
+  kind = t.device.type
+  if kind == "cpu":
+    return jax.devices("cpu")[0]
+  if kind == "cuda":
+    try:
+      gpus = jax.devices("gpu")
+    except RuntimeError as e:
+      raise ValueError(
+          f"jaxlp.torch: tensor is on device={t.device} but JAX has no GPU backend "
+          "(install jax[cuda12] or move the tensor to the CPU)") from e
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    for d in gpus:
+      if d.id == index or getattr(d, "local_hardware_id", None) == index:
+        return d
+    raise ValueError(f"jaxlp.torch: no JAX GPU device matches torch device={t.device}")
+  raise ValueError(
+      f"jaxlp.torch: unsupported tensor device={t.device}; only 'cpu' and 'cuda' tensors "
+      "can be exchanged with JAX")
+
+
+def to_jax(t) -> jax.Array:
+  """Share torch tensor ``t`` with JAX (zero-copy where possible).
+
+  The tensor is detached (autograd is torch's business); a non-contiguous tensor is first
+  made contiguous (one copy) so the JAX array has the default row-major layout. A tensor
+  whose data pointer is not aligned as XLA requires (e.g. a view starting one element into
+  its storage) is copied by JAX; otherwise no data moves. The JAX array aliases the tensor:
+  do not modify the tensor in place while the array is in use.
+
+  Args:
+    t: a ``torch.Tensor`` on the CPU or a CUDA device.
+
+  Returns:
+    A ``jax.Array`` of the same shape and dtype on the matching JAX device.
+
+  Raises:
+    TypeError: ``t`` is not a tensor or has a dtype JAX cannot import (64-bit dtypes need
+      ``jax_enable_x64``).
+    ValueError: ``t`` lives on a device JAX cannot read (e.g. 'mps', 'meta').
+  """
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"jaxlp.torch.to_jax: expected a torch.Tensor, got {type(t).__name__}")
+  if t.dtype not in _EXCHANGE_DTYPES:
+    raise TypeError(f"jaxlp.torch.to_jax: dtype={t.dtype} cannot be exchanged with JAX")
+  if t.dtype in _X64_DTYPES and not jax.config.jax_enable_x64:
+    raise TypeError(
+        f"jaxlp.torch.to_jax: dtype={t.dtype} needs jax_enable_x64 (JAX would silently "
+        "narrow it to 32 bits); enable it or cast the tensor first")
+  _jax_device_for(t)  # device check with a clear message
+  t = t.detach()
+  if t.is_conj():
+    t = t.resolve_conj()
+  if t.is_neg():
+    t = t.resolve_neg()
+  if not t.is_contiguous():
+    t = t.contiguous()
+  return jax.dlpack.from_dlpack(t)
+
+
+def to_torch(a) -> torch.Tensor:
+  """Share a single-device JAX array with torch (zero-copy).
+
+  The returned tensor owns a reference to the JAX buffer. JAX treats arrays as immutable:
+  modify the tensor in place only if nothing else uses the array.
+
+  Raises:
+    TypeError: ``a`` is not a ``jax.Array``.
+    ValueError: ``a`` is sharded over several devices (gather it first).
+  """
+  if not isinstance(a, jax.Array):
+    raise TypeError(f"jaxlp.torch.to_torch: expected a jax.Array, got {type(a).__name__}")
+  if len(a.devices()) != 1:
+    raise ValueError(
+        f"jaxlp.torch.to_torch: array is sharded over {len(a.devices())} devices; DLPack "
+        "exchanges single-device arrays only (use jax.device_put(a, device) first)")
+  return torch.from_dlpack(a)

@@ -1,0 +1,162 @@
+"""``jaxlp.torch.quantize``: torch tensors through the JAX spec, same bits, zero-copy."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jaxlp.formats.quantize import FORMAT_TYPES, ROUNDINGS, quantize_f32, random_bits
+from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
+from jaxlp.torch._formats import QPyTorchFixedPoint
+
+TORCH_FORMAT_TYPES = (*FORMAT_TYPES, QPyTorchFixedPoint)
+
+
+def check_torch_format(fmt, rounding: str, what: str = "quantize") -> None:
+  """Like ``jaxlp.formats.check_format`` but also accepting the torch-side formats."""
+  if not isinstance(fmt, TORCH_FORMAT_TYPES):
+    raise TypeError(
+        f"jaxlp.torch.{what}: fmt must be a jaxlp format (FloatFormat, BlockFormat, "
+        f"FixedPoint, mx(...), cpd_float(...), qpytorch_float(...), QPyTorchFixedPoint, ...), "
+        f"got {fmt!r} of type {type(fmt).__name__}")
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"jaxlp.torch.{what}: unknown rounding={rounding!r}; expected one of "
+                     f"{ROUNDINGS}")
+  if rounding not in fmt.supported_roundings:
+    raise ValueError(
+        f"jaxlp.torch.{what}: {type(fmt).__name__} supports rounding in "
+        f"{fmt.supported_roundings}, got rounding={rounding!r}")
+
+
+def seed_to_key(seed: int) -> np.ndarray:
+  """The legacy uint32[2] JAX key of an integer seed: ``[seed >> 32, seed & 0xFFFFFFFF]``.
+
+  This equals ``jax.random.PRNGKey(seed)`` (default threefry implementation) for
+  ``0 <= seed < 2**32`` (and up to ``2**64`` with ``jax_enable_x64``), so
+  ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the
+  same bits as ``jaxlp.quantize(to_jax(t), fmt, "stochastic", key=jax.random.PRNGKey(s))``.
+  """
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+    raise TypeError(f"jaxlp.torch: seed must be an int, got seed={seed!r}")
+  seed = int(seed)
+  if not 0 <= seed < 2**64:
+    raise ValueError(f"jaxlp.torch: seed must be in [0, 2**64), got seed={seed}")
+  return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+def draw_key(generator=None) -> np.ndarray:
+  """A uint32[2] JAX key drawn from a torch RNG (the global one when ``generator`` is None).
+
+  The two words are ``torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)``
+  (one draw, advancing the generator), so ``torch.manual_seed(s)`` makes stochastic rounding
+  reproducible exactly as it does for torch's own random ops.
+  """
+  if generator is not None and not isinstance(generator, torch.Generator):
+    raise TypeError(f"jaxlp.torch: generator must be a torch.Generator, got {generator!r}")
+  if generator is not None and generator.device.type != "cpu":
+    w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
+                      device=generator.device).cpu()
+  else:
+    w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)
+  return w.numpy().astype(np.uint32)
+
+
+def resolve_key(rounding, generator, seed):
+  """The key for one stochastic call (None when not stochastic)."""
+  if generator is not None and seed is not None:
+    raise ValueError("jaxlp.torch: pass either generator= or seed=, not both")
+  if rounding != "stochastic":
+    return None
+  if seed is not None:
+    return seed_to_key(seed)
+  return draw_key(generator)
+
+
+def _kernel(fmt, rounding, with_mask, x, key):
+  xf = x.astype(jnp.float32)
+  if rounding == "stochastic":
+    rand = random_bits(key, x.shape)
+  else:
+    rand = jnp.zeros((), jnp.uint32)
+  if with_mask:
+    q, mask = fmt.quantize_with_mask(xf, rounding, rand)
+    return q.astype(x.dtype), mask
+  return quantize_f32(xf, fmt, rounding, rand, None).astype(x.dtype)
+
+
+@functools.cache
+def compiled(fmt, rounding: str, with_mask: bool = False):
+  """The jitted JAX function ``(x, key) -> q`` for one (format, rounding); cached."""
+  return jax.jit(functools.partial(_kernel, fmt, rounding, with_mask))
+
+
+def _key_array(key, device):
+  if key is None:
+    key = np.zeros(2, np.uint32)
+  return jax.device_put(key, device)
+
+
+def quantize_raw(t, fmt, rounding, key):
+  """Quantize tensor ``t`` (no autograd) with an explicit uint32[2] key (or None)."""
+  x = to_jax(t)
+  out = compiled(fmt, rounding)(x, _key_array(key, next(iter(x.devices()))))
+  return to_torch(out)
+
+
+def quantize_raw_mask(t, fmt, rounding, key):
+  """(q, clamp mask) for :class:`QPyTorchFixedPoint` (QPyTorch's ``_mask`` kernels)."""
+  x = to_jax(t)
+  q, m = compiled(fmt, rounding, True)(x, _key_array(key, next(iter(x.devices()))))
+  return to_torch(q), to_torch(m)
+
+
+class _StraightThrough(torch.autograd.Function):
+  """Quantize in the forward pass, identity gradient (as ``jaxlp.quantize`` under grad)."""
+
+  @staticmethod
+  def forward(ctx, t, fmt, rounding, key):
+    del ctx
+    return quantize_raw(t, fmt, rounding, key)
+
+  @staticmethod
+  def backward(ctx, g):
+    del ctx
+    return g, None, None, None
+
+
+def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
+  """Round every element of torch tensor ``t`` to ``fmt``: the same bits as ``jaxlp.quantize``.
+
+  The tensor is shared with JAX through DLPack (no copy for contiguous CPU/CUDA tensors),
+  quantized by a jitted JAX function cached per (format, rounding), and the result comes
+  back as a tensor of the same shape, dtype and device.
+
+  Stochastic rounding: the JAX key is ``jax.random.PRNGKey(seed)`` when ``seed`` is given
+  (i.e. uint32 words ``[seed >> 32, seed & 0xFFFFFFFF]``), else two uint32 words drawn
+  with ``torch.randint(0, 2**32, (2,), generator=generator)`` — from torch's global RNG
+  when ``generator`` is None, so ``torch.manual_seed`` makes results reproducible.
+
+  Args:
+    t: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
+    fmt: any jaxlp format (``FloatFormat``/presets, ``BlockFormat``, ``FixedPoint``,
+      ``mx``, ``cpd_float``, ``qpytorch_float``, ``qpytorch_block``, ...) or
+      :class:`jaxlp.torch.QPyTorchFixedPoint`.
+    rounding: as in :func:`jaxlp.quantize`.
+    generator: optional ``torch.Generator`` for stochastic rounding.
+    seed: optional int seed for stochastic rounding (exclusive with ``generator``).
+
+  Returns:
+    The quantized tensor. Under autograd the gradient is the identity (straight-through).
+  """
+  if not isinstance(t, torch.Tensor):
+    raise TypeError(f"jaxlp.torch.quantize: expected a torch.Tensor, got {type(t).__name__}")
+  check_quantize_dtype(t)
+  check_torch_format(fmt, rounding)
+  key = resolve_key(rounding, generator, seed)
+  if torch.is_grad_enabled() and t.requires_grad:
+    return _StraightThrough.apply(t, fmt, rounding, key)
+  return quantize_raw(t, fmt, rounding, key)

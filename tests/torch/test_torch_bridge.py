@@ -1,0 +1,180 @@
+"""jaxlp.torch.quantize == jaxlp.formats.quantize bit for bit; autograd; OptimLP; CPD."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from _torch_testutil import assert_same_bits, special_data
+
+import jaxlp.torch as jt
+from jaxlp import formats as F
+
+X = special_data(2048, seed=3).reshape(32, 64)
+_ref = jax.jit(F.quantize, static_argnums=(1, 2))
+_ref_sr = jax.jit(lambda x, k, fmt, r: F.quantize(x, fmt, r, key=k), static_argnums=(2, 3))
+
+FORMATS = [getattr(F, n) for n in ("FP32", "TF32", "BF16", "FP16", "E5M2", "E4M3", "E4M3FN",
+                                   "E4M3FNUZ", "E5M2FNUZ", "E3M4", "E3M2FN", "E2M3FN", "E2M1FN")]
+FORMATS += [F.cpd_float(4, 3), F.qpytorch_float(5, 2), F.qpytorch_block(6, 0),
+            F.qpytorch_block(8, -1), F.hbfp(7, 8), F.mx(F.E4M3, 32), F.FixedPoint(8, 4)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+def test_same_bits_as_jax(fmt):
+  x = X.copy()
+  if not F.quantize.__module__ or "Block" in type(fmt).__name__ or "MX" in type(fmt).__name__:
+    x[~np.isfinite(x)] = 0.0
+  t = torch.from_numpy(x)
+  assert_same_bits(jt.quantize(t, fmt).numpy(), _ref(jnp.asarray(x), fmt, "nearest"), repr(fmt))
+  if "stochastic" in fmt.supported_roundings:
+    seed = 12345
+    out = jt.quantize(t, fmt, "stochastic", seed=seed).numpy()
+    assert_same_bits(out, _ref_sr(jnp.asarray(x), jax.random.PRNGKey(seed), fmt, "stochastic"),
+                     f"{fmt!r} stochastic")
+    assert_same_bits(out, _ref_sr(jnp.asarray(x), jax.random.key(seed), fmt, "stochastic"),
+                     f"{fmt!r} stochastic typed key")
+
+
+def test_half_dtypes_and_generator_mapping():
+  x = torch.from_numpy(special_data(512, seed=4))
+  for dt, jdt in ((torch.float16, jnp.float16), (torch.bfloat16, jnp.bfloat16)):
+    t = x.to(dt)
+    out = jt.quantize(t, F.E4M3)
+    assert out.dtype == dt
+    ref = _ref(jnp.asarray(t.float().numpy()).astype(jdt), F.E4M3, "nearest")
+    assert_same_bits(out.float().numpy(), np.asarray(ref.astype(jnp.float32)), str(dt))
+  g = torch.Generator().manual_seed(7)
+  words = torch.randint(0, 2**32, (2,), dtype=torch.int64,
+                        generator=torch.Generator().manual_seed(7)).numpy().astype(np.uint32)
+  out = jt.quantize(x, F.E5M2, "stochastic", generator=g)
+  assert_same_bits(out.numpy(), _ref_sr(jnp.asarray(x.numpy()), jnp.asarray(words), F.E5M2,
+                                        "stochastic"), "generator key mapping")
+  assert np.array_equal(jt.seed_to_key(2**31 + 5), np.asarray(jax.random.PRNGKey(2**31 + 5)))
+  assert jt.seed_to_key(2**40 + 5).tolist() == [256, 5]
+  torch.manual_seed(3)
+  a = jt.quantize(x, F.E5M2, "stochastic")
+  torch.manual_seed(3)
+  assert_same_bits(a.numpy(), jt.quantize(x, F.E5M2, "stochastic").numpy(), "manual_seed")
+
+
+def test_quantize_errors():
+  t = torch.ones(4)
+  with pytest.raises(TypeError, match="fmt"):
+    jt.quantize(t, "e4m3")
+  with pytest.raises(ValueError, match="rounding"):
+    jt.quantize(t, F.E4M3, "bogus")
+  with pytest.raises(ValueError, match="not both"):
+    jt.quantize(t, F.E4M3, "stochastic", seed=1, generator=torch.Generator())
+  with pytest.raises(ValueError, match="seed"):
+    jt.quantize(t, F.E4M3, "stochastic", seed=-1)
+  with pytest.raises(ValueError, match="rounding"):
+    jt.float_quantize(t, 5, 2, "nearest_away")
+  with pytest.raises(ValueError, match="exp"):
+    jt.float_quantize(t, 9, 2)
+
+
+def test_quantize_straight_through_grad():
+  t = torch.randn(16, requires_grad=True)
+  (jt.quantize(t, F.E4M3) * 3).sum().backward()
+  assert torch.equal(t.grad, torch.full((16,), 3.0))
+
+
+class FakeFloatingPoint:  # duck-typed stand-in for qtorch.FloatingPoint
+  def __init__(self, exp, man):
+    self.exp, self.man = exp, man
+
+
+FakeFloatingPoint.__name__ = "FloatingPoint"
+
+
+def test_quantizer_forward_backward():
+  x = torch.randn(64, requires_grad=True)
+  w = torch.randn(64)
+  q = jt.quantizer(FakeFloatingPoint(5, 2), F.E4M3, "nearest", "nearest")
+  y = q(x)
+  assert torch.equal(y, jt.float_quantize(x.detach(), 5, 2, "nearest"))
+  (y * w).sum().backward()
+  assert torch.equal(x.grad, jt.quantize(w, F.E4M3))
+  # None numbers: identity both ways
+  x.grad = None
+  (jt.quantizer()(x) * w).sum().backward()
+  assert torch.equal(x.grad, w)
+
+
+def test_quantizer_clamping_grad_zero_and_hooks():
+  x = torch.tensor([0.3, 5.0, -9.0, 1.0], requires_grad=True)
+  fx = jt.QPyTorchFixedPoint(4, 1)  # range [-4, 3.5]
+  q = jt.quantizer(fx, F.FP32, "nearest", "nearest", clamping_grad_zero=True,
+                   backward_hooks=[lambda g: g * 2])
+  y = q(x)
+  assert y.tolist() == [0.5, 3.5, -4.0, 1.0]
+  y.sum().backward()
+  assert x.grad.tolist() == [2.0, 0.0, 0.0, 2.0]
+  with pytest.raises(ValueError, match="fixed-point"):
+    jt.quantizer(F.E4M3, F.E4M3, clamping_grad_zero=True)
+
+
+def test_quantizer_module_training_step():
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(
+      torch.nn.Linear(8, 16), jt.Quantizer(F.qpytorch_float(5, 2), F.qpytorch_float(5, 2),
+                                           "nearest", "nearest"),
+      torch.nn.ReLU(), torch.nn.Linear(16, 1))
+  opt = torch.optim.SGD(model.parameters(), lr=0.05)
+  x, y = torch.randn(32, 8), torch.randn(32, 1)
+  losses = []
+  for _ in range(20):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+  assert losses[-1] < losses[0]
+  h = model[1](model[0](x))
+  assert torch.equal(h, jt.float_quantize(model[0](x), 5, 2, "nearest"))
+
+
+def _q(t):
+  return jt.float_quantize(t, 5, 2, "nearest")
+
+
+def test_optimlp_sgd_momentum_semantics():
+  torch.manual_seed(1)
+  p0 = torch.randn(10)
+  grads = [torch.randn(10) for _ in range(3)]
+  p = torch.nn.Parameter(p0.clone())
+  opt = jt.OptimLP(torch.optim.SGD([p], lr=0.1, momentum=0.9), weight_quant=_q,
+                   grad_scaling=2.0, grad_quant=_q, momentum_quant=_q, acc_quant=_q)
+  # manual: acc starts at p0; each step g = Q(2g); buf = 0.9 buf + g (buf = g first);
+  # acc = Q(acc - 0.1 buf); p = Q(acc); buf = Q(buf)
+  acc, buf = p0.clone(), None
+  for g in grads:
+    p.grad = g.clone()
+    opt.step()
+    gq = _q(g * 2.0)
+    buf = gq.clone() if buf is None else buf * 0.9 + gq
+    acc = _q(acc - 0.1 * buf)
+    buf = _q(buf)
+    assert torch.equal(p.data, _q(acc))
+    assert torch.equal(opt.optim.state[p]["momentum_buffer"], buf)
+    assert torch.equal(opt.weight_acc[p], acc)
+  with pytest.raises(TypeError, match="SGD"):
+    jt.OptimLP(torch.optim.RMSprop([p]))
+
+
+def test_cpd_api():
+  x = torch.from_numpy(special_data(1024, seed=9))
+  out = jt.cpd.float_quantize(x, 4, 3)
+  assert_same_bits(out.numpy(), _ref(jnp.asarray(x.numpy()), F.cpd_float(4, 3), "nearest"), "cpd")
+  # (8, 23) cast flushes fp32 subnormals to +0 ...
+  assert jt.cpd.float_quantize(torch.tensor([-1e-40]), 8, 23).numpy().view(np.uint32)[0] == 0
+  # ... but the (8, 23) quantizer is the exact identity
+  t = torch.tensor([-1e-40, 1.1], requires_grad=True)
+  y = jt.cpd.Quantizer()(t)
+  assert torch.equal(y, t)
+  q = jt.cpd.quantizer(4, 3, 5, 2)
+  t.grad = None
+  w = torch.tensor([1.0625, 3.0])
+  (q(t) * w).sum().backward()
+  assert torch.equal(t.grad, jt.cpd.float_quantize(w, 5, 2))
