@@ -32,7 +32,8 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     ``s = Q_acc(fl32(s + chunk_dot))``. ``mul`` must be None.
 
   ``mul=None`` means the fp32 product, rounded to fp32 and then added: never a fused
-  multiply-add (the product's bits are XORed with an opaque runtime zero before the add).
+  multiply-add (the product's bits are XORed with a word that is always zero but that no
+  compiler can prove zero, before the add).
   ``acc=None`` means fp32 accumulation. Arithmetic is the backend's fp32 (XLA on CPU flushes
   float32 subnormal results of the multiply/add to zero; the rounding to ``mul``/``acc`` is
   exact bit-level).
@@ -66,11 +67,10 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   kw = G.key_array(key, rounding)
   o_idx = G.output_index(jnp.arange(Bt)[:, None, None], jnp.arange(M)[None, :, None],
                          jnp.arange(N)[None, None, :], M, N)
-  # An opaque runtime zero XORed into each fp32 product keeps XLA from contracting the
-  # multiply and the add into an FMA (a barrier on the product itself does not, measured).
-  zero = lax.optimization_barrier(jnp.zeros((), jnp.uint32))
+  # hash_guard: an always-zero word no compiler can prove zero is XORed into each fp32
+  # product, so XLA cannot contract multiply and add into an FMA (see _gemm.StepCtx).
   ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, Bt * M * N, G.ROUNDINGS_PER_STEP[algorithm],
-                  zero=zero, barrier=False)
+                  hash_guard=True)
   s0 = jnp.zeros((Bt, M, N), jnp.float32)
   if algorithm == "chunked":
     nc = -(-K // chunk)

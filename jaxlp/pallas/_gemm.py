@@ -127,16 +127,23 @@ class StepCtx:
     o_idx: uint32 flat output index of each element of the tile (broadcastable to it).
     n_out: total number of output elements O.
     steps_r: roundings per step R.
-    zero: a runtime uint32 zero (or None). The fp32 product ``a*b`` is XORed bitwise with
-      it before it is added, so no compiler can contract multiply and add into an FMA (a
-      rounded ``mul`` is a bit-level op already and needs no guard).
-    barrier: also put ``lax.optimization_barrier`` on the product (XLA paths).
+    zero: a uint32 zero read at run time from a kernel input (GPU kernel), or None.
+    hash_guard: XOR the product with ``fmix32(p) == fmix32(p ^ 1)`` (always 0: fmix32 is a
+      bijection, which no compiler can prove). Used by the XLA paths (reference, interpret
+      mode), where XLA:CPU/LLVM constant-propagate a literal zero through the whole loop
+      and then contract ``s + a*b`` into an FMA (measured: an optimization barrier on the
+      product or on a zero word does not prevent it in small unrolled loops).
+
+  With ``mul=None`` the fp32 product passes through one of these XORs before it is added,
+  so multiply and add are never contracted into an FMA (a rounded ``mul`` is a bit-level op
+  already and needs no guard).
   """
 
-  def __init__(self, mul, acc, rounding, kw, o_idx, n_out, steps_r, zero=None, barrier=True):
+  def __init__(self, mul, acc, rounding, kw, o_idx, n_out, steps_r, zero=None,
+               hash_guard=True):
     self.mul, self.acc, self.rounding = mul, acc, rounding
     self.kw, self.o_idx, self.n_out, self.steps_r = kw, o_idx, n_out, steps_r
-    self.zero, self.barrier = zero, barrier
+    self.zero, self.hash_guard = zero, hash_guard
 
   def _rand(self, t, r):
     if self.rounding != "stochastic":
@@ -155,11 +162,16 @@ class StepCtx:
     p = a_col * b_row
     if self.mul is not None:
       return self.q(p, self.mul, t, 0)
+    return self.guard(p)
+
+  def guard(self, p):
+    """``p`` unchanged, but opaque to FMA contraction with a following add."""
+    pb = B.to_bits(p)
     if self.zero is not None:
-      p = B.from_bits(B.to_bits(p) ^ self.zero)
-    if self.barrier:
-      p = lax.optimization_barrier(p)
-    return p
+      pb = pb ^ self.zero
+    if self.hash_guard:
+      pb = pb ^ (B.fmix32(pb) == B.fmix32(pb ^ B.u32(1))).astype(jnp.uint32)
+    return B.from_bits(pb)
 
 
 def naive_step(ctx: StepCtx, s, a_col, b_row, t):
@@ -178,7 +190,8 @@ def kahan_step(ctx: StepCtx, carry, a_col, b_row, t):
 
 
 def chunk_step(ctx: StepCtx, s, part, t):
-  return ctx.q(s + part, ctx.acc, t, 0)
+  # Guarded: XLA rewrites a 1-long dot into a multiply that could fuse into the add.
+  return ctx.q(s + ctx.guard(part), ctx.acc, t, 0)
 
 
 def chunk_dot(a_blk, b_blk):

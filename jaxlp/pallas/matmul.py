@@ -8,9 +8,10 @@ as the reference (:mod:`jaxlp.pallas._gemm`): per-MAC rounding for "naive"/"kaha
 on the Triton backend, not TF32), rounded into the accumulator.
 
 Operands are zero-padded to whole tiles (and K to whole chunks); padded rows/columns are
-sliced off. The fp32 product is XORed with a runtime zero word read from an input before it
-is added (and, in interpret mode, also passed through ``lax.optimization_barrier``) so that
-neither XLA nor Triton/LLVM contracts multiply and add into an FMA.
+sliced off. With ``mul=None`` the fp32 product is XORed with a zero word read from an
+input at run time (GPU; in interpret mode with the reference's hash guard, see
+``_gemm.StepCtx``) before it is added, so neither XLA nor Triton/LLVM contracts multiply and
+add into an FMA.
 
 GPU notes: tiles bm, bn must be powers of two (Triton), and for "chunked" bm, bn, chunk
 >= 16 (tensor-core dot). The within-chunk summation order of the Triton dot differs from
@@ -53,7 +54,7 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
     o_idx = G.output_index(b_id, rows, cols, M, N)
     kw = (kw_ref[0], kw_ref[1])
     ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, n_out, G.ROUNDINGS_PER_STEP[algorithm],
-                    zero=zero_ref[0], barrier=interpret)
+                    zero=None if interpret else zero_ref[0], hash_guard=interpret)
     s0 = jnp.zeros((bm, bn), jnp.float32)
     if algorithm == "chunked":
       def body(t, s):
