@@ -1,0 +1,101 @@
+"""`jaxlp.matmul`: GEMM with rounded products and a low-precision accumulator (reference).
+
+The pure-jnp reference. For every output element the reduction index k runs strictly
+ascending; the loop over k is a ``lax.scan`` vectorised over the whole (batch, M, N) output.
+The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical bits (same step
+functions from :mod:`jaxlp.pallas._gemm`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.pallas import _gemm as G
+
+
+def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
+           rounding: str = "nearest", key=None, dimension_numbers=None,
+           preferred_element_type=None):
+  """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
+
+  Per output element (k strictly ascending, s = +0.0 initially):
+
+  * ``"naive"``: ``p = Q_mul(fl32(a_k * b_k)); s = Q_acc(fl32(s + p))``.
+  * ``"kahan"`` (CPD's ``quant_gemm``, seeds-spec §1.2; c = 0 initially):
+    ``p = Q_mul(a_k*b_k); y = Q_acc(p - c); t = Q_acc(s + y); c = Q_acc(Q_acc(t - s) - y);
+    s = t``; the output is s (c is not added back). With ``mul = acc = cpd_float(e, m)`` this
+    is CPD's kernel without its tail-tile bug.
+  * ``"chunked"``: k is cut into consecutive chunks of ``chunk`` (the last one zero-padded);
+    each chunk's dot is an fp32 dot (``precision=HIGHEST``, fp32 accumulation, summation
+    order within the chunk is the backend's, as in a matrix unit) and
+    ``s = Q_acc(fl32(s + chunk_dot))``. ``mul`` must be None.
+
+  ``mul=None`` means the fp32 product, rounded to fp32 and then added: never a fused
+  multiply-add (the product's bits are XORed with a word that is always zero but that no
+  compiler can prove zero, before the add).
+  ``acc=None`` means fp32 accumulation. Arithmetic is the backend's fp32 (XLA on CPU flushes
+  float32 subnormal results of the multiply/add to zero; the rounding to ``mul``/``acc`` is
+  exact bit-level).
+
+  Args:
+    a, b: float32/float16/bfloat16 arrays (converted exactly to float32).
+    mul, acc: elementwise jaxlp formats (FloatFormat/presets, cpd_float, qpytorch_float,
+      FixedPoint) or None.
+    algorithm: ``"naive"``, ``"kahan"`` or ``"chunked"``.
+    chunk: chunk length for ``"chunked"``.
+    rounding: rounding mode of every ``mul``/``acc`` rounding.
+    key: PRNG key for ``rounding="stochastic"``; noise word of rounding r of step t of output
+      element o is ``hash_bits(k0, k1, (t*R + r)*O + o)`` (see :mod:`jaxlp.pallas._gemm`).
+    dimension_numbers: None for ``a (..., M, K) @ b (..., K, N)`` (broadcast batch dims),
+      else ``lax.dot_general``'s ``((lc, rc), (lb, rb))``; transposed operands are expressed
+      through it (e.g. ``(((0,), (0,)), ((), ()))`` for ``a.T @ b``).
+    preferred_element_type: output dtype (default ``result_type(a, b)``); the fp32 result is
+      cast to it (round to nearest even).
+
+  Returns:
+    The product, shaped as ``lax.dot_general`` would shape it.
+  """
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
+  dt = G.out_dtype(a, b, preferred_element_type)
+  A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
+  Bt, M, K = A.shape
+  N = Bm.shape[2]
+  if Bt * M * N == 0 or K == 0:
+    return jnp.zeros(out_shape, dt)
+  kw = G.key_array(key, rounding)
+  o_idx = G.output_index(jnp.arange(Bt)[:, None, None], jnp.arange(M)[None, :, None],
+                         jnp.arange(N)[None, None, :], M, N)
+  # hash_guard: an always-zero word no compiler can prove zero is XORed into each fp32
+  # product, so XLA cannot contract multiply and add into an FMA (see _gemm.StepCtx).
+  ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, Bt * M * N, G.ROUNDINGS_PER_STEP[algorithm],
+                  hash_guard=True)
+  s0 = jnp.zeros((Bt, M, N), jnp.float32)
+  if algorithm == "chunked":
+    nc = -(-K // chunk)
+    Ap = jnp.pad(A, ((0, 0), (0, 0), (0, nc * chunk - K))).reshape(Bt, M, nc, chunk)
+    Bp = jnp.pad(Bm, ((0, 0), (0, nc * chunk - K), (0, 0))).reshape(Bt, nc, chunk, N)
+    xs = (jnp.moveaxis(Ap, 2, 0), jnp.moveaxis(Bp, 1, 0), jnp.arange(nc))
+
+    def body(s, x):
+      a_blk, b_blk, t = x
+      return G.chunk_step(ctx, s, G.chunk_dot(a_blk, b_blk), t), None
+
+    s, _ = lax.scan(body, s0, xs)
+  else:
+    xs = (jnp.moveaxis(A, 2, 0)[..., None], jnp.moveaxis(Bm, 1, 0)[:, :, None, :],
+          jnp.arange(K))
+    if algorithm == "naive":
+      def body(s, x):
+        a_col, b_row, t = x
+        return G.naive_step(ctx, s, a_col, b_row, t), None
+
+      s, _ = lax.scan(body, s0, xs)
+    else:
+      def body(carry, x):
+        a_col, b_row, t = x
+        return G.kahan_step(ctx, carry, a_col, b_row, t), None
+
+      (s, _), _ = lax.scan(body, (s0, s0), xs)
+  return s.reshape(out_shape).astype(dt)

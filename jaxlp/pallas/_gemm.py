@@ -1,0 +1,210 @@
+"""Shared pieces of the low-precision GEMM: argument handling and the per-step arithmetic.
+
+Both the pure-jnp reference (:func:`jaxlp.ops.matmul.matmul`) and the Pallas kernel
+(:func:`jaxlp.pallas.matmul.matmul`) call the step functions below on (tiles of) the output,
+so their arithmetic is the same expression by construction; they differ only in how the
+output is tiled and how the loop over k is expressed.
+
+Noise index scheme for ``rounding="stochastic"``: the operands are brought to the canonical
+form A (Bt, M, K), B (Bt, K, N), output O = Bt*M*N elements with flat index
+``o = b*M*N + i*N + j`` (= the C-order index of the ``dot_general``-layout result). Step ``t``
+(t = k for "naive"/"kahan", t = chunk number for "chunked") performs ``R`` roundings
+(naive: 2 = product, sum; kahan: 5 = p, y, t, (t - s), c; chunked: 1 = sum), numbered
+``r``; rounding r of step t of output o uses the noise word
+``hash_bits(k0, k1, (t*R + r)*O + o)`` (uint32 arithmetic, wrapping mod 2**32) where
+(k0, k1) = ``key_words(key)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.formats import _bits as B
+from jaxlp.formats.quantize import check_format, is_elementwise
+
+ALGORITHMS = ("naive", "kahan", "chunked")
+ROUNDINGS_PER_STEP = {"naive": 2, "kahan": 5, "chunked": 1}
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def check_args(a, b, mul, acc, algorithm, chunk, rounding, key):
+  """Validate the GEMM arguments (shared by the reference and the kernel)."""
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"matmul: algorithm must be one of {ALGORITHMS}, got {algorithm=}")
+  for name, x in (("a", a), ("b", b)):
+    if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
+      raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, got "
+                      f"{name}.dtype={x.dtype}")
+  for name, fmt in (("mul", mul), ("acc", acc)):
+    if fmt is None:
+      continue
+    check_format(fmt, rounding)
+    if not is_elementwise(fmt):
+      raise ValueError(f"matmul: {name} must be an elementwise format (FloatFormat, cpd_float, "
+                       f"qpytorch_float, FixedPoint), got {name}={fmt!r}")
+  if algorithm == "chunked":
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+      raise ValueError(f"matmul: algorithm='chunked' needs a positive int chunk, got {chunk=}")
+    if mul is not None:
+      raise ValueError("matmul: algorithm='chunked' computes exact fp32 dots inside a chunk; "
+                       f"products cannot be rounded, so mul must be None, got {mul=}")
+  elif chunk is not None:
+    raise ValueError(f"matmul: chunk applies only to algorithm='chunked', got {chunk=}")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("matmul: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+
+
+def canonicalize(a, b, dimension_numbers):
+  """Bring operands to A (Bt, M, K), B (Bt, K, N) float32; return (A, B, out_shape).
+
+  ``dimension_numbers=None``: ``a`` (..., M, K) @ ``b`` (..., K, N) with broadcast leading
+  dims (``jnp.matmul`` for ndim >= 2). Otherwise lax.dot_general's
+  ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``; the result layout is
+  (batch..., lhs free..., rhs free...) as in ``lax.dot_general``; several contracting dims
+  are flattened in the order listed (that flat index is the ascending k).
+  """
+  if dimension_numbers is None:
+    if a.ndim < 2 or b.ndim < 2:
+      raise ValueError(f"matmul: a and b need ndim >= 2 without dimension_numbers, got "
+                       f"a.shape={a.shape}, b.shape={b.shape}")
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = jnp.broadcast_to(a, batch + a.shape[-2:])
+    b = jnp.broadcast_to(b, batch + b.shape[-2:])
+    nb = len(batch)
+    dimension_numbers = (((a.ndim - 1,), (b.ndim - 2,)), (tuple(range(nb)), tuple(range(nb))))
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(d) % n for d in ds) for ds, n in
+                    ((lc, a.ndim), (rc, b.ndim), (lb, a.ndim), (rb, b.ndim)))
+  if len(lc) != len(rc) or len(lb) != len(rb):
+    raise ValueError(f"matmul: bad dimension_numbers={dimension_numbers}")
+  for x, y in ((lc, rc), (lb, rb)):
+    if tuple(a.shape[d] for d in x) != tuple(b.shape[d] for d in y):
+      raise ValueError(f"matmul: dimension mismatch for dimension_numbers={dimension_numbers}: "
+                       f"a.shape={a.shape}, b.shape={b.shape}")
+  lf = tuple(d for d in range(a.ndim) if d not in lc + lb)
+  rf = tuple(d for d in range(b.ndim) if d not in rc + rb)
+  batch = tuple(a.shape[d] for d in lb)
+  m_dims = tuple(a.shape[d] for d in lf)
+  n_dims = tuple(b.shape[d] for d in rf)
+  K = math.prod(a.shape[d] for d in lc)
+  Bt, M, N = math.prod(batch), math.prod(m_dims), math.prod(n_dims)
+  A = jnp.transpose(a, lb + lf + lc).reshape(Bt, M, K).astype(jnp.float32)
+  Bm = jnp.transpose(b, rb + rc + rf).reshape(Bt, K, N).astype(jnp.float32)
+  return A, Bm, batch + m_dims + n_dims
+
+
+def out_dtype(a, b, preferred_element_type):
+  if preferred_element_type is not None:
+    dt = jnp.dtype(preferred_element_type)
+    if dt not in _FLOAT_DTYPES:
+      raise TypeError(f"matmul: preferred_element_type must be float32/float16/bfloat16, "
+                      f"got {preferred_element_type=}")
+    return dt
+  return jnp.result_type(a.dtype, b.dtype)
+
+
+def key_array(key, rounding):
+  """(2,) uint32 key words for stochastic rounding, zeros otherwise."""
+  if rounding != "stochastic":
+    return jnp.zeros((2,), jnp.uint32)
+  from jaxlp.formats.quantize import key_words
+  return jnp.stack(key_words(key))
+
+
+# ---------------------------------------------------------------------------------------
+# Per-step arithmetic (shared by reference and kernel)
+# ---------------------------------------------------------------------------------------
+class StepCtx:
+  """Static GEMM settings plus the traced key words, output indices and FMA guard word.
+
+  Args:
+    mul, acc, rounding: as :func:`jaxlp.matmul`.
+    kw: (2,) uint32 key words (ignored unless stochastic) — either an array or a pair of
+      scalars.
+    o_idx: uint32 flat output index of each element of the tile (broadcastable to it).
+    n_out: total number of output elements O.
+    steps_r: roundings per step R.
+    zero: a uint32 zero read at run time from a kernel input (GPU kernel), or None.
+    hash_guard: XOR the product with ``fmix32(p) == fmix32(p ^ 1)`` (always 0: fmix32 is a
+      bijection, which no compiler can prove). Used by the XLA paths (reference, interpret
+      mode), where XLA:CPU/LLVM constant-propagate a literal zero through the whole loop
+      and then contract ``s + a*b`` into an FMA (measured: an optimization barrier on the
+      product or on a zero word does not prevent it in small unrolled loops).
+
+  With ``mul=None`` the fp32 product passes through one of these XORs before it is added,
+  so multiply and add are never contracted into an FMA (a rounded ``mul`` is a bit-level op
+  already and needs no guard).
+  """
+
+  def __init__(self, mul, acc, rounding, kw, o_idx, n_out, steps_r, zero=None,
+               hash_guard=True):
+    self.mul, self.acc, self.rounding = mul, acc, rounding
+    self.kw, self.o_idx, self.n_out, self.steps_r = kw, o_idx, n_out, steps_r
+    self.zero, self.hash_guard = zero, hash_guard
+
+  def _rand(self, t, r):
+    if self.rounding != "stochastic":
+      return B.u32(0)
+    t = jnp.asarray(t).astype(jnp.uint32)
+    idx = (t * B.u32(self.steps_r) + B.u32(r)) * B.u32(self.n_out % 2**32) + self.o_idx
+    return B.hash_bits(self.kw[0], self.kw[1], idx)
+
+  def q(self, v, fmt, t, r):
+    """Round the float32 array ``v`` to ``fmt`` (None: leave the fp32 value)."""
+    if fmt is None:
+      return v
+    return B.from_bits(fmt._round_bits(B.to_bits(v), self.rounding, self._rand(t, r), None))
+
+  def product(self, a_col, b_row, t):
+    p = a_col * b_row
+    if self.mul is not None:
+      return self.q(p, self.mul, t, 0)
+    return self.guard(p)
+
+  def guard(self, p):
+    """``p`` unchanged, but opaque to FMA contraction with a following add."""
+    pb = B.to_bits(p)
+    if self.zero is not None:
+      pb = pb ^ self.zero
+    if self.hash_guard:
+      pb = pb ^ (B.fmix32(pb) == B.fmix32(pb ^ B.u32(1))).astype(jnp.uint32)
+    return B.from_bits(pb)
+
+
+def naive_step(ctx: StepCtx, s, a_col, b_row, t):
+  p = ctx.product(a_col, b_row, t)
+  return ctx.q(s + p, ctx.acc, t, 1)
+
+
+def kahan_step(ctx: StepCtx, carry, a_col, b_row, t):
+  """CPD's compensated step with every intermediate rounded (seeds-spec §1.2)."""
+  s, c = carry
+  p = ctx.product(a_col, b_row, t)
+  y = ctx.q(p - c, ctx.acc, t, 1)
+  tt = ctx.q(s + y, ctx.acc, t, 2)
+  c = ctx.q(ctx.q(tt - s, ctx.acc, t, 3) - y, ctx.acc, t, 4)
+  return tt, c
+
+
+def chunk_step(ctx: StepCtx, s, part, t):
+  # Guarded: XLA rewrites a 1-long dot into a multiply that could fuse into the add.
+  return ctx.q(s + ctx.guard(part), ctx.acc, t, 0)
+
+
+def chunk_dot(a_blk, b_blk):
+  """The exact-fp32 partial dot of one chunk: (..., m, c) @ (..., c, n), float32, HIGHEST.
+
+  Its within-chunk summation order is the backend's (XLA:CPU's dot emitter in interpret
+  mode and in the reference; the tensor-core/IEEE Triton dot on GPU).
+  """
+  return jnp.matmul(a_blk, b_blk, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def output_index(b, i, j, M, N):
+  """uint32 flat output index b*M*N + i*N + j (broadcasting)."""
+  b, i, j = (jnp.asarray(v).astype(jnp.uint32) for v in (b, i, j))
+  return b * B.u32((M * N) % 2**32) + i * B.u32(N % 2**32) + j

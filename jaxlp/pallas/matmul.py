@@ -1,0 +1,136 @@
+"""Pallas kernel for the low-precision-accumulator GEMM (same bits as `jaxlp.matmul`).
+
+Grid (batch, M tiles, N tiles); each program owns a (bm, bn) output tile and loops over k
+strictly ascending inside the kernel (``lax.fori_loop``), calling the same per-step functions
+as the reference (:mod:`jaxlp.pallas._gemm`): per-MAC rounding for "naive"/"kahan" (a
+(bm, 1) column of A times a (1, bn) row of B per step), and for "chunked" an fp32
+``jnp.dot`` of a (bm, chunk) x (chunk, bn) block per step (``precision=HIGHEST``: IEEE fp32
+on the Triton backend, not TF32), rounded into the accumulator.
+
+Operands are zero-padded to whole tiles (and K to whole chunks); padded rows/columns are
+sliced off. With ``mul=None`` the fp32 product is XORed with a zero word read from an
+input at run time (GPU; in interpret mode with the reference's hash guard, see
+``_gemm.StepCtx``) before it is added, so neither XLA nor Triton/LLVM contracts multiply and
+add into an FMA.
+
+GPU notes: tiles bm, bn must be powers of two (Triton), and for "chunked" bm, bn, chunk
+>= 16 (tensor-core dot). The within-chunk summation order of the Triton dot differs from
+XLA's, so on GPU "chunked" equals the reference only up to that order (naive/kahan are
+bit-identical on every backend).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxlp.pallas import _gemm as G
+
+#: Arrays with fewer output MACs than this are left to the reference.
+MIN_PALLAS_MACS = 1 << 20
+
+
+def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
+  """Whether the kernel should run (GPU backend, >= MIN_PALLAS_MACS multiply-adds, and for
+  "chunked" ``chunk`` a power of two >= 16). Either way the naive/kahan bits are the same."""
+  try:
+    if jax.default_backend() != "gpu":
+      return False
+  except RuntimeError:
+    return False
+  macs = a.size * (b.shape[-1] if b.ndim else 1)
+  if algorithm == "chunked" and (not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+    return False
+  return macs >= MIN_PALLAS_MACS
+
+
+def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn, interpret):
+  def kernel(kw_ref, zero_ref, a_ref, b_ref, o_ref):
+    b_id, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
+    cols = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+    o_idx = G.output_index(b_id, rows, cols, M, N)
+    kw = (kw_ref[0], kw_ref[1])
+    ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, n_out, G.ROUNDINGS_PER_STEP[algorithm],
+                    zero=None if interpret else zero_ref[0], hash_guard=interpret)
+    s0 = jnp.zeros((bm, bn), jnp.float32)
+    if algorithm == "chunked":
+      def body(t, s):
+        a_blk = a_ref[:, pl.ds(t * chunk, chunk)]
+        b_blk = b_ref[pl.ds(t * chunk, chunk), :]
+        return G.chunk_step(ctx, s, G.chunk_dot(a_blk, b_blk), t)
+
+      s = lax.fori_loop(0, -(-K // chunk), body, s0)
+    elif algorithm == "naive":
+      def body(t, s):
+        return G.naive_step(ctx, s, a_ref[:, pl.ds(t, 1)], b_ref[pl.ds(t, 1), :], t)
+
+      s = lax.fori_loop(0, K, body, s0)
+    else:
+      def body(t, carry):
+        return G.kahan_step(ctx, carry, a_ref[:, pl.ds(t, 1)], b_ref[pl.ds(t, 1), :], t)
+
+      s, _ = lax.fori_loop(0, K, body, (s0, s0))
+    o_ref[...] = s
+
+  return kernel
+
+
+def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
+           rounding: str = "nearest", key=None, dimension_numbers=None,
+           preferred_element_type=None, interpret: bool = False, block_m: int | None = None,
+           block_n: int | None = None, num_warps: int = 4):
+  """Pallas version of :func:`jaxlp.matmul` (same arguments and bits; see there).
+
+  Extra args:
+    interpret: run in the Pallas interpreter (CPU testing).
+    block_m, block_n: output tile (powers of two on GPU; default min(64, next_pow2(dim)),
+      at least 16 for "chunked").
+    num_warps: Triton warps per program.
+  """
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
+  dt = G.out_dtype(a, b, preferred_element_type)
+  A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
+  Bt, M, K = A.shape
+  N = Bm.shape[2]
+  if Bt * M * N == 0 or K == 0:
+    return jnp.zeros(out_shape, dt)
+  lo = 16 if algorithm == "chunked" else 1
+  bm = block_m or max(lo, min(64, _next_pow2(M)))
+  bn = block_n or max(lo, min(64, _next_pow2(N)))
+  Mp, Np = -(-M // bm) * bm, -(-N // bn) * bn
+  Kp = -(-K // chunk) * chunk if algorithm == "chunked" else K
+  A = jnp.pad(A, ((0, 0), (0, Mp - M), (0, Kp - K)))
+  Bm = jnp.pad(Bm, ((0, 0), (0, Kp - K), (0, Np - N)))
+  kernel = _make_kernel(mul=mul, acc=acc, rounding=rounding, algorithm=algorithm, chunk=chunk,
+                        K=K, M=M, N=N, n_out=Bt * M * N, bm=bm, bn=bn, interpret=interpret)
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt  # GPU only
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((Bt, Mp, Np), jnp.float32),
+      grid=(Bt, Mp // bm, Np // bn),
+      in_specs=[
+          pl.BlockSpec((2,), lambda b_, i, j: (0,)),
+          pl.BlockSpec((1,), lambda b_, i, j: (0,)),
+          pl.BlockSpec((None, bm, Kp), lambda b_, i, j: (b_, i, 0)),
+          pl.BlockSpec((None, Kp, bn), lambda b_, i, j: (b_, 0, j)),
+      ],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda b_, i, j: (b_, i, j)),
+      interpret=interpret,
+      compiler_params=params,
+      name=f"jaxlp_matmul_{algorithm}",
+  )(G.key_array(key, rounding), jnp.zeros((1,), jnp.uint32), A, Bm)
+  return out[:, :M, :N].reshape(out_shape).astype(dt)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+__all__ = ["can_use_pallas_matmul", "matmul"]

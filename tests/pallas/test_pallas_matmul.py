@@ -1,0 +1,100 @@
+"""Pallas GEMM kernel (interpret mode on CPU) == the jnp reference `jaxlp.ops.matmul`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp import formats as F
+from jaxlp.ops.matmul import matmul as ref
+from jaxlp.pallas.matmul import can_use_pallas_matmul
+from jaxlp.pallas.matmul import matmul as ker
+
+KEY = jax.random.key(99)
+
+
+def _rand(shape, seed, scale=1.0):
+  return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _bits(x):
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _check(a, b, bm=8, bn=8, **kw):
+  @jax.jit
+  def both(a, b):
+    return ref(a, b, **kw), ker(a, b, interpret=True, block_m=bm, block_n=bn, **kw)
+
+  r, k = both(a, b)
+  assert r.shape == k.shape and r.dtype == k.dtype
+  np.testing.assert_array_equal(_bits(k), _bits(r))
+  return r
+
+
+CASES = [
+    dict(),
+    dict(algorithm="kahan"),
+    dict(mul=F.BF16, acc=F.E5M2),
+    dict(mul=F.cpd_float(5, 2), acc=F.cpd_float(5, 2), algorithm="kahan"),
+    dict(mul=F.qpytorch_float(5, 4), acc=F.FixedPoint(16, 8)),
+    dict(acc=F.E4M3FN, rounding="toward_zero"),
+    dict(algorithm="chunked", chunk=16),
+    dict(algorithm="chunked", chunk=5, acc=F.FP16, rounding="up"),
+    dict(mul=F.BF16, acc=F.FP16, rounding="stochastic", key=KEY),
+    dict(acc=F.E5M2, algorithm="kahan", rounding="stochastic", key=KEY),
+    dict(algorithm="chunked", chunk=4, acc=F.BF16, rounding="stochastic", key=KEY),
+]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(
+    f"{k}={v!r}" for k, v in kw.items() if k != "key"))
+def test_kernel_equals_reference(kw):
+  # Non-multiples of the 8x8 tiles and of the chunks.
+  _check(_rand((13, 21), 0, 2.0), _rand((21, 11), 1, 2.0), **kw)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (1, 7, 1), (9, 1, 3), (17, 3, 8)])
+def test_awkward_shapes(m, k, n):
+  _check(_rand((m, k), 2), _rand((k, n), 3), acc=F.BF16, algorithm="kahan")
+
+
+def test_empty():
+  for ash, bsh in (((0, 4), (4, 3)), ((2, 0), (0, 3)), ((2, 4), (4, 0))):
+    out = ker(np.ones(ash, np.float32), np.ones(bsh, np.float32), interpret=True)
+    assert out.shape == (ash[0], bsh[1])
+    np.testing.assert_array_equal(np.asarray(out), np.zeros(out.shape, np.float32))
+
+
+def test_batched_and_dimension_numbers():
+  a, b = _rand((2, 5, 9), 4), _rand((2, 9, 6), 5)
+  _check(a, b, acc=F.BF16, rounding="stochastic", key=KEY)
+  # Transposed lhs, batch dim last on the rhs.
+  a2, b2 = _rand((9, 2, 5), 6), _rand((9, 6, 2), 7)
+  dn = (((0,), (0,)), ((1,), (2,)))
+  r = _check(a2, b2, bm=4, bn=2, acc=F.FP16, algorithm="kahan", dimension_numbers=dn)
+  assert r.shape == (2, 5, 6)
+
+
+def test_fma_not_contracted_in_kernel():
+  e = np.float32(1 + 2**-12)
+  a = np.array([[-1.0, e]], np.float32)
+  b = np.array([[1.0], [e]], np.float32)
+  for alg in ("naive", "kahan"):
+    out = jax.jit(functools.partial(ker, algorithm=alg, interpret=True))(a, b)
+    assert float(out[0, 0]) == 2.0**-11, alg
+
+
+def test_half_inputs_and_output_dtype():
+  a = jnp.asarray(_rand((5, 6), 8), jnp.bfloat16)
+  b = jnp.asarray(_rand((6, 3), 9), jnp.float16)
+  r = _check(a, b, acc=F.BF16)
+  assert r.dtype == jnp.float32  # result_type(bf16, f16)
+  r = _check(a, b, acc=F.BF16, preferred_element_type=jnp.bfloat16)
+  assert r.dtype == jnp.bfloat16
+
+
+def test_can_use_is_false_on_cpu():
+  assert not can_use_pallas_matmul(jnp.zeros((512, 512)), jnp.zeros((512, 512)))

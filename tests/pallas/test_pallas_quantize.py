@@ -1,0 +1,166 @@
+"""Pallas quantize kernels (interpret mode on CPU) == the jnp spec, bit for bit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp import formats as F
+from jaxlp.pallas.quantize import can_use_pallas_quantize, supports
+from jaxlp.pallas.quantize import quantize as pq
+
+ROUNDINGS = F.ROUNDINGS
+KEY = jax.random.key(1234)
+
+
+def _awkward(shape, seed=0):
+  """Normal values over a wide exponent range plus specials, float32."""
+  n = int(np.prod(shape))
+  rng = np.random.default_rng(seed)
+  v = rng.standard_normal(n).astype(np.float32) * np.exp2(
+      rng.integers(-140, 125, n)).astype(np.float32)
+  specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -3e-39, 1.0625, -2.5, 448.0,
+                       240.0, 65504.0, 3.4e38, 1.5 * 2**-126, 0.09375], np.float32)
+  k = min(n, len(specials))
+  v[:k] = specials[:k]
+  # Mid-range values (where low-precision formats actually round) for the rest of the head.
+  m = min(n, 600)
+  v[k:m] = (rng.standard_normal(m - k) * 8).astype(np.float32)
+  return jnp.asarray(v.reshape(shape))
+
+
+def _same_bits(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype
+  u = {4: np.uint32, 2: np.uint16}[a.dtype.itemsize]
+  av, bv = a.view(u), b.view(u)
+  # NaN payloads may differ only if both are NaN (the spec returns canonical NaN codes too).
+  both_nan = np.isnan(a.astype(np.float32)) & np.isnan(b.astype(np.float32))
+  bad = (av != bv) & ~both_nan
+  assert not bad.any(), f"{bad.sum()} mismatches, first at {np.argwhere(bad)[:3].tolist()}"
+  np.testing.assert_array_equal(np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _both(x, fmt, roundings, block_size):
+  """Kernel and spec results for each rounding (one compilation per format)."""
+  outs = []
+  for r in roundings:
+    outs.append(pq(x, fmt, r, key=KEY, interpret=True, block_size=block_size))
+    outs.append(F.quantize(x, fmt, r, key=KEY))
+  return outs
+
+
+def _check(x, fmt, roundings=None, block_size=None):
+  roundings = tuple(r for r in (roundings or ROUNDINGS) if r in fmt.supported_roundings)
+  outs = _both(x, fmt, roundings, block_size)
+  for i, r in enumerate(roundings):
+    try:
+      _same_bits(outs[2 * i], outs[2 * i + 1])
+    except AssertionError as e:
+      raise AssertionError(f"{fmt!r} rounding={r}: {e}") from None
+
+
+@pytest.mark.parametrize("name", sorted(F.PRESETS))
+def test_presets(name):
+  _check(_awkward((37, 53)), F.PRESETS[name], ("nearest", "stochastic", "down"), block_size=512)
+
+
+@pytest.mark.parametrize("fmt", [F.E4M3, F.FP16, F.E2M1FN], ids=repr)
+def test_all_roundings(fmt):
+  _check(_awkward((37, 53), seed=9), fmt, ROUNDINGS, block_size=512)
+
+
+@pytest.mark.parametrize("fmt", [
+    F.cpd_float(4, 3), F.cpd_float(5, 10), F.cpd_float(8, 23), F.qpytorch_float(4, 3),
+    F.qpytorch_float(8, 7), F.FixedPoint(8, 4), F.FixedPoint(16, 8, clamp=False),
+    F.FixedPoint(6, 2, symmetric=True),
+    F.FloatFormat(3, 2, subnormals=False), F.FloatFormat(4, 3, bias=5, overflow="saturate"),
+], ids=repr)
+def test_other_elementwise_formats(fmt):
+  _check(_awkward((3, 301), seed=1), fmt, block_size=256)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (0,), (4, 0, 3), (1, 1, 1), (5, 1, 7), (1025,)])
+def test_elementwise_awkward_shapes(shape):
+  _check(_awkward(shape, seed=2), F.E4M3, ("nearest", "stochastic"), block_size=128)
+
+
+def test_rand_bits_and_default_block_size():
+  x = _awkward((300,), seed=3)
+  a, b = jax.jit(lambda x: (pq(x, F.BF16, "stochastic", key=KEY, rand_bits=5, interpret=True),
+                            F.quantize(x, F.BF16, "stochastic", key=KEY, rand_bits=5)))(x)
+  _same_bits(a, b)
+
+
+def test_stochastic_legacy_key_and_key_dependence():
+  x = _awkward((200,), seed=4)
+
+  @jax.jit
+  def f(x, k1, k2):
+    return (pq(x, F.E5M2, "stochastic", key=k1, interpret=True),
+            F.quantize(x, F.E5M2, "stochastic", key=k1),
+            pq(x, F.E5M2, "stochastic", key=k2, interpret=True))
+
+  a, a_ref, b = f(x, jax.random.PRNGKey(7), jax.random.PRNGKey(8))
+  _same_bits(a, a_ref)
+  assert not np.array_equal(np.asarray(a), np.asarray(b))  # the noise really is used
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_inputs(dtype):
+  x = (_awkward((9, 40), seed=5) * 1e-30).astype(dtype) if dtype == jnp.bfloat16 else \
+      jnp.clip(_awkward((9, 40), seed=5), -7e4, 7e4).astype(dtype)
+  _check(x, F.E4M3, ("nearest", "stochastic", "toward_zero"))
+  _check(x, F.mx(F.E2M1FN, 8), ("nearest", "stochastic"))
+
+
+@pytest.mark.parametrize("fmt,shape", [
+    (F.mx(F.E4M3FN), (5, 70)), (F.mx(F.E2M1FN, 16), (3, 2, 33)), (F.mx(F.E3M2FN, 8), (1, 8)),
+    (F.mx("int8", 32), (4, 31)), (F.mx(F.E5M2, 1), (3, 5)),
+    (F.BlockFormat(5, axis=-1, block_size=7), (6, 30)),
+    (F.BlockFormat(3, axis=1, block_size=4, exponent="hbfp"), (2, 9)),
+    (F.hbfp(7, 5), (11, 3, 4)), (F.hbfp(4, 24), (30, 50)),
+    (F.BlockFormat(6, tile=(2, 3)), (7,)), (F.BlockFormat(6, tile=(1, 16)), (5, 17)),
+], ids=repr)
+def test_block_formats(fmt, shape):
+  _check(_awkward(shape, seed=6), fmt, ("nearest", "stochastic"), block_size=4)
+
+
+@pytest.mark.parametrize("fmt", [F.mx(F.E4M3FN, 8), F.hbfp(6, 4)], ids=repr)
+def test_block_all_roundings(fmt):
+  _check(_awkward((9, 20), seed=10), fmt, ROUNDINGS, block_size=2)
+
+
+@pytest.mark.parametrize("shape", [(0, 32), (1,), (1, 1), (3, 0)])
+def test_block_awkward_shapes(shape):
+  _check(_awkward(shape, seed=7), F.mx(F.E4M3FN, 32), ("nearest", "stochastic"))
+
+
+def test_unsupported_and_errors():
+  x = jnp.ones((4, 8))
+  assert not supports(F.mx(F.E4M3FN, axis=0), x.shape)
+  assert not supports(F.BlockFormat(4), x.shape)  # whole-tensor block
+  assert not supports(F.qpytorch_block(8), x.shape)
+  with pytest.raises(ValueError, match="no kernel"):
+    pq(x, F.BlockFormat(4), interpret=True)
+  with pytest.raises(ValueError, match="PRNG key"):
+    pq(x, F.E4M3, "stochastic", interpret=True)
+  with pytest.raises(TypeError):
+    pq(x.astype(jnp.int32), F.E4M3, interpret=True)
+  with pytest.raises(ValueError, match="supports rounding"):
+    pq(x, F.cpd_float(4, 3), "stochastic", key=KEY, interpret=True)
+
+
+def test_can_use_is_false_on_cpu():
+  assert jax.default_backend() == "cpu"
+  assert not can_use_pallas_quantize(jnp.zeros((1 << 20,)), F.E4M3, "nearest")
+
+
+def test_straight_through_gradient():
+  x = _awkward((64,), seed=8)
+  x = jnp.where(jnp.isfinite(x), x, 0.0)
+  g = jax.grad(lambda x: jnp.sum(pq(x, F.E4M3, interpret=True) * 3.0))(x)
+  np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0, np.float32))
