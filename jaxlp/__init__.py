@@ -9,6 +9,7 @@ from jaxlp import formats as formats
 from jaxlp.formats import BlockFormat as BlockFormat
 from jaxlp.formats import FixedPoint as FixedPoint
 from jaxlp.formats import FloatFormat as FloatFormat
+from jaxlp.ops import matmul as matmul
 from jaxlp.ops import quantize as quantize
 
 __version__ = "0.1.0"
@@ -18,5 +19,6 @@ __all__ = [
     "FixedPoint",
     "FloatFormat",
     "formats",
+    "matmul",
     "quantize",
 ]
