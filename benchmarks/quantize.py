@@ -81,7 +81,8 @@ def main(argv=None):
   print(f"# quantize throughput, n={n} float32, median of {repeats}; "
         f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
         f"{datetime.date.today()}")
-  hdr = f"| {'what':38s} | {'ms':>8s} | {'GB/s':>6s} | {'Gelem/s':>7s} | {'vs QPyTorch':>11s} | {'vs copy':>7s} |"
+  hdr = (f"| {'what':38s} | {'ms':>8s} | {'GB/s':>6s} | {'Gelem/s':>7s} | {'vs QPyTorch':>11s} "
+         f"| {'vs copy':>7s} |")
   print(hdr)
   print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
   for name, s in rows:

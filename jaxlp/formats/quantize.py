@@ -146,7 +146,8 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
       raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
   if rounding == "stochastic":
     if key is None:
-      raise ValueError("quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+      raise ValueError(
+          "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
     rand = random_bits(key, x.shape)
   else:
     rand = jnp.zeros((), jnp.uint32)

@@ -27,7 +27,8 @@ def inputs():
   rng = np.random.default_rng(1234)
   rand = rng.integers(0, 2**32, N_RANDOM, dtype=np.uint64).astype(np.uint32).view(np.float32)
   h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-  hn = np.concatenate([h, np.nextafter(h, np.float32(np.inf)), np.nextafter(h, np.float32(-np.inf))])
+  hn = np.concatenate([h, np.nextafter(h, np.float32(np.inf)),
+                       np.nextafter(h, np.float32(-np.inf))])
   # midpoints between adjacent float16 values (ties of FP16) and their neighbours
   hs = np.sort(h[np.isfinite(h)].astype(np.float64))
   mids = ((hs[:-1] + hs[1:]) / 2).astype(np.float32)

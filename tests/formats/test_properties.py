@@ -16,7 +16,7 @@ FMTS = [F.E4M3, F.E5M2, F.BF16, F.E2M1FN, F.E4M3FNUZ, F.FloatFormat(3, 2, subnor
 MODES = ("nearest", "nearest_away", "toward_zero", "up", "down")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fn(fmt, mode):
   return jax.jit(lambda v: F.quantize(v, fmt, mode))
 

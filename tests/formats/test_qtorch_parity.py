@@ -173,7 +173,8 @@ def test_stochastic_distributions_match(qt):
   arr = np.tile(np.array([[1.0, 0.3]], np.float32), (n, 1)).reshape(n, 2)
   arr = np.ascontiguousarray(arr)
   want = qt.block_quantize(_t(qt, arr), 8, 0, rounding="stochastic").numpy()[:, 1]
-  got = np.asarray(F.quantize(jnp.asarray(arr), F.qpytorch_block(8, 0), "stochastic", key=key))[:, 1]
+  got = np.asarray(F.quantize(jnp.asarray(arr), F.qpytorch_block(8, 0), "stochastic",
+                              key=key))[:, 1]
   vals = np.unique(np.concatenate([want, got]))
   assert vals.size == 2, vals
   _prop_test(int((got == vals.max()).sum()), int((want == vals.max()).sum()), n)

@@ -186,8 +186,8 @@ def _mesh(explicit=False):
   return jax.make_mesh((8,), ("x",), axis_types=(t,))
 
 
-@pytest.mark.parametrize("fmt", [F.E4M3, F.FixedPoint(8, 3), F.BlockFormat(4, axis=1, block_size=4)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "fmt", [F.E4M3, F.FixedPoint(8, 3), F.BlockFormat(4, axis=1, block_size=4)], ids=repr)
 def test_sharded_sr_equals_unsharded(fmt):
   mesh = _mesh()
   x = jax.random.normal(jax.random.key(2), (64, 24))

@@ -94,5 +94,5 @@ def test_hlo_keeps_integer_rounding(fmt):
   assert "bitcast-convert" in txt or "bitcast" in txt
   for mode in ("toward_zero", "stochastic"):
     f = functools.partial(F.quantize, fmt=fmt, rounding=mode, key=jax.random.key(0))
-    txt = jax.jit(lambda v: f(v)).lower(x).compile().as_text()
+    txt = jax.jit(f).lower(x).compile().as_text()
     assert "and(" in txt or "shift-right-logical" in txt
