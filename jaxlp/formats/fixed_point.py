@@ -21,6 +21,12 @@ class FixedPoint:
   is ``rounding="nearest_away"`` here). NaN stays NaN; ±inf clamps to the range (or stays
   inf when ``clamp=False``).
 
+  Known differences from QPyTorch's CPU build (tests/formats/test_qtorch_parity.py): its
+  ``nearbyint((y + 0.5) - 0.5)`` double-rounds in float32 at ``y = x * 2**fl = 0.5 + 2**-24``
+  (gives 0; exact RNE gives 1) and at odd integers ``2**23 < |y| < 2**24``; and for
+  ``wl - fl - 1 > 24`` its float32 clamp bound rounds up to ``2**(wl-fl-1)`` (outside the
+  format) where jaxlp clamps to the largest float32 below the true bound.
+
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp`` (fixed point).
   """
@@ -36,9 +42,11 @@ class FixedPoint:
     if not isinstance(self.fl, int) or isinstance(self.fl, bool):
       raise ValueError(f"FixedPoint: fl must be an int, got fl={self.fl!r}")
     if not -100 <= self.fl <= 149:
-      raise ValueError(f"FixedPoint: fl must be in -100..149 (2**-fl inside float32), got fl={self.fl}")
+      raise ValueError(
+          f"FixedPoint: fl must be in -100..149 (2**-fl inside float32), got fl={self.fl}")
     if self.wl - self.fl - 1 > 127:
-      raise ValueError(f"FixedPoint: range 2**(wl-fl-1) = 2**{self.wl - self.fl - 1} exceeds float32")
+      raise ValueError(
+          f"FixedPoint: range 2**(wl-fl-1) = 2**{self.wl - self.fl - 1} exceeds float32")
 
   supported_roundings = B.ROUNDINGS
 

@@ -50,7 +50,12 @@ def key_words(key) -> tuple[jax.Array, jax.Array]:
     if key.shape != ():
       raise ValueError(f"quantize: key must be a single PRNG key, got key shape {key.shape}")
   else:
-    k = jnp.asarray(key)
+    try:
+      k = jnp.asarray(key)
+    except TypeError as e:
+      raise ValueError(
+          f"quantize: key must be a jax.random.key(...) or a legacy uint32[2] PRNGKey, got "
+          f"{key!r}") from e
     if k.dtype != jnp.uint32 or k.shape != (2,):
       raise ValueError(
           "quantize: key must be a jax.random.key(...) or a legacy uint32[2] PRNGKey, got "
@@ -124,19 +129,25 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
     TypeError/ValueError naming the problem: bad dtype, format, rounding, missing key.
   """
   check_format(fmt, rounding)
+  # The caller's dtype, before jnp.asarray (which would narrow a numpy float64 array to
+  # float32 silently when x64 is off). Python scalars and lists have no dtype and are fine.
+  in_dtype = getattr(x, "dtype", None)
   x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-  if x.dtype not in _INPUT_DTYPES:
+  bad = x.dtype if in_dtype is None else jnp.dtype(in_dtype)
+  if bad not in _INPUT_DTYPES or x.dtype not in _INPUT_DTYPES:
     raise DTypeError(
-        f"quantize: x must be float32, float16 or bfloat16, got dtype={x.dtype} (cast "
+        f"quantize: x must be float32, float16 or bfloat16, got dtype={bad} (cast "
         "explicitly; float64 would be double-rounded through float32)")
   if rand_bits is not None:
     if rounding != "stochastic":
       raise ValueError("quantize: rand_bits applies only to rounding='stochastic'")
-    if not isinstance(rand_bits, int) or not 1 <= rand_bits <= 32:
+    if (not isinstance(rand_bits, int) or isinstance(rand_bits, bool)
+        or not 1 <= rand_bits <= 32):
       raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
   if rounding == "stochastic":
     if key is None:
-      raise ValueError("quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+      raise ValueError(
+          "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
     rand = random_bits(key, x.shape)
   else:
     rand = jnp.zeros((), jnp.uint32)

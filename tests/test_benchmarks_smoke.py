@@ -1,0 +1,19 @@
+"""Smoke test: benchmarks/quantize.py --small runs and prints its table."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_quantize_benchmark_small():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+  env.pop("XLA_FLAGS", None)
+  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize.py"), "--small",
+                      "--repeats", "1"], capture_output=True, text=True, timeout=60, env=env,
+                     cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "jaxlp E4M3 nearest" in r.stdout and "numpy copyto" in r.stdout, r.stdout
