@@ -158,8 +158,12 @@ def _chain(g, q, kahan):
   idx = _iota(n)
   s = q(g[0], idx, 0, TAG_SUM)
   c = jnp.zeros_like(s)
-  for r in range(1, w):
-    s, c = _step(s, c, g[r], idx, r, q, kahan)
+
+  def body(r, sc):
+    gr = lax.dynamic_index_in_dim(g, r, 0, keepdims=False)
+    return _step(sc[0], sc[1], gr, idx, r, q, kahan)
+
+  s, c = lax.fori_loop(1, w, body, (s, c))
   return s
 
 
@@ -205,14 +209,18 @@ def _ring(x, axis_name, w, me, q, kahan, codec):
   dec = (lambda v: v) if codec is None else codec.decode
   s = q(chunk(me), idx_of(me), me, TAG_SUM)
   c = jnp.zeros_like(s)
-  for k in range(1, w):
+
+  def hop(k, sc):
+    s, c = sc
     if kahan:
       s_in, c_in = _axes.ring_shift(jnp.stack([enc(s), enc(c)]), axis_name)
       s, c = dec(s_in), dec(c_in)
     else:
       s = dec(_axes.ring_shift(enc(s), axis_name))
     cid = (me - k) % w
-    s, c = _step(s, c, chunk(cid), idx_of(cid), me, q, kahan)
+    return _step(s, c, chunk(cid), idx_of(cid), me, q, kahan)
+
+  s, c = lax.fori_loop(1, w, hop, (s, c))
   # Worker i now holds the final chunk (i + 1) mod W.
   full = dec(_axes.all_gather(enc(s), axis_name))
   return jnp.roll(full, 1, axis=0).reshape(-1)[:n]

@@ -12,6 +12,10 @@ from jaxlp.parallel.aps import format_emax
 F32 = np.float32
 
 
+_qjit = jax.jit(quantize_f32, static_argnums=(1, 2, 4))
+_hash = jax.jit(B.hash_bits)
+
+
 class Q:
   def __init__(self, fmt, rounding="nearest", key=None, leaf=0):
     self.fmt, self.rounding = fmt, rounding
@@ -23,8 +27,8 @@ class Q:
       rand = jnp.zeros((), jnp.uint32)
     else:
       k0, k1 = key_words(jax.random.fold_in(jax.random.fold_in(self.key, r), tag))
-      rand = B.hash_bits(k0, k1, jnp.asarray(idx, jnp.uint32))
-    return np.asarray(quantize_f32(jnp.asarray(x), self.fmt, self.rounding, rand, None))
+      rand = _hash(k0, k1, jnp.asarray(idx, jnp.uint32))
+    return np.asarray(_qjit(jnp.asarray(x), self.fmt, self.rounding, rand, None))
 
 
 def _step(s, c, g, idx, r, q, kahan):
