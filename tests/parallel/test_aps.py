@@ -11,7 +11,6 @@ import optax
 import pytest
 
 from jaxlp import formats as F
-from jaxlp.formats import _bits as B
 from jaxlp.parallel import emulate, lars, psum, psum_two_level, reduce_gradients
 from jaxlp.parallel.aps import ceil_log2_times, format_emax
 
@@ -43,7 +42,8 @@ def test_aps_matches_oracle(order, kahan, fmt):
   gs = data(w, 23, seed=2, scale=1e-3)
   f = vmapped(lambda x: psum(x, "i", fmt=fmt, order=order, kahan=kahan, aps=True), w)
   q = oracle.Q(fmt)
-  summer = {"chain": lambda p: oracle.chain(p, q, kahan), "ring": lambda p: oracle.ring(p, q, kahan),
+  summer = {"chain": lambda p: oracle.chain(p, q, kahan),
+            "ring": lambda p: oracle.ring(p, q, kahan),
             "tree": lambda p: oracle.tree(p, q)}[order]
   assert_rows_equal(f(gs), oracle.aps_sum(gs, fmt, summer, q))
 

@@ -42,7 +42,7 @@ def test_two_processes_loopback(tmp_path):
     for p in procs:
       if p.poll() is None:
         p.kill()
-  for p, log in zip(procs, logs):
+  for p, log in zip(procs, logs, strict=True):
     assert p.returncode == 0, log
   q = oracle.Q(F.E4M3)
   for i in range(nproc):
