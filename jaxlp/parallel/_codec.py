@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxlp.formats import _bits as B
@@ -36,6 +37,32 @@ class Codec:
     return 1 + self.ebits + self.m
 
   def encode(self, x):
+    """Code of each value (values must be on the format's grid, or special)."""
+    if self.m <= 10:
+      return self._encode_lut(x)
+    return self._encode_arith(x)
+
+  def decode(self, code):
+    """float32 value of each code (a table lookup)."""
+    with jax.ensure_compile_time_eval():
+      table = self._decode_arith(jnp.arange(1 << self.nbits, dtype=jnp.uint32))
+    return jnp.take(table, code.astype(jnp.int32), mode="clip")
+
+  def _encode_lut(self, x):
+    # A grid value has at most m significant fraction bits, so bits >> (23 - m) indexes it.
+    sh = 23 - self.m
+    with jax.ensure_compile_time_eval():
+      rep = jnp.arange(1 << (9 + self.m), dtype=jnp.uint32) << sh
+      table = self._encode_arith(B.from_bits(rep))
+    bits = B.to_bits(x)
+    code = jnp.take(table, (bits >> sh).astype(jnp.int32), mode="clip")
+    nan = [c for c, sb in self.specials if sb == B.QNAN_BITS]
+    if nan:
+      code = jnp.where(B.is_nan_mag(bits & B.u32(B.ABS_MASK)), jnp.asarray(nan[0], self.dtype),
+                       code)
+    return code
+
+  def _encode_arith(self, x):
     bits = B.to_bits(x)
     sign = (bits >> 31).astype(B.U32)
     mag = bits & B.u32(B.ABS_MASK)
@@ -61,7 +88,7 @@ class Codec:
       code = jnp.where(hit, B.u32(c), code)
     return code.astype(self.dtype)
 
-  def decode(self, code):
+  def _decode_arith(self, code):
     code = code.astype(B.U32)
     m = self.m
     sign = (code >> B.u32(self.nbits - 1)) & B.u32(1)

@@ -267,7 +267,8 @@ def test_ring_hlo_sends_bytes():
   mesh = jax.make_mesh((8,), ("dev",))
   hlo = jax.jit(jax.shard_map(lambda x: psum(x[0], "dev", fmt=F.E4M3, order="ring")[None],
                               mesh=mesh, in_specs=P("dev"), out_specs=P("dev"),
-                              check_vma=False)).lower(_put(data(8, 64), mesh, "dev")).compile().as_text()
+                              check_vma=False))
+  hlo = hlo.lower(_put(data(8, 64), mesh, "dev")).compile().as_text()
   perms = [ln for ln in hlo.splitlines() if "collective-permute" in ln and "=" in ln]
   assert perms and all("u8[" in ln for ln in perms if "start" in ln or "permute(" in ln)
   assert "f32[" not in " ".join(ln.split("=")[1][:30] for ln in perms)
