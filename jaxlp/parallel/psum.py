@@ -1,0 +1,245 @@
+"""Order-faithful low-precision all-reduce: every partial sum rounded to a format.
+
+Semantics (DESIGN.md "Data parallel"). For each leaf the addends are the workers' float32
+values ``g_0 .. g_{W-1}`` (worker-major over a tuple ``axis_name``); ``Q`` is
+:func:`jaxlp.formats.quantize` to ``fmt``; ``+`` is an IEEE float32 add (nearest even with
+gradual underflow on every backend: see :mod:`jaxlp.parallel._arith`).
+
+* ``"chain"`` (CPD): ``acc = Q(g_0)``; ``acc = Q(acc + g_r)`` for r = 1..W-1 (gather, then
+  the same sequential sum on every worker).
+* ``"ring"``: the leaf is flattened (C order), zero-padded to ``W*L`` and cut into W chunks
+  of L. Chunk c is accumulated starting at worker c: ``acc = Q(g_c[c])``,
+  ``acc = Q(acc + g_{c+k mod W}[c])`` for k = 1..W-1. Implemented as a real ring
+  reduce-scatter (W-1 ``ppermute`` hops, each worker adds its own chunk) followed by an
+  all-gather. The hop and gather payloads are the rounded partial sums bit-packed into
+  8/16-bit words when the format fits (see :mod:`jaxlp.parallel._codec`).
+* ``"tree"``: level by level, pairs (0,1), (2,3), ... are added and rounded; an odd last
+  node is carried up unchanged to the next level (so for W = 3: ``Q(Q(g_0+g_1) + g_2)``,
+  W = 6: ``Q(Q(Q(g0+g1)+Q(g2+g3)) + Q(g4+g5))``). Leaves are not rounded before their
+  first add; for W = 1 the result is ``Q(g_0)``.
+* ``"native"``: ``Q(g)`` then ``lax.psum`` in float32 (the backend's order), then ``Q``
+  (what a collective in the wire dtype does; not order-faithful, identical on workers).
+* ``kahan=True`` (chain and ring): ``s = Q(g_first)``, ``c = +0``, then per addend
+  ``y = Q(g - c); t = Q(s + y); c = Q(Q(t - s) - y); s = t``; result ``s`` (CPD's
+  ``kahan_sum_gradients``; the compensation is not added back).
+* ``aps=True``: see :mod:`jaxlp.parallel.aps`: ``shift = emax(fmt) - A`` per leaf, the
+  addends become ``Q(g * 2**shift)`` (exact power-of-two scaling on the bits), the sum is
+  taken as above and multiplied by ``2**-shift`` (IEEE-rounded). An all-zero leaf gives
+  zeros. If any worker's leaf holds inf or NaN the whole leaf is NaN on every worker (so
+  ``optax.apply_if_finite`` can skip the step).
+
+Stochastic rounding (``rounding="stochastic"``, ``key`` required, the same key on every
+worker): the rounding done when worker r's addend enters (and, in the ring, the first
+``Q(g_c[c])`` done by worker c) uses the noise word ``hash(fold_in(fold_in(fold_in(key,
+l), r), t), i)`` of :func:`jaxlp.formats._bits.hash_bits`, with l the leaf number (tree
+flatten order), i the element's flat C-order index in the leaf and t a tag: 0 for the sum
+``Q(s + y)``/``Q(acc + g)``, 1 for ``y``, 2 for ``Q(t - s)``, 3 for ``c``, 7 for the APS
+pre-cast. So chain and ring use the same per-worker keys; the tree rounding of node p at
+level ``lv`` (0-based) uses r = ``W + lv * W + p``; native's pre-cast uses the worker's r and
+the final rounding r = W. The noise therefore does not depend on devices vs emulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.formats import _bits as B
+from jaxlp.formats.quantize import check_format, is_elementwise, key_words, quantize_f32
+from jaxlp.parallel import _axes
+from jaxlp.parallel._arith import add_f32, scale_pow2, sub_f32
+from jaxlp.parallel._codec import codec_for
+from jaxlp.parallel.aps import aps_shift
+
+ORDERS = ("ring", "chain", "tree", "native")
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+TAG_SUM, TAG_Y, TAG_TS, TAG_C, TAG_PRE = 0, 1, 2, 3, 7
+
+
+class _Rounder:
+  """Q with the documented noise scheme for one leaf."""
+
+  def __init__(self, fmt, rounding, key, leaf_no):
+    self.fmt, self.rounding = fmt, rounding
+    self.key = None if rounding != "stochastic" else jax.random.fold_in(key, leaf_no)
+
+  def __call__(self, x, idx, r, tag):
+    if self.key is None:
+      return quantize_f32(x, self.fmt, self.rounding, jnp.zeros((), jnp.uint32), None)
+    k = jax.random.fold_in(jax.random.fold_in(self.key, r), tag)
+    k0, k1 = key_words(k)
+    return quantize_f32(x, self.fmt, self.rounding, B.hash_bits(k0, k1, idx), None)
+
+
+def _check(fmt, order, kahan, rounding, key):
+  check_format(fmt, rounding)
+  if not is_elementwise(fmt):
+    raise TypeError(f"psum: fmt must be an elementwise format (FloatFormat, cpd_float, "
+                    f"qpytorch_float, FixedPoint), got fmt={fmt!r}")
+  if order not in ORDERS:
+    raise ValueError(f"psum: order must be one of {ORDERS}, got order={order!r}")
+  if kahan and order not in ("chain", "ring"):
+    raise ValueError(f"psum: kahan=True needs order='chain' or 'ring', got order={order!r}")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("psum: rounding='stochastic' needs key=jax.random.key(...)")
+
+
+def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
+         aps: bool = False, rounding: str = "nearest", key=None, pack: bool = True):
+  """Sum ``tree`` over ``axis_name`` with every partial sum rounded to ``fmt``.
+
+  Args:
+    tree: pytree of float32/float16/bfloat16 arrays (any shapes, scalars included).
+    axis_name: a named axis of pmap / shard_map / vmap, or a tuple of them (worker-major
+      in the order given, e.g. ``("dev", "emu")``).
+    fmt: elementwise jaxlp format of the partial sums.
+    order: ``"ring"`` | ``"chain"`` | ``"tree"`` | ``"native"`` (see module docstring).
+    kahan: compensated summation (chain, ring).
+    aps: Auto Precision Scaling per leaf.
+    rounding: rounding mode of every ``Q``.
+    key: PRNG key for stochastic rounding (same on all workers).
+    pack: send ring payloads bit-packed in 8/16-bit words when the format fits.
+
+  Returns:
+    Pytree of the same structure, shapes and dtypes; identical bits on every worker.
+  """
+  _check(fmt, order, kahan, rounding, key)
+  w = _axes.axis_size(axis_name)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out = []
+  for l, leaf in enumerate(leaves):
+    leaf = jnp.asarray(leaf)
+    if leaf.dtype not in _FLOAT_DTYPES:
+      raise TypeError(f"psum: leaves must be float32/float16/bfloat16, got leaf {l} of "
+                      f"dtype={leaf.dtype}")
+    q = _Rounder(fmt, rounding, key, l)
+    out.append(_psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack):
+  shape, dtype = leaf.shape, leaf.dtype
+  x = leaf.astype(jnp.float32).reshape(-1)
+  n = x.size
+  me = _axes.axis_index(axis_name)
+  codec = codec_for(q.fmt) if pack else None
+  if aps:
+    shift, _, bad = aps_shift(x, axis_name, q.fmt, w)
+    x = q(scale_pow2(x, shift), _iota(n), me, TAG_PRE)
+  if n == 0:
+    res = x
+  elif order == "ring":
+    res = _ring(x, axis_name, w, me, q, kahan, codec)
+  elif order == "native":
+    xq = x if aps else q(x, _iota(n), me, TAG_PRE)
+    res = q(lax.psum(xq, _axes.as_tuple(axis_name)), _iota(n), w, TAG_SUM)
+  else:
+    g = _gather(x, axis_name, codec if aps else None)
+    res = _chain(g, q, kahan) if order == "chain" else _tree(g, q, w)
+  if aps:
+    res = scale_pow2(res, -shift)
+    res = jnp.where(bad, jnp.float32(jnp.nan), res)
+  return res.reshape(shape).astype(dtype)
+
+
+def _iota(n, start=0):
+  return lax.iota(jnp.uint32, n) + jnp.asarray(start, jnp.uint32)
+
+
+def _gather(x, axis_name, codec):
+  if codec is None:
+    return _axes.all_gather(x, axis_name)
+  return codec.decode(_axes.all_gather(codec.encode(x), axis_name))
+
+
+def _chain(g, q, kahan):
+  w, n = g.shape
+  idx = _iota(n)
+  s = q(g[0], idx, 0, TAG_SUM)
+  c = jnp.zeros_like(s)
+
+  def body(r, sc):
+    gr = lax.dynamic_index_in_dim(g, r, 0, keepdims=False)
+    return _step(sc[0], sc[1], gr, idx, r, q, kahan)
+
+  s, c = lax.fori_loop(1, w, body, (s, c))
+  return s
+
+
+def _step(s, c, g, idx, r, q, kahan):
+  if not kahan:
+    return q(add_f32(s, g), idx, r, TAG_SUM), c
+  y = q(sub_f32(g, c), idx, r, TAG_Y)
+  t = q(add_f32(s, y), idx, r, TAG_SUM)
+  c = q(sub_f32(q(sub_f32(t, s), idx, r, TAG_TS), y), idx, r, TAG_C)
+  return t, c
+
+
+def _tree(g, q, w):
+  idx = _iota(g.shape[1])
+  nodes = [g[r] for r in range(w)]
+  rounded = False
+  lv = 0
+  while len(nodes) > 1:
+    nxt = []
+    for p in range(0, len(nodes) - 1, 2):
+      nxt.append(q(add_f32(nodes[p], nodes[p + 1]), idx, w + lv * w + p // 2, TAG_SUM))
+    if len(nodes) % 2:
+      nxt.append(nodes[-1])
+    nodes = nxt
+    rounded = True
+    lv += 1
+  return nodes[0] if rounded else q(nodes[0], idx, 0, TAG_SUM)
+
+
+def _ring(x, axis_name, w, me, q, kahan, codec):
+  n = x.size
+  length = -(-n // w)
+  xs = jnp.pad(x, (0, w * length - n)).reshape(w, length)
+  ar = _iota(length)
+
+  def chunk(c):
+    return lax.dynamic_index_in_dim(xs, c, 0, keepdims=False)
+
+  def idx_of(c):
+    return ar + (c * length).astype(jnp.uint32)
+
+  enc = (lambda v: v) if codec is None else codec.encode
+  dec = (lambda v: v) if codec is None else codec.decode
+  s = q(chunk(me), idx_of(me), me, TAG_SUM)
+  c = jnp.zeros_like(s)
+
+  def hop(k, sc):
+    s, c = sc
+    if kahan:
+      s_in, c_in = _axes.ring_shift(jnp.stack([enc(s), enc(c)]), axis_name)
+      s, c = dec(s_in), dec(c_in)
+    else:
+      s = dec(_axes.ring_shift(enc(s), axis_name))
+    cid = (me - k) % w
+    return _step(s, c, chunk(cid), idx_of(cid), me, q, kahan)
+
+  s, c = lax.fori_loop(1, w, hop, (s, c))
+  # Worker i now holds the final chunk (i + 1) mod W.
+  full = dec(_axes.all_gather(enc(s), axis_name))
+  return jnp.roll(full, 1, axis=0).reshape(-1)[:n]
+
+
+def payload_bytes(size: int, w: int, fmt, order: str = "ring", *, kahan: bool = False,
+                  aps: bool = False, pack: bool = True) -> int:
+  """Bytes one worker sends for one leaf of ``size`` elements (for the benchmark table).
+
+  ring: (W-1) hops of one chunk (two with Kahan) + the all-gather of its final chunk to
+  W-1 peers; chain/tree: its whole leaf to W-1 peers (bit-packed only with APS, where the
+  addends are on the format's grid); native: float32 ring all-reduce, 2(W-1)/W * 4 bytes
+  per element. APS adds one int32 pair to the max-reduction (not counted).
+  """
+  codec = codec_for(fmt) if pack else None
+  wb = 4 if codec is None else jnp.dtype(codec.dtype).itemsize
+  length = -(-size // w)
+  if order == "ring":
+    return (w - 1) * length * wb * (2 if kahan else 1) + (w - 1) * length * wb
+  if order in ("chain", "tree"):
+    return (w - 1) * size * (wb if aps else 4)
+  return int(2 * (w - 1) * length * 4)

@@ -1,0 +1,87 @@
+"""``reduce_gradients``: the data-parallel all-reduce as an optax transformation."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.parallel import _axes
+from jaxlp.parallel.psum import psum
+
+
+class ReduceGradientsState(NamedTuple):
+  """State of :func:`reduce_gradients`: step count, base PRNG key, compressor state."""
+
+  count: jax.Array
+  key: Any
+  compressor_state: Any
+
+
+def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = False,
+                     aps: bool = False, rounding: str = "nearest", compressor=None,
+                     mean: bool = True, key=None, **compressor_opts):
+  """An optax transformation that all-reduces the updates over ``axis_name``.
+
+  Put it first in an optax chain used inside the per-worker step (pmap / shard_map /
+  ``jaxlp.parallel.emulate``). With ``mean=True`` each worker's gradient is divided by W
+  BEFORE the low-precision sum (CPD's convention: the rounded sum is the mean; dividing
+  after the sum would change what underflows). The division is an exact power-of-two
+  scaling when W is a power of two, else a float32 division (whose subnormal results
+  flush to zero on CPU).
+
+  Args:
+    axis_name: worker axis (or tuple of axes).
+    fmt: format of the partial sums; ``None`` = plain float32 ``lax.psum``.
+    order, kahan, aps, rounding: as in :func:`jaxlp.parallel.psum`.
+    compressor: a compressor of ``jaxlp.parallel.compressors``; the reduction is then
+      ``jaxlp.parallel.compressed.compressed_allreduce(..., **compressor_opts)``.
+    mean: return the mean instead of the sum.
+    key: base PRNG key for stochastic rounding (default ``jax.random.key(0)``); step t
+      uses ``fold_in(key, t)``.
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`ReduceGradientsState`.
+  """
+  import optax
+
+  if fmt is None and (kahan or aps or rounding != "nearest"):
+    raise ValueError("reduce_gradients: kahan/aps/rounding need a low-precision fmt (fmt=None "
+                     "is a plain float32 psum)")
+
+  def init_fn(params):
+    k = jax.random.key(0) if key is None else key
+    cstate = None
+    if compressor is not None and hasattr(compressor, "init"):
+      cstate = compressor.init(params)
+    return ReduceGradientsState(jnp.zeros((), jnp.int32), k, cstate)
+
+  def update_fn(updates, state, params=None):
+    del params
+    w = _axes.axis_size(axis_name)
+    if mean:
+      updates = jax.tree_util.tree_map(lambda g: _div(g, w), updates)
+    cstate = state.compressor_state
+    if compressor is not None:
+      from jaxlp.parallel.compressed import compressed_allreduce
+      updates, cstate = compressed_allreduce(updates, cstate, axis_name, compressor,
+                                             **compressor_opts)
+    elif fmt is None:
+      updates = lax.psum(updates, _axes.as_tuple(axis_name))
+    else:
+      step_key = jax.random.fold_in(state.key, state.count)
+      updates = psum(updates, axis_name, fmt=fmt, order=order, kahan=kahan, aps=aps,
+                     rounding=rounding, key=step_key if rounding == "stochastic" else None)
+    return updates, ReduceGradientsState(state.count + 1, state.key, cstate)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _div(g, w):
+  if w & (w - 1) == 0:
+    from jaxlp.parallel._arith import scale_pow2
+    p = w.bit_length() - 1
+    return scale_pow2(g.astype(jnp.float32), -p).astype(g.dtype)
+  return (g.astype(jnp.float32) / jnp.float32(w)).astype(g.dtype)

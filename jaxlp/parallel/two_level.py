@@ -1,0 +1,62 @@
+"""CPD's two-level reduction for emulated nodes (seeds-spec §1.4 "Emulated nodes").
+
+References:
+  drcut/CPD ``example/ResNet50/main.py`` (``--emulate-node``) and
+  ``example/ResNet18/tools/mix.py`` (``--emulate_node``, master).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.formats.quantize import check_format
+from jaxlp.parallel import _axes
+from jaxlp.parallel._arith import add_f32, scale_pow2
+from jaxlp.parallel.aps import ZERO_EXPONENT, format_emax, local_exponent
+from jaxlp.parallel.psum import psum
+
+CPD_SENTINEL = -100
+
+
+def psum_two_level(tree, node_axis, rank_axis, *, fmt, aps: bool = True, kahan: bool = False,
+                   combine_single: bool = False):
+  """CPD's emulated-node reduction: local combine over ``node_axis``, then across ranks.
+
+  Local combine (per leaf, on each real rank, over its E emulated workers j):
+  ``A_loc = max_j ceil(log2(max|g_j| * E))`` where an all-zero ``g_j`` counts as the
+  sentinel -100; ``shift = emax(fmt) - A_loc``, but 0 when ``aps`` is False or
+  ``A_loc == -100``; ``g'_j = Q(g_j * 2**shift)``; ``r = +0; r = Q(r + g'_j)`` for
+  j = 0..E-1 (no Kahan); combined ``= r * 2**-shift``. ``A_loc`` is per rank (not reduced
+  across ranks). With E == 1 the raw gradient is used (ResNet18-master) unless
+  ``combine_single``. Then :func:`psum` ``(order="chain", aps=aps, kahan=kahan)`` over
+  ``rank_axis`` (APS recomputed from the combined gradient, with our all-zero guard).
+  Not equal to a flat chain over W*E workers.
+  """
+  check_format(fmt, "nearest")
+  e = _axes.axis_size(node_axis)
+
+  def local(g):
+    dtype = g.dtype
+    x = g.astype(jnp.float32).reshape(-1)
+    if e == 1 and not combine_single:
+      return g
+    if aps:
+      a, _ = local_exponent(x, e)
+      a = jnp.where(a == ZERO_EXPONENT, CPD_SENTINEL, a)
+      a = _axes.pmax(a, node_axis)
+      shift = jnp.where(a == CPD_SENTINEL, 0, format_emax(fmt) - a)
+      x = scale_pow2(x, shift)
+    from jaxlp.formats.quantize import quantize_f32
+    qz = jnp.zeros((), jnp.uint32)
+    x = quantize_f32(x, fmt, "nearest", qz, None)
+    gs = _axes.all_gather(x, node_axis)
+    r = jnp.zeros_like(x)
+    for j in range(e):
+      r = quantize_f32(add_f32(r, gs[j]), fmt, "nearest", qz, None)
+    if aps:
+      r = scale_pow2(r, -shift)
+    return r.reshape(g.shape).astype(dtype)
+
+  combined = jax.tree_util.tree_map(local, tree)
+  return psum(combined, rank_axis, fmt=fmt, order="chain", aps=aps, kahan=kahan)

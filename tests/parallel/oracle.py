@@ -1,0 +1,113 @@
+"""numpy oracles of jaxlp.parallel.psum (float32 adds in numpy, which never flush subnormals;
+Q = jaxlp's bit-level quantize)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlp.formats import _bits as B
+from jaxlp.formats.quantize import key_words, quantize_f32
+from jaxlp.parallel.aps import format_emax
+
+F32 = np.float32
+
+
+_qjit = jax.jit(quantize_f32, static_argnums=(1, 2, 4))
+_hash = jax.jit(B.hash_bits)
+
+
+class Q:
+  def __init__(self, fmt, rounding="nearest", key=None, leaf=0):
+    self.fmt, self.rounding = fmt, rounding
+    self.key = None if key is None else jax.random.fold_in(key, leaf)
+
+  def __call__(self, x, idx, r, tag):
+    x = np.asarray(x, F32)
+    if self.key is None:
+      rand = jnp.zeros((), jnp.uint32)
+    else:
+      k0, k1 = key_words(jax.random.fold_in(jax.random.fold_in(self.key, r), tag))
+      rand = _hash(k0, k1, jnp.asarray(idx, jnp.uint32))
+    return np.asarray(_qjit(jnp.asarray(x), self.fmt, self.rounding, rand, None))
+
+
+def _step(s, c, g, idx, r, q, kahan):
+  if not kahan:
+    return q(F32(s + g) if np.ndim(s) == 0 else (s + g).astype(F32), idx, r, 0), c
+  y = q((g - c).astype(F32), idx, r, 1)
+  t = q((s + y).astype(F32), idx, r, 0)
+  c = q((q((t - s).astype(F32), idx, r, 2) - y).astype(F32), idx, r, 3)
+  return t, c
+
+
+def chain(gs, q, kahan=False):
+  idx = np.arange(gs.shape[1], dtype=np.uint32)
+  s = q(gs[0], idx, 0, 0)
+  c = np.zeros_like(s)
+  for r in range(1, len(gs)):
+    s, c = _step(s, c, gs[r], idx, r, q, kahan)
+  return s
+
+
+def ring(gs, q, kahan=False):
+  w, n = gs.shape
+  length = -(-n // w)
+  xs = np.zeros((w, w * length), F32)
+  xs[:, :n] = gs
+  xs = xs.reshape(w, w, length)
+  out = []
+  for c in range(w):
+    idx = np.arange(length, dtype=np.uint32) + c * length
+    s = q(xs[c, c], idx, c, 0)
+    cc = np.zeros_like(s)
+    for k in range(1, w):
+      r = (c + k) % w
+      s, cc = _step(s, cc, xs[r, c], idx, r, q, kahan)
+    out.append(s)
+  return np.concatenate(out)[:n]
+
+
+def tree(gs, q):
+  w = len(gs)
+  idx = np.arange(gs.shape[1], dtype=np.uint32)
+  nodes = list(gs)
+  if w == 1:
+    return q(nodes[0], idx, 0, 0)
+  lv = 0
+  while len(nodes) > 1:
+    nxt = [q((nodes[p] + nodes[p + 1]).astype(F32), idx, w + lv * w + p // 2, 0)
+           for p in range(0, len(nodes) - 1, 2)]
+    if len(nodes) % 2:
+      nxt.append(nodes[-1])
+    nodes, lv = nxt, lv + 1
+  return nodes[0]
+
+
+def ceil_log2_exact(v):
+  """ceil(log2(v)) of a positive Python Fraction/float, exactly (float64-free)."""
+  from fractions import Fraction
+  v = Fraction(v)
+  a = v.numerator.bit_length() - v.denominator.bit_length()
+  while Fraction(2) ** a < v:
+    a += 1
+  while Fraction(2) ** (a - 1) >= v:
+    a -= 1
+  return a
+
+
+def aps_sum(gs, fmt, summer, q):
+  """APS oracle: A = ceil(log2(max|g| W)), shift = emax - A, Q(g 2^shift), sum, unscale."""
+  from fractions import Fraction
+  w = len(gs)
+  if not np.all(np.isfinite(gs)):
+    return np.full(gs.shape[1], np.nan, F32)
+  m = np.max(np.abs(gs))
+  if m == 0:
+    return np.zeros(gs.shape[1], F32)
+  a = ceil_log2_exact(Fraction(float(m)) * w)
+  shift = format_emax(fmt) - a
+  scaled = np.stack([(g.astype(np.float64) * 2.0**shift).astype(F32) for g in gs])
+  idx = np.arange(gs.shape[1], dtype=np.uint32)
+  pre = np.stack([q(scaled[r], idx, r, 7) for r in range(w)])
+  s = summer(pre)
+  return (s.astype(np.float64) * 2.0**-shift).astype(F32)

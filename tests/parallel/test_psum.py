@@ -1,0 +1,276 @@
+"""Bit-exact tests of jaxlp.parallel.psum against numpy oracles in every execution mode."""
+
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxlp import formats as F
+from jaxlp.parallel import _arith, psum
+from jaxlp.parallel._codec import codec_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+import oracle  # noqa: E402
+
+NOSUB = F.FloatFormat(4, 3, subnormals=False)
+
+
+def bits(x):
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+def assert_rows_equal(out, ref):
+  """Every worker's row equals the oracle bit for bit (NaN-aware: any NaN matches NaN)."""
+  out = np.asarray(out, np.float32).reshape(out.shape[0], -1)
+  ref = np.asarray(ref, np.float32).reshape(-1)
+  for row in out:
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(row), nan)
+    np.testing.assert_array_equal(bits(row)[~nan], bits(ref)[~nan])
+
+
+def vmapped(fn, w):
+  return jax.jit(jax.vmap(fn, axis_name="i"))
+
+
+def sharded(fn, ndev=8, name="dev"):
+  mesh = jax.make_mesh((ndev,), (name,))
+
+  def body(x):
+    return fn(x[0])[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(name), out_specs=P(name),
+                            check_vma=False))
+  return lambda g: f(_put(g, mesh, name))
+
+
+def _put(g, mesh, name):
+  return jax.device_put(jnp.asarray(g), jax.sharding.NamedSharding(mesh, P(name)))
+
+
+def two_level(fn, ndev, nemu):
+  """devices x emulated nodes: shard_map over 'dev', vmap over 'emu' inside."""
+  mesh = jax.make_mesh((ndev,), ("dev",))
+
+  def body(x):  # x: [1, nemu, n]
+    return jax.vmap(fn, axis_name="emu")(x[0])[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dev"), out_specs=P("dev"),
+                            check_vma=False))
+  return lambda g: f(_put(g.reshape((ndev, nemu) + g.shape[1:]), mesh, "dev")).reshape(g.shape)
+
+
+def data(w, n, seed=0, scale=1.0):
+  return (np.random.default_rng(seed).normal(size=(w, n)) * scale).astype(np.float32)
+
+
+def ref_of(order, gs, fmt, kahan=False, rounding="nearest", key=None):
+  q = oracle.Q(fmt, rounding, key)
+  if order == "chain":
+    return oracle.chain(gs, q, kahan)
+  if order == "ring":
+    return oracle.ring(gs, q, kahan)
+  return oracle.tree(gs, q)
+
+
+CASES = [  # (order, kahan)
+    ("chain", False), ("chain", True), ("ring", False), ("ring", True), ("tree", False)]
+
+
+@pytest.mark.parametrize("order,kahan", CASES)
+@pytest.mark.parametrize("fmt", [F.E4M3, F.cpd_float(3, 0), NOSUB], ids=str)
+def test_vmap_matches_oracle(order, kahan, fmt):
+  w, n = 6, 17
+  gs = data(w, n, seed=1)
+  f = vmapped(lambda x: psum(x, "i", fmt=fmt, order=order, kahan=kahan), w)
+  assert_rows_equal(f(gs), ref_of(order, gs, fmt, kahan))
+
+
+@pytest.mark.parametrize("fmt", [F.E4M3FNUZ, F.BF16, F.E2M1FN], ids=str)
+def test_more_formats_ring(fmt):
+  w, n = 3, 10
+  gs = data(w, n, seed=2)
+  f = vmapped(lambda x: psum(x, "i", fmt=fmt, order="ring"), w)
+  assert_rows_equal(f(gs), ref_of("ring", gs, fmt))
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 5])
+@pytest.mark.parametrize("order", ["chain", "ring", "tree"])
+def test_worker_counts_and_padding(w, order):
+  gs = data(w, 7, seed=w)
+  f = vmapped(lambda x: psum(x, "i", fmt=F.E5M2, order=order), w)
+  assert_rows_equal(f(gs), ref_of(order, gs, F.E5M2))
+
+
+@pytest.mark.parametrize("order,kahan", CASES)
+def test_shard_map_8_devices(order, kahan):
+  gs = data(8, 21, seed=3)
+  f = sharded(lambda x: psum(x, "dev", fmt=F.E4M3, order=order, kahan=kahan))
+  assert_rows_equal(f(gs), ref_of(order, gs, F.E4M3, kahan))
+
+
+@pytest.mark.parametrize("order,kahan", [("chain", False), ("ring", False), ("ring", True),
+                                         ("tree", False)])
+def test_devices_times_emulated_nodes(order, kahan):
+  ndev, nemu = 4, 3  # W = 12, device-major
+  gs = data(ndev * nemu, 29, seed=4)
+  f = two_level(lambda x: psum(x, ("dev", "emu"), fmt=F.E5M2, order=order, kahan=kahan),
+                ndev, nemu)
+  assert_rows_equal(f(gs), ref_of(order, gs, F.E5M2, kahan))
+
+
+def test_pmap():
+  gs = data(8, 10, seed=5)
+  f = jax.pmap(lambda x: psum(x, "p", fmt=F.E4M3, order="ring"), axis_name="p")
+  assert_rows_equal(f(gs), ref_of("ring", gs, F.E4M3))
+
+
+@pytest.mark.parametrize("order,kahan", [("chain", False), ("ring", True), ("tree", False)])
+def test_stochastic_same_in_vmap_shard_map_and_oracle(order, kahan):
+  key = jax.random.key(7)
+  gs = data(8, 19, seed=6)
+  fn = functools.partial(psum, fmt=F.E4M3, order=order, kahan=kahan, rounding="stochastic",
+                         key=key)
+  ref = ref_of(order, gs, F.E4M3, kahan, "stochastic", key)
+  assert_rows_equal(vmapped(lambda x: fn(x, "i"), 8)(gs), ref)
+  if order == "ring":
+    assert_rows_equal(sharded(lambda x: fn(x, "dev"))(gs), ref)
+    assert_rows_equal(two_level(lambda x: fn(x, ("dev", "emu")), 2, 4)(gs), ref)
+  # The noise matters: a different key changes some bits.
+  other = vmapped(lambda x: psum(x, "i", fmt=F.E4M3, order=order, kahan=kahan,
+                                 rounding="stochastic", key=jax.random.key(8)), 8)(gs)
+  assert not np.array_equal(bits(other[0]), bits(ref))
+
+
+def test_pytree_scalars_and_dtypes():
+  w = 3
+  rng = np.random.default_rng(8)
+  tree = {"s": rng.normal(size=(w,)).astype(np.float32),
+          "m": rng.normal(size=(w, 2, 5)).astype(np.float32),
+          "h": jnp.asarray(rng.normal(size=(w, 4)), jnp.bfloat16),
+          "z": np.zeros((w, 0), np.float32)}
+  f = vmapped(lambda t: psum(t, "i", fmt=F.E4M3, order="ring"), w)
+  out = f(tree)
+  assert out["h"].dtype == jnp.bfloat16 and out["s"].shape == (w,)
+  assert out["z"].shape == (w, 0)
+  for name in ("s", "m", "h"):
+    gs = np.asarray(jnp.asarray(tree[name]).astype(jnp.float32)).reshape(w, -1)
+    q = oracle.Q(F.E4M3, leaf=0)
+    assert_rows_equal(np.asarray(out[name].astype(jnp.float32)).reshape(w, -1),
+                      oracle.ring(gs, q))
+
+
+def test_native_identical_and_close():
+  gs = data(8, 33, seed=9)
+  out = np.asarray(sharded(lambda x: psum(x, "dev", fmt=F.BF16, order="native"))(gs))
+  for row in out:
+    np.testing.assert_array_equal(bits(row), bits(out[0]))
+  np.testing.assert_allclose(out[0], gs.sum(0), rtol=2e-2, atol=1e-2)
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="order"):
+    vmapped(lambda x: psum(x, "i", fmt=F.E4M3, order="spiral"), 2)(np.ones((2, 3), np.float32))
+  with pytest.raises(ValueError, match="kahan"):
+    vmapped(lambda x: psum(x, "i", fmt=F.E4M3, order="tree", kahan=True), 2)(
+        np.ones((2, 3), np.float32))
+  with pytest.raises(ValueError, match="key"):
+    vmapped(lambda x: psum(x, "i", fmt=F.E4M3, rounding="stochastic"), 2)(
+        np.ones((2, 3), np.float32))
+  with pytest.raises(TypeError, match="elementwise"):
+    vmapped(lambda x: psum(x, "i", fmt=F.hbfp(8)), 2)(np.ones((2, 3), np.float32))
+  with pytest.raises(TypeError, match="dtype"):
+    vmapped(lambda x: psum(x, "i", fmt=F.E4M3), 2)(np.ones((2, 3), np.int32))
+
+
+# -- subnormal float32 arithmetic -----------------------------------------------------------
+
+def _subnormal_pairs():
+  rng = np.random.default_rng(10)
+  raw = rng.integers(0, 2**32, size=(2, 4000), dtype=np.uint64).astype(np.uint32)
+  a, b = raw.view(np.float32)
+  # Force many tiny magnitudes (subnormal and near the threshold) of both signs.
+  tiny = (rng.integers(0, 2**24, size=(2, 4000)) | (rng.integers(0, 2, size=(2, 4000)) << 31))
+  t = tiny.astype(np.uint32).view(np.float32)
+  a = np.concatenate([a, t[0], t[0], np.float32([2**-100, -(2**-100), 1e-45, 0.0, -0.0])])
+  b = np.concatenate([b, t[1], -t[0], np.float32([-(2**-100) + 2**-120, 3e-39, -1e-45, -0.0,
+                                                  -0.0])])
+  return a, b
+
+
+def test_add_f32_is_ieee_with_subnormals():
+  a, b = _subnormal_pairs()
+  fin = np.isfinite(a) & np.isfinite(b)
+  a, b = a[fin], b[fin]
+  with np.errstate(over="ignore"):
+    ref = a + b
+  got = np.asarray(jax.jit(_arith.add_f32)(a, b))
+  np.testing.assert_array_equal(bits(got), bits(ref))
+  # The plain XLA add really does flush here (the reason add_f32 exists).
+  plain = np.asarray(jax.jit(jnp.add)(a, b))
+  assert not np.array_equal(bits(plain), bits(ref))
+
+
+def test_scale_pow2_matches_float64():
+  rng = np.random.default_rng(11)
+  x = np.concatenate([rng.normal(size=500).astype(np.float32),
+                      (rng.integers(1, 2**23, 500).astype(np.uint32)).view(np.float32)])
+  for s in (-150, -100, -30, -1, 0, 1, 40, 150, 270):
+    with np.errstate(over="ignore"):
+      ref = (x.astype(np.float64) * 2.0**s).astype(np.float32)
+    got = np.asarray(jax.jit(_arith.scale_pow2)(x, jnp.int32(s)))
+    np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"s={s}")
+
+
+@pytest.mark.parametrize("order", ["chain", "ring", "tree"])
+def test_subnormal_partial_sums_bf16(order):
+  # BF16 keeps float32's exponent range, so partial sums are float32 subnormals.
+  w = 4
+  gs = (np.random.default_rng(12).normal(size=(w, 40)) * 1e-39).astype(np.float32)
+  f = vmapped(lambda x: psum(x, "i", fmt=F.BF16, order=order), w)
+  ref = ref_of(order, gs, F.BF16)
+  assert np.count_nonzero(ref) > 30
+  assert_rows_equal(f(gs), ref)
+
+
+# -- wire payload ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,dtype", [
+    (F.E4M3, np.uint8), (F.E5M2, np.uint8), (F.E4M3FN, np.uint8), (F.E4M3FNUZ, np.uint8),
+    (F.E2M1FN, np.uint8), (F.cpd_float(4, 3), np.uint8), (F.cpd_float(3, 0), np.uint8),
+    (NOSUB, np.uint8), (F.BF16, np.uint16), (F.FP16, np.uint16), (F.qpytorch_float(5, 2),
+                                                                   np.uint16)], ids=str)
+def test_codec_roundtrip(fmt, dtype):
+  codec = codec_for(fmt)
+  assert codec is not None and codec.dtype == dtype
+  rng = np.random.default_rng(13)
+  x = np.concatenate([rng.normal(size=3000) * 10.0 ** rng.integers(-12, 6, size=3000),
+                      [0.0, -0.0, np.inf, -np.inf, np.nan, 1e30, -1e30, 1e-30]])
+  xq = F.quantize(jnp.asarray(x, jnp.float32), fmt)
+  if isinstance(fmt, F.CPDFloat):  # include CPD's finite rounding-overflow value 2^(bias+1)
+    xq = jnp.concatenate([xq, jnp.float32([2.0 ** (fmt.bias + 1), -2.0 ** (fmt.bias + 1)])])
+  code = jax.jit(codec.encode)(xq)
+  assert code.dtype == dtype
+  back = np.asarray(jax.jit(codec.decode)(code))
+  ref = np.asarray(xq)
+  nan = np.isnan(ref)
+  np.testing.assert_array_equal(np.isnan(back), nan)
+  np.testing.assert_array_equal(bits(back)[~nan], bits(ref)[~nan])
+
+
+def test_ring_hlo_sends_bytes():
+  mesh = jax.make_mesh((8,), ("dev",))
+  hlo = jax.jit(jax.shard_map(lambda x: psum(x[0], "dev", fmt=F.E4M3, order="ring")[None],
+                              mesh=mesh, in_specs=P("dev"), out_specs=P("dev"),
+                              check_vma=False))
+  hlo = hlo.lower(_put(data(8, 64), mesh, "dev")).compile().as_text()
+  perms = [ln for ln in hlo.splitlines() if "collective-permute" in ln and "=" in ln]
+  assert perms and all("u8[" in ln for ln in perms if "start" in ln or "permute(" in ln)
+  assert "f32[" not in " ".join(ln.split("=")[1][:30] for ln in perms)
+  gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln]
+  assert gathers and all("= u8[" in ln for ln in gathers)
