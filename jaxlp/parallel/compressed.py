@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlp.parallel.compressors._base import numel
+from jaxlp.parallel.compressors._base import exact_div, numel
 
 
 class CompressionState(NamedTuple):
@@ -158,10 +158,10 @@ def _cast_reduce(comp, x, axis_name, w, mean):
   if comp.bits >= 16:
     c = comp.cast(x)
     if mean:
-      c = c / jnp.asarray(w, c.dtype)
+      c = exact_div(c, w)
     return lax.psum(c, axis_name).astype(jnp.float32)
   out, _ = _allgather_reduce(comp, x, (), None, axis_name, w)
-  return out / jnp.float32(w) if mean else out
+  return exact_div(out, w) if mean else out
 
 
 def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
@@ -178,7 +178,7 @@ def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
   p = lax.psum(jnp.matmul(m, q, precision=hi), axis_name)
   p = comp_orth(p)
   qs = lax.psum(jnp.matmul(m.T, p, precision=hi), axis_name)
-  qm = qs / jnp.float32(w)
+  qm = exact_div(qs, w)
   approx_mean = jnp.matmul(p, qm.T, precision=hi)
   out = approx_mean if mean else jnp.matmul(p, qs.T, precision=hi)
   new = dict(st, q=qm, iter=st["iter"] + 1)
@@ -186,7 +186,7 @@ def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
     new["error"] = (m - approx_mean).reshape(-1)
   out = comp.from_matrix(out, shape)
   if comp.start_iter > 0:
-    vanilla = lax.psum(x / jnp.float32(w) if mean else x, axis_name)
+    vanilla = lax.psum(exact_div(x, w) if mean else x, axis_name)
     warm = st["iter"] < comp.start_iter
     out = jnp.where(warm, vanilla, out)
     new = jax.tree_util.tree_map(lambda a, b: jnp.where(warm, a, b),
@@ -255,7 +255,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       comp_ok = False
     if not comp_ok or numel(g.shape) == 0:
       x = g.astype(jnp.float32)
-      out[i] = lax.psum(x / jnp.float32(w) if mean else x, axis_name).astype(g.dtype)
+      out[i] = lax.psum(exact_div(x, w) if mean else x, axis_name).astype(g.dtype)
       continue
     todo.append((i, parts))
 
@@ -295,7 +295,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       r = _cast_reduce(compressor, x, axis_name, w, mean)
     else:
       if mean:
-        x = x / jnp.float32(w)
+        x = exact_div(x, w)
       if use_sra:
         r, st = _sra_reduce(compressor, x, st, k, axis_name, w, me)
       elif _is_dense(compressor):

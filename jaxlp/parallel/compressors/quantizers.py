@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.parallel.compressors._base import (
+  exact_div,
   no_fma,
   numel,
   pack_bits,
@@ -75,7 +76,7 @@ class CGX:
       mx = jnp.max(xb, axis=1, keepdims=True)
       mn = jnp.min(xb, axis=1, keepdims=True)
       top = 2 ** self.bits - 1
-      unit = (mx - mn) / jnp.float32(top)
+      unit = exact_div(mx - mn, top)
       if self.stochastic:
         if key is None:
           raise ValueError("cgx(stochastic=True) needs key")
@@ -83,7 +84,7 @@ class CGX:
       else:
         r = jnp.float32(0.5)
       safe = jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit)
-      lev = jnp.floor((xb - mn) / safe + r)
+      lev = jnp.floor(exact_div(xb - mn, safe) + r)
       lev = jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(lev, 0.0, top))
       packed = pack_bits(lev.reshape(-1)[:nq].astype(jnp.uint32), self.bits)
       meta = jnp.concatenate([unit, mn], axis=1).reshape(-1)
@@ -158,7 +159,7 @@ class QSGD:
     norm = jnp.sqrt(jnp.sum(xb * xb, axis=1, keepdims=True))
     safe = jnp.where(norm > 0, norm, 1.0)
     u = uniform01(key, xb.shape)
-    lev = jnp.floor(jnp.abs(xb) / safe * jnp.float32(self.levels) + u)
+    lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
     lev = jnp.where(norm > 0, jnp.clip(lev, 0, self.levels), 0).astype(jnp.uint32)
     code = (lev << 1) | (xb < 0).astype(jnp.uint32)
     return {"norm": norm.reshape(-1), "codes": pack_bits(code.reshape(-1)[:n], self.bits)}, state
@@ -168,7 +169,7 @@ class QSGD:
     nb = payload["norm"].shape[0]
     code = unpack_bits(payload["codes"], self.bits, n)
     code = jnp.pad(code, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    mag = (code >> 1).astype(jnp.float32) / jnp.float32(self.levels)
+    mag = exact_div((code >> 1).astype(jnp.float32), self.levels)
     val = payload["norm"][:, None] * jnp.where((code & 1) == 1, -mag, mag)
     return val.reshape(-1)[:n].reshape(shape)
 
@@ -217,8 +218,8 @@ class OneBit:
     else:
       nneg = jnp.sum(neg)
       npos = x.shape[0] - nneg
-      sneg = jnp.sum(jnp.where(neg, x, 0.0)) / jnp.maximum(nneg, 1).astype(jnp.float32)
-      spos = jnp.sum(jnp.where(neg, 0.0, x)) / jnp.maximum(npos, 1).astype(jnp.float32)
+      sneg = exact_div(jnp.sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
+      spos = exact_div(jnp.sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
       scales = jnp.stack([sneg, spos])
     payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
     if self.error_feedback:
@@ -340,8 +341,8 @@ class TernGrad:
     n = x.shape[0]
     b = self.bits
     mn, mx = jnp.min(x), jnp.max(x)
-    gap = (mx - mn) / jnp.float32(2 ** b - 1)
-    gap_inv = jnp.float32(1.0) / (gap + jnp.float32(1e-8))
+    gap = exact_div(mx - mn, 2 ** b - 1)
+    gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
     t = no_fma((x - mn) * gap_inv)
     lev = jnp.round(t)  # round half to even (nearbyint)
     if key is not None:
@@ -365,7 +366,7 @@ class TernGrad:
     h = payload["header"]
     mn = lax.bitcast_convert_type(h[2:6], jnp.float32)
     mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
-    gap = (mx - mn) / jnp.float32(2 ** self.bits - 1)
+    gap = exact_div(mx - mn, 2 ** self.bits - 1)
     lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
     return (no_fma(lev * gap) + mn).reshape(shape)
 
