@@ -17,7 +17,7 @@ Algorithms (``algorithm=``):
 * ``"allgather"`` -- every worker's payload is all-gathered, decoded and summed (rank order).
   Sparsifiers always use it (GRACE/HiPress). ``"auto"`` = ``"sra"`` for quantizers.
 * PowerSGD uses its two all-reduces (P, then Q); ``cast`` casts, divides by W in the narrow
-  type (PyTorch's order) and sums with ``lax.psum`` in that type (fp16/bf16).
+  type (PyTorch's order) and sums in that type (fp16/bf16) in rank order.
 
 Filters (CGX ``should_compress_``): leaves with ``size < min_size`` or (``skip_vectors``)
 ``ndim <= 1`` are reduced in fp32 (divide-first mean). ``bucket_mb`` fuses the compressed leaves
@@ -84,6 +84,16 @@ def init_compression_state(compressor, params, *, seed: int = 0) -> CompressionS
 def _axis_size(axis_name):
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   return math.prod(int(lax.axis_size(a)) for a in names)
+
+
+def ordered_psum(x, axis_name, w):
+  """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
+  under vmap, shard_map and pmap (``lax.psum``'s order differs between them)."""
+  g = lax.all_gather(x, axis_name)
+  acc = g[0]
+  for j in range(1, w):
+    acc = acc + g[j]
+  return acc
 
 
 def _split_state(st, k, c, n):
@@ -159,7 +169,7 @@ def _cast_reduce(comp, x, axis_name, w, mean):
     c = comp.cast(x)
     if mean:
       c = exact_div(c, w)
-    return lax.psum(c, axis_name).astype(jnp.float32)
+    return ordered_psum(c, axis_name, w).astype(jnp.float32)
   out, _ = _allgather_reduce(comp, x, (), None, axis_name, w)
   return exact_div(out, w) if mean else out
 
@@ -175,9 +185,9 @@ def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
     q = comp_orth(st["q"])
   else:
     q = comp_orth(jax.random.normal(key, st["q"].shape, jnp.float32))
-  p = lax.psum(jnp.matmul(m, q, precision=hi), axis_name)
+  p = ordered_psum(jnp.matmul(m, q, precision=hi), axis_name, w)
   p = comp_orth(p)
-  qs = lax.psum(jnp.matmul(m.T, p, precision=hi), axis_name)
+  qs = ordered_psum(jnp.matmul(m.T, p, precision=hi), axis_name, w)
   qm = exact_div(qs, w)
   approx_mean = jnp.matmul(p, qm.T, precision=hi)
   out = approx_mean if mean else jnp.matmul(p, qs.T, precision=hi)
@@ -186,7 +196,7 @@ def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
     new["error"] = (m - approx_mean).reshape(-1)
   out = comp.from_matrix(out, shape)
   if comp.start_iter > 0:
-    vanilla = lax.psum(exact_div(x, w) if mean else x, axis_name)
+    vanilla = ordered_psum(exact_div(x, w) if mean else x, axis_name, w)
     warm = st["iter"] < comp.start_iter
     out = jnp.where(warm, vanilla, out)
     new = jax.tree_util.tree_map(lambda a, b: jnp.where(warm, a, b),
@@ -255,7 +265,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       comp_ok = False
     if not comp_ok or numel(g.shape) == 0:
       x = g.astype(jnp.float32)
-      out[i] = lax.psum(exact_div(x, w) if mean else x, axis_name).astype(g.dtype)
+      out[i] = ordered_psum(exact_div(x, w) if mean else x, axis_name, w).astype(g.dtype)
       continue
     todo.append((i, parts))
 

@@ -93,6 +93,19 @@ def exact_div(a, d):
   return a / (zero + jnp.asarray(d, a.dtype))
 
 
+def det_sum(x, axis=-1):
+  """Sum along ``axis`` in a fixed pairwise order (element-wise adds only), so the bits do not
+  depend on how XLA vectorises a reduction (which differs between vmap and shard_map)."""
+  x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+  if x.shape[-1] == 0:
+    return jnp.zeros(x.shape[:-1], x.dtype)
+  while x.shape[-1] > 1:
+    if x.shape[-1] % 2:
+      x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+    x = x[..., 0::2] + x[..., 1::2]
+  return x[..., 0]
+
+
 def payload_nbytes(payload) -> int:
   """Sum of ``nbytes`` of the payload's arrays (works on arrays and ShapeDtypeStructs)."""
   return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.parallel.compressors._base import (
+  det_sum,
   exact_div,
   no_fma,
   numel,
@@ -156,7 +157,7 @@ class QSGD:
     n = x.shape[0]
     nb = -(-n // self.bucket_size)
     xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    norm = jnp.sqrt(jnp.sum(xb * xb, axis=1, keepdims=True))
+    norm = jnp.sqrt(det_sum(xb * xb))[:, None]
     safe = jnp.where(norm > 0, norm, 1.0)
     u = uniform01(key, xb.shape)
     lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
@@ -214,12 +215,12 @@ class OneBit:
       x = x + state["residual"]
     neg = x < 0
     if self.scaling == "mean":
-      scales = jnp.mean(jnp.abs(x)).reshape(1) if x.size else jnp.zeros((1,), jnp.float32)
+      scales = exact_div(det_sum(jnp.abs(x)), max(x.shape[0], 1)).reshape(1)
     else:
       nneg = jnp.sum(neg)
       npos = x.shape[0] - nneg
-      sneg = exact_div(jnp.sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
-      spos = exact_div(jnp.sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
+      sneg = exact_div(det_sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
+      spos = exact_div(det_sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
       scales = jnp.stack([sneg, spos])
     payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
     if self.error_feedback:
@@ -330,7 +331,8 @@ class TernGrad:
       if key is None:
         raise ValueError("terngrad(variant='paper') needs key")
       if self.clip is not None:
-        std = jnp.sqrt(jnp.mean(jnp.square(x - jnp.mean(x))))
+        mu = exact_div(det_sum(x), x.shape[0])
+        std = jnp.sqrt(exact_div(det_sum(jnp.square(x - mu)), x.shape[0]))
         c = jnp.float32(self.clip) * std
         x = jnp.clip(x, -c, c)
       s = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)

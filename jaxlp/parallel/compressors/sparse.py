@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.parallel.compressors._base import (
+  det_sum,
   numel,
   sample_threshold,
   select_sparse,
@@ -76,7 +77,7 @@ class DGC(_Sparse):
     x = _flat(g)
     n = x.shape[0]
     if self.clip is not None:
-      norm = jnp.sqrt(jnp.sum(x * x))
+      norm = jnp.sqrt(det_sum(x * x))
       x = x * jnp.minimum(1.0, jnp.float32(self.clip) / jnp.maximum(norm, 1e-30))
     u = jnp.float32(self.momentum) * state["u"] + x
     v = state["v"] + u
