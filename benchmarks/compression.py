@@ -8,12 +8,18 @@ Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both]
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
-import jax
-import numpy as np
+# this file's name shadows the `compression` module jax imports: drop its folder from the path
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+  sys.path.pop(0)
 
-import jaxlp.parallel.compressors as C
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxlp.parallel.compressors as C  # noqa: E402
 
 
 def resnet18_shapes():
