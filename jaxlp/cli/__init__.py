@@ -18,8 +18,6 @@ DEFAULT_COMPARE = [
     "fp32=",
     "E3M0=--grad-exp 3 --grad-man 0",
     "E3M0+APS=--grad-exp 3 --grad-man 0 --aps",
-    "E4M3=--grad-exp 4 --grad-man 3",
-    "E4M3+APS=--grad-exp 4 --grad-man 3 --aps",
 ]
 
 
@@ -243,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "flags) and print a table; writes accuracy plots (PNG).")
   pc.add_argument("--config", action="append", metavar="NAME=FLAGS",
                   help="a configuration, e.g. 'E3M0+APS=--grad-exp 3 --grad-man 0 --aps' "
-                       "(repeatable; default: fp32, E3M0, E3M0+APS, E4M3, E4M3+APS)")
+                       "(repeatable; default: fp32, E3M0, E3M0+APS — CPD's 4-bit APS finding)")
   pc.add_argument("--out", default=None, metavar="DIR", help="output folder (runs/compare)")
   pc.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
   pc.add_argument("base_flags", nargs=argparse.REMAINDER,

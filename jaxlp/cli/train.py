@@ -69,34 +69,27 @@ def grad_format(cfg: TrainConfig):
   return F.cpd_float(cfg.grad_exp, cfg.grad_man)
 
 
-def _storage_bytes(fmt) -> int:
-  bits = getattr(fmt, "bits", None)
-  if bits is None:
-    bits = 1 + fmt.exp_bits + fmt.man_bits
-  return 1 if bits <= 8 else 2 if bits <= 16 else 4
+def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None) -> int:
+  """Bytes each worker sends per step for the configured gradient reduction.
 
+  Low-precision sums use :func:`jaxlp.parallel.payload_bytes` per gradient leaf (the bytes
+  the implemented collectives move); fp32 is a ring all-reduce (2(W-1)/W * 4 bytes/element).
+  """
+  import jax
 
-def wire_bytes_per_step(cfg: TrainConfig, n_params: int, compressor=None, params=None) -> int:
-  """Bytes each worker sends per step for the configured gradient reduction."""
   W = cfg.nodes
   if W <= 1:
     return 0
-  if compressor is not None and params is not None:
-    import jax
-
-    leaves = jax.tree_util.tree_leaves(params)
+  leaves = jax.tree_util.tree_leaves(params)
+  if compressor is not None:
     return int(sum(compressor.wire_bytes(leaf.shape, leaf.dtype) for leaf in leaves))
   fmt = grad_format(cfg)
-  wb = 4 if fmt is None else _storage_bytes(fmt)
-  order = cfg.order if fmt is not None else "ring"
-  chunk = math.ceil(n_params / W)
-  if order == "ring":  # reduce-scatter + all-gather
-    return int(2 * (W - 1) * chunk * wb)
-  if order == "chain":  # CPD: all-gather of every worker's full gradient
-    return int((W - 1) * n_params * wb)
-  if order == "tree":  # recursive halving: log2(W) full exchanges, then broadcast back
-    return int(2 * math.ceil(math.log2(W)) * n_params * wb)
-  return int(2 * (W - 1) * chunk * wb)  # native psum (ring-like)
+  if fmt is None:
+    return int(sum(2 * (W - 1) * math.ceil(leaf.size / W) * 4 for leaf in leaves))
+  from jaxlp.parallel import payload_bytes
+
+  return int(sum(payload_bytes(leaf.size, W, fmt, cfg.order, kahan=cfg.kahan, aps=cfg.aps)
+                 for leaf in leaves))
 
 
 def _policy(cfg: TrainConfig):
@@ -202,7 +195,7 @@ class Trainer:
       one = init_compression_state(self.compressor, self.params)
       self.comp_state = jax.tree_util.tree_map(
           lambda a: jnp.broadcast_to(a, (cfg.nodes,) + a.shape), one)
-    self.wire_per_step = wire_bytes_per_step(cfg, self.n_params, self.compressor, self.params)
+    self.wire_per_step = wire_bytes_per_step(cfg, self.compressor, self.params)
     self.epoch = 0
     self.step = 0
     self._build_step()

@@ -1,0 +1,115 @@
+"""Per-compressor encode+decode throughput and bytes on the wire vs fp32 and bf16, for
+ResNet-18- and VGG-19-sized gradient sets (real layer shapes), plus a bandwidth-model step time
+(step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
+
+Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# this file's name shadows the `compression` module jax imports: drop its folder from the path
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+  sys.path.pop(0)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxlp.parallel.compressors as C  # noqa: E402
+
+
+def resnet18_shapes():
+  s = [(64, 3, 7, 7), (64,), (64,)]
+  cin = 64
+  for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+    for b in range(2):
+      s += [(cout, cin if b == 0 else cout, 3, 3), (cout,), (cout,), (cout, cout, 3, 3), (cout,),
+            (cout,)]
+      if b == 0 and (stride != 1 or cin != cout):
+        s += [(cout, cin, 1, 1), (cout,), (cout,)]
+    cin = cout
+  return s + [(1000, 512), (1000,)]
+
+
+def vgg19_shapes():
+  cfg = [64, 64, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 512, 512, 512, 512]
+  s, cin = [], 3
+  for c in cfg:
+    s += [(c, cin, 3, 3), (c,)]
+    cin = c
+  return s + [(4096, 25088), (4096,), (4096, 4096), (4096,), (1000, 4096), (1000,)]
+
+
+COMPRESSORS = {
+    "bf16": C.cast("bf16"), "cgx4": C.cgx(4, 512), "cgx8": C.cgx(8, 512), "qsgd15": C.qsgd(15, 512),
+    "onebit": C.onebit(), "tbq": C.tbq(0.01), "terngrad": C.terngrad(),
+    "terngrad_hp2": C.terngrad("hipress", 2), "topk1%": C.topk(0.01),
+    "randomk1%": C.randomk(0.01), "dgc1%": C.dgc(0.01, sample_rate=0.01),
+    "graddrop99%": C.graddrop(0.99, sample_rate=0.01), "powersgd2": C.powersgd(2),
+}
+
+
+def bench(comp, shapes, repeats):
+  key = jax.random.key(0)
+  grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
+  states = [comp.init(s, key=key) for s in shapes]
+
+  @jax.jit
+  def roundtrip(gs, sts):
+    outs, new = [], []
+    for i, (g, st) in enumerate(zip(gs, sts, strict=True)):
+      p, st = comp.encode(g, st, jax.random.fold_in(key, i))
+      outs.append(comp.decode(p, g.shape))
+      new.append(st)
+    return outs, new
+
+  jax.block_until_ready(roundtrip(grads, states))
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(roundtrip(grads, states))
+    ts.append(time.perf_counter() - t0)
+  n = sum(int(np.prod(s)) for s in shapes)
+  wire = sum(comp.wire_bytes(s) for s in shapes)
+  return 4 * n / np.median(ts) / 1e9, wire, n
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--small", action="store_true", help="scaled-down layers, 1 repeat")
+  ap.add_argument("--model", default="both", choices=["resnet18", "vgg19", "both"])
+  ap.add_argument("--only", default=None, help="comma-separated compressor names")
+  ap.add_argument("--bandwidth-gbps", type=float, default=10.0)
+  ap.add_argument("--workers", type=int, default=8)
+  ap.add_argument("--compute-ms", type=float, default=50.0)
+  a = ap.parse_args(argv)
+  models = {"resnet18": resnet18_shapes(), "vgg19": vgg19_shapes()}
+  if a.model != "both":
+    models = {a.model: models[a.model]}
+  names = a.only.split(",") if a.only else list(COMPRESSORS)
+  print(f"# device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print("| model | compressor | enc+dec GB/s | wire MB | vs fp32 | vs bf16 | model step ms |")
+  print("|---|---|---|---|---|---|---|")
+  for mname, shapes in models.items():
+    if a.small:
+      shapes = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s)) for s in shapes]
+    n = sum(int(np.prod(s)) for s in shapes)
+    bw = a.bandwidth_gbps * 1e9 / 8
+    ring = 2 * (a.workers - 1) / a.workers
+    fp32_ms = a.compute_ms + 1e3 * ring * 4 * n / bw
+    print(f"| {mname} | fp32 | - | {4 * n / 1e6:.2f} | 1.00x | 0.50x | {fp32_ms:.1f} |")
+    for name in names:
+      gbps, wire, _ = bench(COMPRESSORS[name], shapes, 1 if a.small else 3)
+      # all-gather (sparse/quantized payloads) moves (W-1)*wire per worker; bf16/powersgd ring
+      factor = ring if name in ("bf16", "powersgd2") else (a.workers - 1) / a.workers * 2
+      step = a.compute_ms + 1e3 * factor * wire / bw
+      print(f"| {mname} | {name} | {gbps:.2f} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
+            f"{2 * n / wire:.1f}x | {step:.1f} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,344 @@
+"""Compressed all-reduce: aggregation of compressed gradients over a named axis.
+
+Works inside ``jax.vmap(..., axis_name=...)``, ``jax.shard_map`` and ``jax.pmap`` with the same
+code; every worker ends with bit-identical results (every worker decodes the same payloads and
+sums them in ascending rank order).
+
+Algorithms (``algorithm=``):
+
+* ``"sra"`` -- CGX scatter-reduce-allgather (torch_cgx ``scatter_reduce_allgather.cc``): the
+  (fused) vector is cut into W equal chunks (the last one padded by repeating the last element);
+  each worker encodes every chunk and sends chunk j to worker j (``all_to_all``); the owner adds
+  the decoded peer chunks to its OWN UNQUANTIZED chunk in ascending rank order, re-encodes the
+  reduced chunk (with its "server" residual for error-feedback compressors, as CaSync's
+  ROOT_DECOMP_COMP task), and the encoded chunks are all-gathered and decoded by everyone:
+  ``chunk r = Q(x_r + sum_{j != r} Q(x_j))``. CGX chunks layer-aware with 4-element alignment
+  and polls peers in arrival order; jaxlp uses equal chunks and ascending rank order.
+* ``"allgather"`` -- every worker's payload is all-gathered, decoded and summed (rank order).
+  Sparsifiers always use it (GRACE/HiPress). ``"auto"`` = ``"sra"`` for quantizers.
+* PowerSGD uses its two all-reduces (P, then Q); ``cast`` casts, divides by W in the narrow
+  type (PyTorch's order) and sums in that type (fp16/bf16) in rank order.
+
+Filters (CGX ``should_compress_``): leaves with ``size < min_size`` or (``skip_vectors``)
+``ndim <= 1`` are reduced in fp32 (divide-first mean). ``bucket_mb`` fuses the compressed leaves
+(in tree order) into flat buckets of at most that many MB of fp32 before encoding (not for
+PowerSGD, whose matrices are per leaf).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.parallel.compressors._base import exact_div, numel
+
+
+class CompressionState(NamedTuple):
+  """State of :func:`compressed_allreduce`.
+
+  Attributes:
+    step: int32 step counter (drives the per-step noise key).
+    key: legacy uint32[2] PRNG key; per step and worker keys are folded from it.
+    leaves: one entry per gradient leaf (tree-flatten order): the compressor's state, or for
+      dense quantizers ``{"worker": ..., "server": ...}`` (the server residual is used by
+      ``"sra"``; the owner uses its chunk of it).
+  """
+  step: Any
+  key: Any
+  leaves: tuple
+
+
+def _is_dense(comp):
+  return comp.kind == "quantizer"
+
+
+def init_compression_state(compressor, params, *, seed: int = 0) -> CompressionState:
+  """Initial state of ``compressed_allreduce`` for gradients shaped like ``params``.
+
+  Args:
+    compressor: a compressor from :mod:`jaxlp.parallel.compressors`.
+    params: pytree of arrays (or ShapeDtypeStructs) shaped like the gradients.
+    seed: seed of the noise key and of PowerSGD's initial Q (identical on every worker, as
+      PyTorch's ``RandomState(0)``).
+
+  Returns:
+    A :class:`CompressionState`. State is allocated for every leaf, whatever the filters, so
+    the same state works for any ``min_size``/``bucket_mb``/``algorithm``.
+  """
+  leaves = jax.tree_util.tree_leaves(params)
+  base = jax.random.PRNGKey(seed)
+  states = []
+  for i, leaf in enumerate(leaves):
+    shape = tuple(leaf.shape)
+    st = compressor.init(shape, leaf.dtype, key=jax.random.fold_in(base, 1000003 + i))
+    if _is_dense(compressor):
+      st = {"worker": st, "server": compressor.init(shape, leaf.dtype)}
+    states.append(st)
+  return CompressionState(jnp.zeros((), jnp.int32), base, tuple(states))
+
+
+def _axis_size(axis_name):
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return math.prod(int(lax.axis_size(a)) for a in names)
+
+
+def ordered_psum(x, axis_name, w):
+  """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
+  under vmap, shard_map and pmap (``lax.psum``'s order differs between them)."""
+  g = lax.all_gather(x, axis_name)
+  acc = g[0]
+  for j in range(1, w):
+    acc = acc + g[j]
+  return acc
+
+
+def _split_state(st, k, c, n):
+  """Flat elementwise state (length n) -> (k, c) rows (zero padded); scalars -> (k,)."""
+  def f(a):
+    if a.ndim == 0:
+      return jnp.broadcast_to(a, (k,))
+    return jnp.pad(a, (0, k * c - n)).reshape(k, c)
+  return jax.tree_util.tree_map(f, st)
+
+
+def _join_state(st, n):
+  def f(a):
+    if a.ndim == 1:
+      return a[0]
+    return a.reshape(-1)[:n]
+  return jax.tree_util.tree_map(f, st)
+
+
+def _pad_edge(x, m):
+  return jnp.pad(x, (0, m - x.shape[0]), mode="edge") if m > x.shape[0] else x
+
+
+def _encode_pieces(comp, x, st, key, k):
+  """Encode ``x`` cut into ``k`` equal pieces (SeCoPa partitions)."""
+  n = x.shape[0]
+  c = -(-n // k)
+  xs = _pad_edge(x, k * c).reshape(k, c)
+  sts = _split_state(st, k, c, n)
+  payload, sts = jax.vmap(comp.encode)(xs, sts, jax.random.split(key, k))
+  return payload, _join_state(sts, n), c
+
+
+def _allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
+  n = x.shape[0]
+  if parts > 1 and comp.elementwise_state:
+    payload, st, c = _encode_pieces(comp, x, st, key, parts)
+    dec = lambda p: jax.vmap(lambda q: comp.decode(q, (c,)))(p).reshape(-1)[:n]  # noqa: E731
+  else:
+    payload, st = comp.encode(x, st, key)
+    dec = lambda p: comp.decode(p, (n,))  # noqa: E731
+  gathered = jax.tree_util.tree_map(lambda a: lax.all_gather(a, axis_name), payload)
+  out = None
+  for j in range(w):
+    d = dec(jax.tree_util.tree_map(lambda a, j=j: a[j], gathered))
+    out = d if out is None else out + d
+  return out, st
+
+
+def _sra_reduce(comp, x, st, key, axis_name, w, me):
+  n = x.shape[0]
+  c = -(-n // w)
+  xs = _pad_edge(x, w * c).reshape(w, c)
+  wst = _split_state(st["worker"], w, c, n)
+  payload, wst = jax.vmap(comp.encode)(xs, wst, jax.random.split(key, w))
+  recv = jax.tree_util.tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0), payload)
+  dec = jax.vmap(lambda p: comp.decode(p, (c,)))(recv)
+  acc = lax.dynamic_index_in_dim(xs, me, keepdims=False)
+  for j in range(w):
+    acc = acc + jnp.where(me == j, jnp.float32(0), dec[j])
+  sst = _split_state(st["server"], w, c, n)
+  mine = jax.tree_util.tree_map(lambda a: lax.dynamic_index_in_dim(a, me, keepdims=False), sst)
+  p2, mine = comp.encode(acc, mine, jax.random.fold_in(key, 0x5EC0))
+  sst = jax.tree_util.tree_map(
+      lambda a, b: lax.dynamic_update_index_in_dim(a, b, me, 0), sst, mine)
+  gathered = jax.tree_util.tree_map(lambda a: lax.all_gather(a, axis_name), p2)
+  out = jax.vmap(lambda p: comp.decode(p, (c,)))(gathered).reshape(-1)[:n]
+  return out, {"worker": _join_state(wst, n), "server": _join_state(sst, n)}
+
+
+def _cast_reduce(comp, x, axis_name, w, mean):
+  if comp.bits >= 16:
+    c = comp.cast(x)
+    if mean:
+      c = exact_div(c, w)
+    return ordered_psum(c, axis_name, w).astype(jnp.float32)
+  out, _ = _allgather_reduce(comp, x, (), None, axis_name, w)
+  return exact_div(out, w) if mean else out
+
+
+def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
+  shape = g.shape
+  x = g.astype(jnp.float32)
+  hi = lax.Precision.HIGHEST
+  m = comp.to_matrix(x, shape)
+  if comp.error_feedback:
+    m = m + st["error"].reshape(m.shape)
+  if comp.warm_start:
+    q = comp_orth(st["q"])
+  else:
+    q = comp_orth(jax.random.normal(key, st["q"].shape, jnp.float32))
+  p = ordered_psum(jnp.matmul(m, q, precision=hi), axis_name, w)
+  p = comp_orth(p)
+  qs = ordered_psum(jnp.matmul(m.T, p, precision=hi), axis_name, w)
+  qm = exact_div(qs, w)
+  approx_mean = jnp.matmul(p, qm.T, precision=hi)
+  out = approx_mean if mean else jnp.matmul(p, qs.T, precision=hi)
+  new = dict(st, q=qm, iter=st["iter"] + 1)
+  if comp.error_feedback:
+    new["error"] = (m - approx_mean).reshape(-1)
+  out = comp.from_matrix(out, shape)
+  if comp.start_iter > 0:
+    vanilla = ordered_psum(exact_div(x, w) if mean else x, axis_name, w)
+    warm = st["iter"] < comp.start_iter
+    out = jnp.where(warm, vanilla, out)
+    new = jax.tree_util.tree_map(lambda a, b: jnp.where(warm, a, b),
+                                 dict(st, iter=st["iter"] + 1), new)
+  return out, new
+
+
+def comp_orth(x):
+  from jaxlp.parallel.compressors.powersgd import orthogonalize
+  return orthogonalize(x)
+
+
+def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *,
+                         min_size: int = 1024, skip_vectors: bool = True,
+                         algorithm: str = "auto", bucket_mb: float | None = None,
+                         mean: bool = True, plan=None, key=None):
+  """Compressed sum (or mean) of a gradient pytree over ``axis_name``.
+
+  Args:
+    tree: pytree of float arrays (this worker's gradients).
+    state: from :func:`init_compression_state` (per worker: residuals differ by worker).
+    axis_name: the named axis (vmap/shard_map/pmap axis, or a tuple of names).
+    compressor: a compressor from :mod:`jaxlp.parallel.compressors`.
+    min_size: leaves with fewer elements are reduced in fp32 (CGX ``layer_min_size``).
+    skip_vectors: reduce leaves with ``ndim <= 1`` (biases, norms) in fp32.
+    algorithm: ``"auto"``, ``"sra"`` (scatter-reduce-allgather, dense quantizers only) or
+      ``"allgather"``.
+    bucket_mb: fuse the compressed leaves into buckets of at most this many MB (fp32).
+    mean: divide by W -- BEFORE compression (CGX hook) for quantizers/sparsifiers; cast then
+      divide for ``cast``; Q only, for PowerSGD (PyTorch).
+    plan: optional per-leaf decisions (e.g. :func:`jaxlp.parallel.secopa.secopa_plan` output):
+      a sequence, in leaf order, of ``(compress: bool, partitions: int)``; overrides the
+      ``min_size``/``skip_vectors`` filters. ``partitions > 1`` encodes the leaf in that many
+      independent pieces (all-gather path).
+    key: optional PRNG key overriding ``state.key`` for this step.
+
+  Returns:
+    ``(reduced_tree, new_state)``; ``reduced_tree`` is identical on every worker.
+  """
+  if algorithm not in ("auto", "sra", "allgather"):
+    raise ValueError(f"{algorithm=} must be 'auto', 'sra' or 'allgather'")
+  if algorithm == "sra" and not _is_dense(compressor):
+    raise ValueError(f"{algorithm=} needs a dense quantizer, got {type(compressor).__name__}")
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if len(leaves) != len(state.leaves):
+    raise ValueError(f"state has {len(state.leaves)} leaves, tree has {len(leaves)}")
+  if plan is not None and len(plan) != len(leaves):
+    raise ValueError(f"plan has {len(plan)} entries, tree has {len(leaves)} leaves")
+  w = _axis_size(axis_name)
+  me = lax.axis_index(axis_name)
+  base = state.key if key is None else key
+  step_key = jax.random.fold_in(base, state.step)
+  worker_key = jax.random.fold_in(step_key, me)
+  use_sra = _is_dense(compressor) and algorithm in ("auto", "sra")
+
+  out = [None] * len(leaves)
+  new_states = list(state.leaves)
+  todo = []
+  for i, g in enumerate(leaves):
+    if plan is not None:
+      comp_ok, parts = bool(plan[i][0]), int(plan[i][1])
+    else:
+      comp_ok = numel(g.shape) >= min_size and not (skip_vectors and g.ndim <= 1)
+      parts = 1
+    if compressor.kind == "lowrank" and compressor.matrix_shape(g.shape) is None:
+      comp_ok = False
+    if not comp_ok or numel(g.shape) == 0:
+      x = g.astype(jnp.float32)
+      out[i] = ordered_psum(exact_div(x, w) if mean else x, axis_name, w).astype(g.dtype)
+      continue
+    todo.append((i, parts))
+
+  if compressor.kind == "lowrank":
+    for i, _ in todo:
+      k = jax.random.fold_in(step_key, i)
+      r, new_states[i] = _powersgd_reduce(compressor, leaves[i], state.leaves[i], k, axis_name,
+                                          w, mean)
+      out[i] = r.astype(leaves[i].dtype)
+    return treedef.unflatten(out), state._replace(step=state.step + 1,
+                                                  leaves=tuple(new_states))
+
+  groups = []
+  if bucket_mb and plan is None:
+    limit = int(bucket_mb * 2 ** 20) // 4
+    cur, size = [], 0
+    for i, _ in todo:
+      n = numel(leaves[i].shape)
+      if cur and size + n > limit:
+        groups.append(cur)
+        cur, size = [], 0
+      cur.append(i)
+      size += n
+    if cur:
+      groups.append(cur)
+    parts_of = {i: 1 for i, _ in todo}
+  else:
+    groups = [[i] for i, _ in todo]
+    parts_of = dict(todo)
+
+  for gi, grp in enumerate(groups):
+    sizes = [numel(leaves[i].shape) for i in grp]
+    x = jnp.concatenate([jnp.ravel(leaves[i]).astype(jnp.float32) for i in grp])
+    st = _fuse_states([state.leaves[i] for i in grp])
+    k = jax.random.fold_in(worker_key, grp[0])
+    if compressor.kind == "cast":
+      r = _cast_reduce(compressor, x, axis_name, w, mean)
+    else:
+      if mean:
+        x = exact_div(x, w)
+      if use_sra:
+        r, st = _sra_reduce(compressor, x, st, k, axis_name, w, me)
+      elif _is_dense(compressor):
+        r, wst = _allgather_reduce(compressor, x, st["worker"], k, axis_name, w,
+                                   parts_of[grp[0]])
+        st = dict(st, worker=wst)
+      else:
+        r, st = _allgather_reduce(compressor, x, st, k, axis_name, w, parts_of[grp[0]])
+    offs = 0
+    split = _unfuse_states(st, sizes)
+    for i, n, s in zip(grp, sizes, split, strict=True):
+      out[i] = r[offs:offs + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
+      new_states[i] = s
+      offs += n
+    del gi
+  return treedef.unflatten(out), state._replace(step=state.step + 1, leaves=tuple(new_states))
+
+
+def _fuse_states(states):
+  if len(states) == 1:
+    return states[0]
+  def f(*a):
+    return a[0] if a[0].ndim == 0 else jnp.concatenate(a)
+  return jax.tree_util.tree_map(f, *states)
+
+
+def _unfuse_states(st, sizes):
+  if len(sizes) == 1:
+    return [st]
+  res = []
+  off = 0
+  for n in sizes:
+    res.append(jax.tree_util.tree_map(
+        lambda a, off=off, n=n: a if a.ndim == 0 else a[off:off + n], st))
+    off += n
+  return res

@@ -1,0 +1,170 @@
+"""Shared pieces of the gradient compressors: the protocol, bit packing, sparse messages.
+
+Every compressor is a frozen dataclass with
+
+* ``init(shape, dtype=jnp.float32, key=None) -> state``: explicit state pytree (residuals,
+  momenta, P/Q). Elementwise state arrays are FLAT, of length ``prod(shape)``, so that the
+  aggregation can fuse leaves into buckets and cut them into per-worker chunks.
+* ``encode(g, state, key) -> (payload, state)``: pure; ``payload`` is a dict of arrays (packed
+  ``uint8`` codes, ``float32`` metadata, ``int32`` indices) -- what would go on the wire.
+* ``decode(payload, shape) -> g`` (float32).
+* ``wire_bytes(shape, dtype=jnp.float32) -> int``: the exact payload size, equal to the sum of
+  ``payload[k].nbytes``.
+* ``kind``: ``"quantizer"`` (dense codes; scatter-reduce-allgather or all-gather aggregation),
+  ``"sparse"`` (index/value lists; all-gather), ``"lowrank"`` (PowerSGD) or ``"cast"``.
+* ``elementwise_state``: True when every non-scalar state array is flat and elementwise, so
+  the state can be fused/chunked with the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def numel(shape) -> int:
+  return int(math.prod(shape))
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+  """Bytes of ``n`` codes of ``bits`` bits packed LSB-first (``ceil(n*bits/8)``)."""
+  return (n * bits + 7) // 8
+
+
+def pack_bits(codes, bits: int, pad_code: int = 0):
+  """Pack unsigned ``bits``-bit codes (1..8) into a little-endian uint8 bit stream.
+
+  Code ``j`` occupies stream bits ``[j*bits, (j+1)*bits)``, LSB first; stream bit ``t`` is bit
+  ``t % 8`` of byte ``t // 8``. This is CGX's layout (groups of 8 codes in ``bits`` bytes,
+  ``value |= level_j << (j*bits)``) and, for 2 bits, HiPress TBQ's (4 codes per byte, LSB first).
+  A partial last byte is filled with ``pad_code``.
+  """
+  if not 1 <= bits <= 8:
+    raise ValueError(f"{bits=} must be in 1..8")
+  codes = jnp.ravel(codes).astype(jnp.uint32)
+  n = codes.shape[0]
+  nbytes = packed_nbytes(n, bits)
+  if 8 % bits == 0:
+    per = 8 // bits
+    codes = jnp.pad(codes, (0, nbytes * per - n), constant_values=pad_code)
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    words = jnp.sum(codes.reshape(nbytes, per) << shifts[None, :], axis=1, dtype=jnp.uint32)
+    return words.astype(jnp.uint8)
+  stream = (codes[:, None] >> jnp.arange(bits, dtype=jnp.uint32)[None, :]) & 1
+  stream = jnp.pad(stream.reshape(-1), (0, nbytes * 8 - n * bits))
+  words = jnp.sum(stream.reshape(nbytes, 8) << jnp.arange(8, dtype=jnp.uint32)[None, :], axis=1,
+                  dtype=jnp.uint32)
+  return words.astype(jnp.uint8)
+
+
+def unpack_bits(packed, bits: int, n: int):
+  """Inverse of :func:`pack_bits`: the first ``n`` codes as uint32."""
+  packed = packed.astype(jnp.uint32)
+  if 8 % bits == 0:
+    per = 8 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    codes = (packed[:, None] >> shifts[None, :]) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:n]
+  stream = ((packed[:, None] >> jnp.arange(8, dtype=jnp.uint32)[None, :]) & 1).reshape(-1)
+  stream = stream[:n * bits].reshape(n, bits)
+  return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32)[None, :], axis=1, dtype=jnp.uint32)
+
+
+def no_fma(x):
+  """Keep ``x`` (a product) from being contracted with a following add into an FMA."""
+  return lax.optimization_barrier(x)
+
+
+def exact_div(a, d):
+  """``a / d`` correctly rounded (IEEE division), also under ``vmap``.
+
+  XLA:CPU rewrites ``a / broadcast(b)`` into ``a * broadcast(1/b)`` -- even for a non-constant
+  scalar ``b`` -- which is not IEEE division (about 60% of quotients by 3 or 15 are off by one
+  ulp). The divisor is therefore rebuilt as a full array that depends on ``a``
+  (``where(isfinite(a), a - a, 0) + d``, exactly ``d``), which no simplification can turn back
+  into a broadcast, even when ``vmap`` adds a batch dimension to ``a`` only.
+  """
+  a = jnp.asarray(a)
+  zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), a.dtype))
+  return a / (zero + jnp.asarray(d, a.dtype))
+
+
+def det_sum(x, axis=-1):
+  """Sum along ``axis`` in a fixed pairwise order (element-wise adds only), so the bits do not
+  depend on how XLA vectorises a reduction (which differs between vmap and shard_map)."""
+  x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+  if x.shape[-1] == 0:
+    return jnp.zeros(x.shape[:-1], x.dtype)
+  while x.shape[-1] > 1:
+    if x.shape[-1] % 2:
+      x = jnp.concatenate([x, jnp.zeros(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+    x = x[..., 0::2] + x[..., 1::2]
+  return x[..., 0]
+
+
+def payload_nbytes(payload) -> int:
+  """Sum of ``nbytes`` of the payload's arrays (works on arrays and ShapeDtypeStructs)."""
+  return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                 for a in jax.tree_util.tree_leaves(payload)))
+
+
+def uniform01(key, shape):
+  """U[0, 1) float32 noise with 24 random bits (exactly representable)."""
+  bits = jax.random.bits(key, shape, dtype=jnp.uint32)
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse messages: [count:int32][idx:int32 x k][val:f32 x k], fixed capacity k; unused slots
+# carry index n (dropped by decode) and value 0.
+
+def sparse_capacity(n: int, fraction: float) -> int:
+  return min(n, max(1, math.ceil(n * fraction))) if n else 0
+
+
+def sample_threshold(mag, key, keep: float, sample_rate):
+  """HiPress DGC/GradDrop threshold: ``sample_cnt = ceil(n*sample_rate)`` magnitudes sampled
+  with replacement, sorted descending, ``thr = sample[int(sample_cnt*keep)]`` (index clamped to
+  the last sample; HiPress reads out of range when ``keep == 1``). ``sample_rate=None`` gives
+  ``-1`` (no threshold: exact top-k)."""
+  n = mag.shape[0]
+  if sample_rate is None or n == 0:
+    return jnp.float32(-1.0)
+  cnt = max(1, math.ceil(n * sample_rate))
+  idx = jax.random.randint(key, (cnt,), 0, n)
+  samples = -jnp.sort(-mag[idx])
+  pos = jnp.minimum(jnp.floor(cnt * jnp.asarray(keep, jnp.float32)).astype(jnp.int32), cnt - 1)
+  return samples[pos]
+
+
+def select_sparse(values, mag, thr, k_cap: int, k_now=None):
+  """Elements with ``mag > thr``, truncated to the ``k_now`` (<= ``k_cap``) largest magnitudes.
+
+  Returns ``(payload, selected_idx)``; ``selected_idx`` holds ``n`` in unused slots.
+  """
+  n = values.shape[0]
+  cand = jnp.where(mag > thr, mag, -1.0)
+  top, idx = lax.top_k(cand, k_cap)
+  valid = top >= 0
+  if k_now is not None:
+    valid = valid & (jnp.arange(k_cap) < k_now)
+  idx = jnp.where(valid, idx, n).astype(jnp.int32)
+  val = jnp.where(valid, values[jnp.minimum(idx, n - 1)], 0.0).astype(jnp.float32)
+  count = jnp.sum(valid, dtype=jnp.int32).reshape(1)
+  return {"count": count, "idx": idx, "val": val}, idx
+
+
+def sparse_decode(payload, n: int):
+  return jnp.zeros((n,), jnp.float32).at[payload["idx"]].add(payload["val"], mode="drop")
+
+
+def sparse_wire_bytes(k_cap: int) -> int:
+  return 4 + 8 * k_cap
+
+
+def zero_at(x, idx):
+  return x.at[idx].set(0.0, mode="drop")

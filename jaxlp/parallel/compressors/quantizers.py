@@ -1,0 +1,383 @@
+"""Dense quantizers: CGX max-min buckets, QSGD, 1-bit (+EF), TBQ (+residual), TernGrad."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlp.parallel.compressors._base import (
+  det_sum,
+  exact_div,
+  no_fma,
+  numel,
+  pack_bits,
+  packed_nbytes,
+  uniform01,
+  unpack_bits,
+)
+
+_CGX_EPS = 1e-10
+
+
+def _flat_f32(g):
+  return jnp.ravel(g).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CGX:
+  """CGX bucketed max-min quantization (torch_cgx ``MaxMinEncodeValue``).
+
+  Per bucket of ``bucket_size`` consecutive elements (restarting at every encoded vector):
+  ``unit = (max - min)/(2^bits - 1)`` in fp32; ``level = 0`` if ``unit < 1e-10`` else
+  ``min(floor((x - min)/unit + r), 2^bits - 1)`` with ``r = 0.5`` (deterministic, CGX's default
+  build: round half up in level space) or ``r ~ U[0, 1)`` (``stochastic=True``, QSGD-style
+  unbiased). Decode ``min + unit*level`` (product rounded separately: no FMA). Payload:
+  ``meta = [unit_0, min_0, unit_1, min_1, ...]`` (float32) + levels packed LSB-first
+  (``ceil(n*bits/8)`` bytes, no alignment padding) + with ``skip_incomplete`` the raw
+  ``n mod bucket_size`` tail in fp32. A partial last bucket otherwise has its own min/max.
+
+  References:
+    Markov et al., "CGX: Adaptive System Support for Communication-Efficient Deep Learning",
+    Middleware 2022; IST-DASLab/torch_cgx ``cuda_compression_operations.cu``.
+  """
+  bits: int = 4
+  bucket_size: int = 512
+  stochastic: bool = False
+  skip_incomplete: bool = False
+  kind = "quantizer"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if not 1 <= self.bits <= 8:
+      raise ValueError(f"bits={self.bits} must be in 1..8")
+    if self.bucket_size < 1:
+      raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    del shape, dtype, key
+    return ()
+
+  def _split(self, n):
+    nq = (n // self.bucket_size) * self.bucket_size if self.skip_incomplete else n
+    return nq, -(-nq // self.bucket_size)
+
+  def encode(self, g, state, key=None):
+    x = _flat_f32(g)
+    n = x.shape[0]
+    nq, nb = self._split(n)
+    xq = x[:nq]
+    if nq == 0:
+      meta = jnp.zeros((0,), jnp.float32)
+      packed = jnp.zeros((0,), jnp.uint8)
+    else:
+      xb = jnp.pad(xq, (0, nb * self.bucket_size - nq), mode="edge").reshape(nb, -1)
+      mx = jnp.max(xb, axis=1, keepdims=True)
+      mn = jnp.min(xb, axis=1, keepdims=True)
+      top = 2 ** self.bits - 1
+      unit = exact_div(mx - mn, top)
+      if self.stochastic:
+        if key is None:
+          raise ValueError("cgx(stochastic=True) needs key")
+        r = uniform01(key, xb.shape)
+      else:
+        r = jnp.float32(0.5)
+      safe = jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit)
+      lev = jnp.floor(exact_div(xb - mn, safe) + r)
+      lev = jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(lev, 0.0, top))
+      packed = pack_bits(lev.reshape(-1)[:nq].astype(jnp.uint32), self.bits)
+      meta = jnp.concatenate([unit, mn], axis=1).reshape(-1)
+    payload = {"meta": meta, "levels": packed}
+    if self.skip_incomplete:
+      payload["tail"] = x[nq:]
+    return payload, state
+
+  def decode(self, payload, shape):
+    n = numel(shape)
+    nq, nb = self._split(n)
+    if nq:
+      meta = payload["meta"].reshape(nb, 2)
+      lev = unpack_bits(payload["levels"], self.bits, nq).astype(jnp.float32)
+      lev = jnp.pad(lev, (0, nb * self.bucket_size - nq)).reshape(nb, -1)
+      out = meta[:, 1:2] + no_fma(meta[:, 0:1] * lev)
+      out = out.reshape(-1)[:nq]
+    else:
+      out = jnp.zeros((0,), jnp.float32)
+    if self.skip_incomplete:
+      out = jnp.concatenate([out, payload["tail"]])
+    return out.reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    del dtype
+    n = numel(shape)
+    nq, nb = self._split(n)
+    return 8 * nb + packed_nbytes(nq, self.bits) + 4 * (n - nq)
+
+
+def cgx(bits=4, bucket_size=512, stochastic=False, skip_incomplete=False) -> CGX:
+  """CGX max-min bucket quantizer (see :class:`CGX`)."""
+  return CGX(bits, bucket_size, stochastic, skip_incomplete)
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGD:
+  """QSGD: per bucket ``norm = ||x||_2``; ``level = floor(|x|/norm*levels + u)``, u ~ U[0,1)
+  (unbiased); decode ``norm*sign*level/levels``. Codes = sign bit + level, packed
+  (``1 + ceil(log2(levels+1))`` bits); float32 norm per bucket.
+
+  References:
+    Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
+    Encoding", NeurIPS 2017.
+  """
+  levels: int = 15
+  bucket_size: int = 512
+  kind = "quantizer"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if not 1 <= self.levels <= 127:
+      raise ValueError(f"levels={self.levels} must be in 1..127")
+    if self.bucket_size < 1:
+      raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
+
+  @property
+  def bits(self):
+    return 1 + max(1, math.ceil(math.log2(self.levels + 1)))
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    del shape, dtype, key
+    return ()
+
+  def encode(self, g, state, key=None):
+    if key is None:
+      raise ValueError("qsgd needs key")
+    x = _flat_f32(g)
+    n = x.shape[0]
+    nb = -(-n // self.bucket_size)
+    xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
+    norm = jnp.sqrt(det_sum(xb * xb))[:, None]
+    safe = jnp.where(norm > 0, norm, 1.0)
+    u = uniform01(key, xb.shape)
+    lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
+    lev = jnp.where(norm > 0, jnp.clip(lev, 0, self.levels), 0).astype(jnp.uint32)
+    code = (lev << 1) | (xb < 0).astype(jnp.uint32)
+    return {"norm": norm.reshape(-1), "codes": pack_bits(code.reshape(-1)[:n], self.bits)}, state
+
+  def decode(self, payload, shape):
+    n = numel(shape)
+    nb = payload["norm"].shape[0]
+    code = unpack_bits(payload["codes"], self.bits, n)
+    code = jnp.pad(code, (0, nb * self.bucket_size - n)).reshape(nb, -1)
+    mag = exact_div((code >> 1).astype(jnp.float32), self.levels)
+    val = payload["norm"][:, None] * jnp.where((code & 1) == 1, -mag, mag)
+    return val.reshape(-1)[:n].reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    n = numel(shape)
+    return 4 * (-(-n // self.bucket_size)) + packed_nbytes(n, self.bits)
+
+
+def qsgd(levels=15, bucket_size=512) -> QSGD:
+  return QSGD(levels, bucket_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBit:
+  """1-bit quantization with error feedback (residual = input - decoded).
+
+  ``scaling="mean"`` (BytePS onebit): ``scale = mean|x|``, bit = ``x < 0``, decode ``±scale``.
+  ``scaling="pos_neg_means"`` (Seide et al. 2014 / GRACE): negatives decode to the mean of the
+  negative values, the rest to the mean of the non-negative values. ``x = g + residual``.
+  Payload: float32 scales (1 or 2) + bits packed LSB-first.
+
+  References:
+    Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
+    Distributed Training of Speech DNNs", Interspeech 2014; bytedance/byteps ``onebit.cc``.
+  """
+  scaling: str = "mean"
+  error_feedback: bool = True
+  kind = "quantizer"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if self.scaling not in ("mean", "pos_neg_means"):
+      raise ValueError(f"scaling={self.scaling!r} must be 'mean' or 'pos_neg_means'")
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    del dtype, key
+    return {"residual": jnp.zeros((numel(shape),), jnp.float32)} if self.error_feedback else ()
+
+  def encode(self, g, state, key=None):
+    x = _flat_f32(g)
+    if self.error_feedback:
+      x = x + state["residual"]
+    neg = x < 0
+    if self.scaling == "mean":
+      scales = exact_div(det_sum(jnp.abs(x)), max(x.shape[0], 1)).reshape(1)
+    else:
+      nneg = jnp.sum(neg)
+      npos = x.shape[0] - nneg
+      sneg = exact_div(det_sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
+      spos = exact_div(det_sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
+      scales = jnp.stack([sneg, spos])
+    payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
+    if self.error_feedback:
+      state = {"residual": x - self.decode(payload, x.shape)}
+    return payload, state
+
+  def decode(self, payload, shape):
+    neg = unpack_bits(payload["bits"], 1, numel(shape)) == 1
+    s = payload["scale"]
+    if self.scaling == "mean":
+      out = jnp.where(neg, -s[0], s[0])
+    else:
+      out = jnp.where(neg, s[0], s[1])
+    return out.reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    return 4 * (1 if self.scaling == "mean" else 2) + packed_nbytes(numel(shape), 1)
+
+
+def onebit(scaling="mean", error_feedback=True) -> OneBit:
+  return OneBit(scaling, error_feedback)
+
+
+@dataclasses.dataclass(frozen=True)
+class TBQ:
+  """Threshold binary quantization with residual (HiPress ``tbq_body.h``, Strom 2015).
+
+  Per element: ``r += g``; ``r >= tau`` -> code 2, ``r -= tau``; ``r <= -tau`` -> code 0,
+  ``r += tau``; else code 1. Decode ``(code - 1)*tau``. 4 codes per byte, LSB first; a
+  partial last byte is padded with code 1 (0x55 fill).
+
+  References:
+    Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
+    Interspeech 2015; Bai et al., HiPress, SOSP 2021.
+  """
+  threshold: float = 1.0
+  kind = "quantizer"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if not self.threshold > 0:
+      raise ValueError(f"threshold={self.threshold} must be > 0")
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    del dtype, key
+    return {"residual": jnp.zeros((numel(shape),), jnp.float32)}
+
+  def encode(self, g, state, key=None):
+    tau = jnp.float32(self.threshold)
+    r = state["residual"] + _flat_f32(g)
+    pos = r >= tau
+    neg = r <= -tau
+    code = jnp.where(pos, 2, jnp.where(neg, 0, 1)).astype(jnp.uint32)
+    r = jnp.where(pos, r - tau, jnp.where(neg, r + tau, r))
+    return {"codes": pack_bits(code, 2, pad_code=1)}, {"residual": r}
+
+  def decode(self, payload, shape):
+    code = unpack_bits(payload["codes"], 2, numel(shape)).astype(jnp.int32)
+    return ((code - 1).astype(jnp.float32) * jnp.float32(self.threshold)).reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    return packed_nbytes(numel(shape), 2)
+
+
+def tbq(threshold=1.0) -> TBQ:
+  return TBQ(threshold)
+
+
+@dataclasses.dataclass(frozen=True)
+class TernGrad:
+  """TernGrad.
+
+  ``variant="paper"`` (default; Wen et al. 2017): ``s = max|g|`` (after optional clipping to
+  ``clip*std``, the paper's c = 2.5), ``g~ = s*sign(g)*Bernoulli(|g|/s)`` -- unbiased ternary;
+  2-bit codes ``sign+1`` + float32 ``s``.
+  ``variant="hipress"`` (HiPress ``terngrad_body.h``, b-bit max-min over the whole tensor):
+  ``gap = (mx-mn)/(2^b-1)``, ``level = rne((x-mn)/(gap+1e-8))`` or with a key
+  ``trunc((x-mn)/(gap+1e-8) + u)`` (the trailing partial byte always deterministic, as in
+  HiPress; u in [0, 1), so HiPress's u == 1 overflow defect cannot happen); decode
+  ``level*gap + mn``. Message = 10-byte header ``[b:u8][tail:u8][mn:f32 LE][mx:f32 LE]`` +
+  codes packed LSB-first.
+
+  References:
+    Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
+    Learning", NeurIPS 2017; HiPress SOSP 2021 (torch-hipress-extension ``terngrad_body.h``).
+  """
+  variant: str = "paper"
+  bits: int = 2
+  clip: float | None = None
+  kind = "quantizer"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if self.variant not in ("paper", "hipress"):
+      raise ValueError(f"variant={self.variant!r} must be 'paper' or 'hipress'")
+    if self.variant == "hipress" and self.bits not in (1, 2, 4, 8):
+      raise ValueError(f"bits={self.bits} must be 1, 2, 4 or 8 for variant='hipress'")
+    if self.variant == "paper" and self.bits != 2:
+      raise ValueError(f"bits={self.bits} must be 2 for variant='paper'")
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    del shape, dtype, key
+    return ()
+
+  def encode(self, g, state, key=None):
+    x = _flat_f32(g)
+    if self.variant == "paper":
+      if key is None:
+        raise ValueError("terngrad(variant='paper') needs key")
+      if self.clip is not None:
+        mu = exact_div(det_sum(x), x.shape[0])
+        std = jnp.sqrt(exact_div(det_sum(jnp.square(x - mu)), x.shape[0]))
+        c = jnp.float32(self.clip) * std
+        x = jnp.clip(x, -c, c)
+      s = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)
+      u = uniform01(key, x.shape)
+      keep = u * s < jnp.abs(x)
+      code = jnp.where(keep, jnp.where(x < 0, 0, 2), 1).astype(jnp.uint32)
+      return {"scale": s.reshape(1).astype(jnp.float32), "codes": pack_bits(code, 2, 1)}, state
+    n = x.shape[0]
+    b = self.bits
+    mn, mx = jnp.min(x), jnp.max(x)
+    gap = exact_div(mx - mn, 2 ** b - 1)
+    gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
+    t = no_fma((x - mn) * gap_inv)
+    lev = jnp.round(t)  # round half to even (nearbyint)
+    if key is not None:
+      per = 8 // b
+      full = (n // per) * per
+      rnd = jnp.trunc(t + uniform01(key, x.shape))
+      lev = jnp.where(jnp.arange(n) < full, rnd, lev)
+    lev = jnp.clip(lev, 0, 2 ** b - 1).astype(jnp.uint32)
+    per = 8 // b
+    tail = (-n) % per
+    header = jnp.concatenate([jnp.array([b, tail], jnp.uint8),
+                              lax.bitcast_convert_type(mn, jnp.uint8),
+                              lax.bitcast_convert_type(mx, jnp.uint8)])
+    return {"header": header, "codes": pack_bits(lev, b)}, state
+
+  def decode(self, payload, shape):
+    n = numel(shape)
+    if self.variant == "paper":
+      code = unpack_bits(payload["codes"], 2, n).astype(jnp.int32)
+      return ((code - 1).astype(jnp.float32) * payload["scale"][0]).reshape(shape)
+    h = payload["header"]
+    mn = lax.bitcast_convert_type(h[2:6], jnp.float32)
+    mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
+    gap = exact_div(mx - mn, 2 ** self.bits - 1)
+    lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
+    return (no_fma(lev * gap) + mn).reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    n = numel(shape)
+    if self.variant == "paper":
+      return 4 + packed_nbytes(n, 2)
+    return 10 + packed_nbytes(n, self.bits)
+
+
+def terngrad(variant="paper", bits=2, clip=None) -> TernGrad:
+  return TernGrad(variant, bits, clip)

@@ -1,0 +1,216 @@
+"""Sparsifiers: DGC, GradDrop, top-k, random-k. Payload = [count][idx x k][val x k]."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlp.parallel.compressors._base import (
+  det_sum,
+  numel,
+  sample_threshold,
+  select_sparse,
+  sparse_capacity,
+  sparse_decode,
+  sparse_wire_bytes,
+  zero_at,
+)
+
+
+def _flat(g):
+  return jnp.ravel(g).astype(jnp.float32)
+
+
+class _Sparse:
+  kind = "sparse"
+  elementwise_state = True
+
+  def decode(self, payload, shape):
+    return sparse_decode(payload, numel(shape)).reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    return sparse_wire_bytes(self.capacity(numel(shape)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DGC(_Sparse):
+  """Deep Gradient Compression (Lin et al. 2018; HiPress ``dgc_new``).
+
+  ``ratio`` = fraction of elements KEPT (0.01 = 99% sparsity). Per step: optional local
+  clipping ``g *= min(1, clip/||g||)``; momentum correction ``u = m*u + g; v = v + u``;
+  threshold from ``ceil(n*sample_rate)`` sampled |v| (HiPress rule; ``sample_rate=None`` =
+  exact top-k); send ``v_i`` for ``|v_i| > thr`` (at most the k largest); momentum factor
+  masking ``u_i = v_i = 0`` on sent entries. Warm-up (``warmup > 0``): the kept fraction is
+  ``max(ratio, 0.25**(1 + step // warmup))`` (75%, 93.75%, 98.4%, ... sparsity, one stage per
+  ``warmup`` steps); the payload then has the capacity of the first stage (``wire_bytes`` is that
+  capacity; ``count`` says how many slots are used). Use plain SGD (no extra momentum) with it.
+
+  References:
+    Lin et al., "Deep Gradient Compression", ICLR 2018.
+  """
+  ratio: float = 0.01
+  momentum: float = 0.9
+  sample_rate: float | None = 0.01
+  clip: float | None = None
+  warmup: int = 0
+
+  def __post_init__(self):
+    if not 0 < self.ratio <= 1:
+      raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
+    if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
+      raise ValueError(f"sample_rate={self.sample_rate} must be in (0, 1] or None")
+
+  def _max_keep(self):
+    return max(self.ratio, 0.25) if self.warmup else self.ratio
+
+  def capacity(self, n):
+    return sparse_capacity(n, self._max_keep())
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    n = numel(shape)
+    return {"u": jnp.zeros((n,), jnp.float32), "v": jnp.zeros((n,), jnp.float32),
+            "step": jnp.zeros((), jnp.int32)}
+
+  def encode(self, g, state, key=None):
+    x = _flat(g)
+    n = x.shape[0]
+    if self.clip is not None:
+      norm = jnp.sqrt(det_sum(x * x))
+      x = x * jnp.minimum(1.0, jnp.float32(self.clip) / jnp.maximum(norm, 1e-30))
+    u = jnp.float32(self.momentum) * state["u"] + x
+    v = state["v"] + u
+    step = state["step"]
+    if self.warmup:
+      keep = jnp.maximum(jnp.float32(self.ratio),
+                         jnp.float32(0.25) ** (1 + step // self.warmup).astype(jnp.float32))
+      k_now = jnp.ceil(n * keep).astype(jnp.int32)
+    else:
+      keep, k_now = self.ratio, None
+    if key is None and self.sample_rate is not None:
+      raise ValueError("dgc with sample_rate needs key")
+    thr = sample_threshold(jnp.abs(v), key, keep, self.sample_rate)
+    payload, idx = select_sparse(v, jnp.abs(v), thr, self.capacity(n), k_now)
+    return payload, {"u": zero_at(u, idx), "v": zero_at(v, idx), "step": step + 1}
+
+
+def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
+  return DGC(ratio, momentum, sample_rate, clip, warmup)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradDrop(_Sparse):
+  """GradDrop (Aji & Heafield 2017; HiPress ``gd_body.h``): ``R += g``; keep fraction
+  ``1 - drop_ratio``; threshold from sampled |R| (as DGC); send ``R_i`` for ``|R_i| > thr``
+  (at most ``ceil(n*(1-drop_ratio))`` largest); ``R_i = 0`` on sent entries.
+
+  References:
+    Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017.
+  """
+  drop_ratio: float = 0.99
+  sample_rate: float | None = 0.01
+
+  def __post_init__(self):
+    if not 0 <= self.drop_ratio < 1:
+      raise ValueError(f"drop_ratio={self.drop_ratio} must be in [0, 1)")
+
+  def capacity(self, n):
+    return sparse_capacity(n, 1.0 - self.drop_ratio)
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    return {"residual": jnp.zeros((numel(shape),), jnp.float32)}
+
+  def encode(self, g, state, key=None):
+    r = state["residual"] + _flat(g)
+    keep = 1.0 - self.drop_ratio
+    if key is None and self.sample_rate is not None:
+      raise ValueError("graddrop with sample_rate needs key")
+    thr = sample_threshold(jnp.abs(r), key, keep, self.sample_rate)
+    payload, idx = select_sparse(r, jnp.abs(r), thr, self.capacity(r.shape[0]))
+    return payload, {"residual": zero_at(r, idx)}
+
+
+def graddrop(drop_ratio=0.99, sample_rate=0.01) -> GradDrop:
+  return GradDrop(drop_ratio, sample_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(_Sparse):
+  """Exact top-k by magnitude (``k = ceil(n*ratio)``), with residual error feedback."""
+  ratio: float = 0.01
+  error_feedback: bool = True
+
+  def __post_init__(self):
+    if not 0 < self.ratio <= 1:
+      raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
+
+  def capacity(self, n):
+    return sparse_capacity(n, self.ratio)
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    return {"residual": jnp.zeros((numel(shape),), jnp.float32)} if self.error_feedback else ()
+
+  def encode(self, g, state, key=None):
+    x = _flat(g)
+    if self.error_feedback:
+      x = x + state["residual"]
+    payload, idx = select_sparse(x, jnp.abs(x), -1.0, self.capacity(x.shape[0]))
+    if self.error_feedback:
+      state = {"residual": zero_at(x, idx)}
+    return payload, state
+
+
+def topk(ratio=0.01, error_feedback=True) -> TopK:
+  return TopK(ratio, error_feedback)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomK:
+  """Random-k with residual error feedback. The k indices (without replacement) come from a
+  seed carried in the payload (2 uint32 words), so no index list goes on the wire (BytePS's
+  shared-seed trick): payload = ``seed`` + ``k`` float32 values.
+  """
+  ratio: float = 0.01
+  error_feedback: bool = True
+  kind = "sparse"
+  elementwise_state = True
+
+  def __post_init__(self):
+    if not 0 < self.ratio <= 1:
+      raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
+
+  def capacity(self, n):
+    return sparse_capacity(n, self.ratio)
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    return {"residual": jnp.zeros((numel(shape),), jnp.float32)} if self.error_feedback else ()
+
+  def _indices(self, seed, n):
+    return jax.random.choice(jax.random.wrap_key_data(seed, impl="threefry2x32"), n,
+                             (self.capacity(n),), replace=False)
+
+  def encode(self, g, state, key=None):
+    if key is None:
+      raise ValueError("randomk needs key")
+    x = _flat(g)
+    if self.error_feedback:
+      x = x + state["residual"]
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+    idx = self._indices(seed, x.shape[0])
+    payload = {"seed": seed, "val": x[idx]}
+    if self.error_feedback:
+      state = {"residual": x.at[idx].set(0.0)}
+    return payload, state
+
+  def decode(self, payload, shape):
+    n = numel(shape)
+    idx = self._indices(payload["seed"], n)
+    return jnp.zeros((n,), jnp.float32).at[idx].set(payload["val"]).reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    return 8 + 4 * self.capacity(numel(shape))
+
+
+def randomk(ratio=0.01, error_feedback=True) -> RandomK:
+  return RandomK(ratio, error_feedback)

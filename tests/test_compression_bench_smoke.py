@@ -1,0 +1,12 @@
+"""Smoke test of benchmarks/compression.py --small (< 60 s)."""
+
+import pathlib
+import runpy
+
+
+def test_compression_bench_small(capsys):
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+  mod = runpy.run_path(str(path))
+  mod["main"](["--small", "--model", "resnet18", "--only", "cgx4,onebit,topk1%"])
+  out = capsys.readouterr().out
+  assert "| resnet18 | cgx4 |" in out and "| resnet18 | onebit |" in out
