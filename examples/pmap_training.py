@@ -48,7 +48,7 @@ def main(argv=None):
   pstep = jax.pmap(step, axis_name="dev")
   params = init(jax.random.key(0))
   opt_state = tx.init(params)
-  rep = lambda t: jax.device_put_replicated(t, jax.local_devices())
+  rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), t)
   params, opt_state = rep(params), rep(opt_state)
   rng = np.random.default_rng(0)
   per = 16

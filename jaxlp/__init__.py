@@ -6,6 +6,9 @@ layers (``jaxlp.ops``), data-parallel low-precision / compressed reduction
 """
 
 from jaxlp import formats as formats
+from jaxlp import ops as ops
+from jaxlp import pallas as pallas
+from jaxlp import parallel as parallel
 from jaxlp.formats import BlockFormat as BlockFormat
 from jaxlp.formats import FixedPoint as FixedPoint
 from jaxlp.formats import FloatFormat as FloatFormat
@@ -20,5 +23,8 @@ __all__ = [
     "FloatFormat",
     "formats",
     "matmul",
+    "ops",
+    "pallas",
+    "parallel",
     "quantize",
 ]
