@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from jaxlp.flax import linen as linen
+from jaxlp.flax import models as models
 from jaxlp.flax import nnx as nnx
 from jaxlp.flax.linen import QuantizedModel as QuantizedModel
 from jaxlp.flax.nnx import StochasticOp as StochasticOp
@@ -37,4 +38,4 @@ def quantize_model(model, policy, *, include=None, exclude=None, **kwargs):
   raise TypeError(f"quantize_model: model must be a flax linen or nnx Module, got {type(model)}")
 
 
-__all__ = ["QuantizedModel", "StochasticOp", "linen", "nnx", "quantize_model"]
+__all__ = ["QuantizedModel", "StochasticOp", "linen", "models", "nnx", "quantize_model"]

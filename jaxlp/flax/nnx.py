@@ -65,8 +65,8 @@ def quantize_model(model: nnx.Module, policy: DotPolicy, *, include=None, exclud
     model = nnx.clone(model)
 
   def op(kind):
-    if policy.stochastic:
-      return StochasticOp(kind, policy, rngs, rng_stream)
+    if policy.stochastic:  # a graph node (carries the rng counter): marked as nnx data
+      return nnx.data(StochasticOp(kind, policy, rngs, rng_stream))
     return conv_general_dilated(policy) if kind == "conv" else dot_general(policy)
 
   targets = []
