@@ -205,7 +205,7 @@ def test_resnet18_trains_under_hbfp():
   opt = tx.init(params)
 
   @jax.jit
-  def step(params, stats, opt):
+  def step(params, stats, opt, x):  # x as an argument: no constant folding of its rounding
     def loss_fn(p):
       logits, upd = q.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), upd
@@ -216,7 +216,7 @@ def test_resnet18_trains_under_hbfp():
 
   losses = []
   for _ in range(5):
-    params, stats, opt, loss = step(params, stats, opt)
+    params, stats, opt, loss = step(params, stats, opt, x)
     losses.append(float(loss))
   assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
   assert len(q.quantized_paths(jax.random.key(1), x)) == 21  # 17 3x3 + 3 shortcut + fc
