@@ -1,0 +1,132 @@
+"""Quantizing an existing Flax linen model without editing its code (method interception)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+
+from jaxlp.flax._select import normalize_patterns, selected
+from jaxlp.ops.conv import conv_general_dilated
+from jaxlp.ops.dot_general import dot_general
+from jaxlp.ops.policy import DotPolicy
+
+#: linen layer types rewired, and the attribute (+ its ``_cls`` twin) each one calls.
+LINEN_LAYERS = (
+    (nn.Dense, "dot_general"),
+    (nn.DenseGeneral, "dot_general"),
+    (nn.Conv, "conv_general_dilated"),
+)
+
+
+def _layer_attr(module):
+  for cls, attr in LINEN_LAYERS:
+    if isinstance(module, cls):
+      return attr
+  return None
+
+
+class QuantizedModel:
+  """A linen model whose Dense/DenseGeneral/Conv layers run under a :class:`DotPolicy`.
+
+  ``init`` / ``apply`` take and return exactly the variables of the original model; every
+  selected layer's ``dot_general`` / ``conv_general_dilated`` is replaced, for the duration of
+  its ``__call__``, by ``jaxlp.dot_general(policy, key=...)`` /
+  ``jaxlp.conv_general_dilated(policy, key=...)`` (through ``flax.linen.intercept_methods``).
+  With a stochastic policy each layer call draws its key with ``module.make_rng(rng_stream)``:
+  pass ``rngs={"quantize": key}`` (a fresh key per step) to ``apply``.
+
+  Other attributes are forwarded to the wrapped model.
+  """
+
+  def __init__(self, model: nn.Module, policy: DotPolicy, *, include=None, exclude=None,
+               rng_stream: str = "quantize"):
+    if not isinstance(model, nn.Module):
+      raise TypeError(f"quantize_model: model must be a flax module, got {type(model)}")
+    if not isinstance(policy, DotPolicy):
+      raise TypeError(f"quantize_model: policy must be a jaxlp.DotPolicy, got {policy!r}")
+    self.model = model
+    self.policy = policy
+    self.include = normalize_patterns(include, "include")
+    self.exclude = normalize_patterns(exclude, "exclude")
+    self.rng_stream = rng_stream
+
+  def _key(self, module):
+    if not self.policy.stochastic:
+      return None
+    if module.scope is not None and module.scope.has_rng(self.rng_stream):
+      return module.make_rng(self.rng_stream)
+    if module.is_initializing():
+      return module.make_rng("params")
+    raise ValueError(
+        f"quantize_model: the policy uses stochastic rounding: pass rngs={{"
+        f"{self.rng_stream!r}: key}} (a fresh key per step) to apply")
+
+  def _interceptor(self, next_fun, args, kwargs, context):
+    module = context.module
+    attr = _layer_attr(module) if context.method_name == "__call__" else None
+    if attr is None or not selected("/".join(module.path), self.include, self.exclude):
+      return next_fun(*args, **kwargs)
+    make = conv_general_dilated if attr == "conv_general_dilated" else dot_general
+    fn = make(self.policy, key=self._key(module))
+    saved = (getattr(module, attr), getattr(module, attr + "_cls"))
+    # Linen modules are frozen dataclasses; the override lives only for this call.
+    object.__setattr__(module, attr, fn)
+    object.__setattr__(module, attr + "_cls", None)
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      object.__setattr__(module, attr, saved[0])
+      object.__setattr__(module, attr + "_cls", saved[1])
+
+  def quantized_paths(self, *args, **kwargs) -> list[str]:
+    """The '/'-joined paths of the layers that get quantized on ``init(*args, **kwargs)``."""
+    paths = []
+
+    def spy(next_fun, a, kw, context):
+      m = context.module
+      if (context.method_name == "__call__" and _layer_attr(m) is not None
+          and selected("/".join(m.path), self.include, self.exclude)):
+        paths.append("/".join(m.path))
+      return next_fun(*a, **kw)
+
+    with nn.intercept_methods(spy):
+      import jax  # noqa: PLC0415
+      jax.eval_shape(lambda: self.model.init(*args, **kwargs))
+    return paths
+
+  def init(self, *args, **kwargs):
+    with nn.intercept_methods(self._interceptor):
+      return self.model.init(*args, **kwargs)
+
+  def init_with_output(self, *args, **kwargs):
+    with nn.intercept_methods(self._interceptor):
+      return self.model.init_with_output(*args, **kwargs)
+
+  def apply(self, variables, *args, **kwargs):
+    with nn.intercept_methods(self._interceptor):
+      return self.model.apply(variables, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name == "model":
+      raise AttributeError(name)
+    return getattr(self.model, name)
+
+  def __repr__(self):
+    return (f"QuantizedModel({type(self.model).__name__}, policy={self.policy}, "
+            f"include={self.include}, exclude={self.exclude})")
+
+
+def quantize_model(model: nn.Module, policy: DotPolicy, *, include=None, exclude=None,
+                   rng_stream: str = "quantize") -> QuantizedModel:
+  """Quantize every Dense / DenseGeneral / Conv of a linen model (see :class:`QuantizedModel`).
+
+  Args:
+    model: an unbound linen module (its code is not modified).
+    policy: the :class:`jaxlp.DotPolicy`.
+    include: glob pattern(s) on '/'-joined module paths (e.g. ``"ResNet_0/*"``); None = all.
+    exclude: glob pattern(s) of layers left in FP32 (e.g. ``("Conv_0", "Dense_0")`` for the
+      usual first/last layer exclusion).
+    rng_stream: the rng stream stochastic rounding keys come from.
+  """
+  return QuantizedModel(model, policy, include=include, exclude=exclude, rng_stream=rng_stream)

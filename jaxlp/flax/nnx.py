@@ -1,0 +1,87 @@
+"""Quantizing an existing Flax nnx model without editing its code (attribute injection)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlp.flax._select import normalize_patterns, selected
+from jaxlp.ops.conv import conv_general_dilated
+from jaxlp.ops.dot_general import dot_general
+from jaxlp.ops.policy import DotPolicy
+
+
+class StochasticOp(nnx.Module):
+  """An nnx callable with a lax dot_general / conv signature that draws a fresh key from
+  ``rngs[stream]`` on every call (stochastic-rounding policies in nnx)."""
+
+  def __init__(self, kind: str, policy: DotPolicy, rngs: nnx.Rngs, stream: str = "quantize"):
+    self.kind = kind
+    self.policy = policy
+    self.rngs = rngs
+    self.stream = stream
+
+  def __call__(self, *args, **kwargs):
+    key = self.rngs[self.stream]()
+    make = conv_general_dilated if self.kind == "conv" else dot_general
+    return make(self.policy, key=key)(*args, **kwargs)
+
+
+def _einsum_op(dg):
+  return functools.partial(jnp.einsum, _dot_general=dg)
+
+
+def quantize_model(model: nnx.Module, policy: DotPolicy, *, include=None, exclude=None,
+                   rngs: nnx.Rngs | None = None, rng_stream: str = "quantize",
+                   copy: bool = True) -> nnx.Module:
+  """Quantize every Linear / LinearGeneral / Einsum / Conv of an nnx model.
+
+  Walks the graph and sets each selected layer's ``dot_general`` / ``conv_general_dilated``
+  (``einsum_op`` for ``Einsum``) to the policy's callable.
+
+  Args:
+    model: an nnx module.
+    policy: the :class:`jaxlp.DotPolicy`.
+    include, exclude: glob pattern(s) on '/'-joined graph paths (e.g. ``"layers/0"``).
+    rngs: required for stochastic policies: an ``nnx.Rngs`` with stream ``rng_stream``; each
+      layer call draws a fresh key from it (its counter is model state).
+    rng_stream: the stream name.
+    copy: return a quantized clone (default; same weight values) instead of editing
+      ``model`` in place.
+
+  Returns:
+    The quantized model.
+  """
+  if not isinstance(policy, DotPolicy):
+    raise TypeError(f"quantize_model: policy must be a jaxlp.DotPolicy, got {policy!r}")
+  if policy.stochastic and rngs is None:
+    raise ValueError("quantize_model: the policy uses stochastic rounding: pass "
+                     f"rngs=nnx.Rngs({rng_stream}=...)")
+  include = normalize_patterns(include, "include")
+  exclude = normalize_patterns(exclude, "exclude")
+  if copy:
+    model = nnx.clone(model)
+
+  def op(kind):
+    if policy.stochastic:  # a graph node (carries the rng counter): marked as nnx data
+      return nnx.data(StochasticOp(kind, policy, rngs, rng_stream))
+    return conv_general_dilated(policy) if kind == "conv" else dot_general(policy)
+
+  targets = []
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)):
+      continue
+    if selected("/".join(str(p) for p in path), include, exclude):
+      targets.append(node)
+  for node in targets:
+    if isinstance(node, nnx.Conv):
+      node.conv_general_dilated = op("conv")
+    elif isinstance(node, nnx.Einsum):
+      node.einsum_op = _einsum_op(op("dot"))
+    else:
+      node.dot_general = op("dot")
+      if isinstance(node, nnx.LinearGeneral):
+        node.dot_general_cls = None
+  return model

@@ -1,0 +1,256 @@
+"""`DotPolicy`: which operands of each GEMM (forward, dlhs, drhs) are quantized, and how.
+
+A layer's dot product ``y = lhs · rhs`` (a ``dot_general`` or a convolution) involves three
+GEMMs during training, named as in aqt:
+
+* **fwd**:  ``y = lhs · rhs`` (operands ``lhs``, ``rhs``);
+* **dlhs**: ``dlhs = grad · rhsᵀ`` (operands ``grad`` = the incoming output gradient, and the
+  rhs operand ``dlhs_rhs``);
+* **drhs**: ``drhs = lhsᵀ · grad`` (operands ``drhs_lhs`` and ``drhs_grad``).
+
+Each operand slot holds ``None`` (use the float32 operand as it is), a jaxlp format (rounded
+to nearest), or a :class:`Quant` (format + rounding). The backward operand slots of the
+weights/activations also accept ``"fwd"``: reuse the operand exactly as quantized in the
+forward pass (what HBFPEmulator and most fake-quant layers do; also the cheapest), and
+``drhs_grad`` accepts ``"grad"``: the same quantized output gradient as the dlhs GEMM.
+
+Blocking is part of the format object: ``hbfp_batched(m)`` = one exponent per sample (index of
+dim 0), ``hbfp(m, T)`` = T x T tiles, ``mx(elem, block)`` / ``BlockFormat(axis=...)`` = blocks
+along one axis. For axis-blocked formats (MX, ``BlockFormat(axis=...)``) the axis given in the
+format is REPLACED, per operand and per pass, by that operand's contraction axis in that GEMM
+(see :func:`jaxlp.ops.dot_general`), since block dot products share a scale along the
+reduction. Tile-blocked formats see the operand in the (dim0, rest) view of the operand as
+given for ``dot_general``, and in PyTorch's channel-first layout for convolutions (``NCHW``
+activations and gradients, ``OIHW`` kernels: a Flax ``HWIO`` kernel is transposed before tiling
+and back after), as HBFPEmulator tiles them.
+
+``mul`` / ``acc`` accumulator emulation (:class:`Accum`) routes a GEMM through
+``jaxlp.ops.matmul.matmul`` (products rounded to ``mul``, running sum rounded to ``acc``).
+
+Stochastic rounding keys are data, not configuration: the callables returned by
+:func:`jaxlp.ops.dot_general` / :func:`jaxlp.ops.conv_general_dilated` take ``key=`` at
+construction (a fresh key per step, e.g. from ``module.make_rng``), and each operand slot
+draws its noise from ``fold_in(key, slot)``; a stochastic policy without a key raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxlp.formats import E4M3FN, hbfp, hbfp_batched, mx
+from jaxlp.formats.quantize import FORMAT_TYPES, check_format
+
+FWD = "fwd"
+GRAD = "grad"
+HBFP_ACTIVATIONS = ("per_sample", "tiled")
+ALGORITHMS = ("naive", "kahan", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant:
+  """A format and the rounding used to quantize one GEMM operand.
+
+  Attributes:
+    fmt: any jaxlp format (``FloatFormat``, ``BlockFormat``, ``mx(...)``, ``FixedPoint``...).
+    rounding: a rounding mode supported by ``fmt`` (``"nearest"``, ``"stochastic"``, ...).
+  """
+
+  fmt: Any
+  rounding: str = "nearest"
+
+  def __post_init__(self):
+    check_format(self.fmt, self.rounding)
+
+  @property
+  def stochastic(self) -> bool:
+    return self.rounding == "stochastic"
+
+
+@dataclasses.dataclass(frozen=True)
+class Accum:
+  """Accumulator emulation of one GEMM (see ``jaxlp.matmul``).
+
+  Attributes:
+    mul: format the products are rounded to (None: the float32 product).
+    acc: format the running sum is rounded to after every addition (None: float32).
+    algorithm: ``"naive"``, ``"kahan"`` or ``"chunked"``.
+    chunk: chunk length for ``"chunked"``.
+    rounding: rounding of products and sums.
+  """
+
+  mul: Any = None
+  acc: Any = None
+  algorithm: str = "naive"
+  chunk: int | None = None
+  rounding: str = "nearest"
+
+  def __post_init__(self):
+    if self.algorithm not in ALGORITHMS:
+      raise ValueError(f"Accum: algorithm={self.algorithm!r} not in {ALGORITHMS}")
+    for name in ("mul", "acc"):
+      f = getattr(self, name)
+      if f is not None:
+        check_format(f, self.rounding)
+
+
+def _as_quant(value, name, allowed=()):
+  if value is None or value in allowed:
+    return value
+  if isinstance(value, Quant):
+    return value
+  if isinstance(value, FORMAT_TYPES):
+    return Quant(value)
+  raise TypeError(
+      f"DotPolicy: {name}={value!r} must be None, a jaxlp format, a Quant(fmt, rounding)"
+      + (f" or one of {allowed}" if allowed else ""))
+
+
+def _as_accum(value, name):
+  if value is None or isinstance(value, Accum):
+    return value
+  raise TypeError(f"DotPolicy: {name}={value!r} must be None or an Accum(mul=..., acc=...)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DotPolicy:
+  """Quantization of the forward and backward GEMMs of a dot_general / convolution.
+
+  ``DotPolicy()`` quantizes nothing: the layer is the plain lax op and its backward pass is
+  plain autodiff. Frozen and hashable (usable as a static jit argument).
+
+  Attributes:
+    lhs: forward lhs operand (activations ``x`` in a Dense/Conv layer).
+    rhs: forward rhs operand (the kernel).
+    grad: the incoming output gradient, in the dlhs GEMM (and in the drhs GEMM when
+      ``drhs_grad="grad"``).
+    dlhs_rhs: rhs operand of the dlhs GEMM; ``"fwd"`` (default) = the forward-quantized rhs.
+    drhs_lhs: lhs operand of the drhs GEMM; ``"fwd"`` (default) = the forward-quantized lhs.
+    drhs_grad: output gradient in the drhs GEMM; ``"grad"`` (default) = the same quantized
+      gradient as in the dlhs GEMM (one rounding, one random draw).
+    fwd_acc, dlhs_acc, drhs_acc: optional :class:`Accum` accumulator emulation of each GEMM.
+
+  Each operand is None (float32, unquantized), a format (nearest rounding) or a
+  :class:`Quant`; formats are normalised to :class:`Quant` at construction.
+  """
+
+  lhs: Any = None
+  rhs: Any = None
+  grad: Any = None
+  dlhs_rhs: Any = FWD
+  drhs_lhs: Any = FWD
+  drhs_grad: Any = GRAD
+  fwd_acc: Accum | None = None
+  dlhs_acc: Accum | None = None
+  drhs_acc: Accum | None = None
+
+  def __post_init__(self):
+    for name in ("lhs", "rhs", "grad"):
+      object.__setattr__(self, name, _as_quant(getattr(self, name), name))
+    for name in ("dlhs_rhs", "drhs_lhs"):
+      object.__setattr__(self, name, _as_quant(getattr(self, name), name, (FWD,)))
+    object.__setattr__(self, "drhs_grad", _as_quant(self.drhs_grad, "drhs_grad", (GRAD,)))
+    for name in ("fwd_acc", "dlhs_acc", "drhs_acc"):
+      _as_accum(getattr(self, name), name)
+
+  def operands(self) -> dict[str, Quant | None | str]:
+    """The six operand slots by name."""
+    return {n: getattr(self, n) for n in
+            ("lhs", "rhs", "grad", "dlhs_rhs", "drhs_lhs", "drhs_grad")}
+
+  @property
+  def is_identity(self) -> bool:
+    """True if no operand is quantized and no accumulator is emulated."""
+    return (all(q is None or q in (FWD, GRAD) for q in self.operands().values())
+            and self.fwd_acc is None and self.dlhs_acc is None and self.drhs_acc is None)
+
+  @property
+  def stochastic(self) -> bool:
+    """True if any operand uses stochastic rounding (the callables then need a key)."""
+    accs = (self.fwd_acc, self.dlhs_acc, self.drhs_acc)
+    return (any(isinstance(q, Quant) and q.stochastic for q in self.operands().values())
+            or any(a is not None and a.rounding == "stochastic" for a in accs))
+
+
+def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sample", *,
+                weight_man_bits: int | None = None, rounding: str = "nearest") -> DotPolicy:
+  """HBFP (BFP dot products, FP32 elsewhere), HBFPEmulator's two versions.
+
+  * ``activations="per_sample"`` (HBFPEmulator v1.0, the README/paper description): the
+    forward activations and the output gradients get one exponent per sample
+    (``hbfp_batched(man_bits)``); weights are used as given (they are stored narrow by the
+    optimizer: see :func:`jaxlp.optim.master_weights`) unless ``weight_man_bits`` is set,
+    which tiles them with ``hbfp(weight_man_bits, tile)`` in the forward pass.
+  * ``activations="tiled"`` (HBFPEmulator main): activations, weights and output gradients
+    are tiled ``hbfp(man_bits, tile)`` (weights with ``weight_man_bits`` if given).
+
+  In both, dX = op_backward(Q(dY), W_used) and dW = op_backward(Q(dY), Q(x)) with the
+  forward-quantized operands, computed in FP32 and returned unquantized.
+
+  Args:
+    man_bits: mantissa bits (sign excluded, no hidden bit): 7 = "HBFP8", 11 = "HBFP12".
+    tile: tile size T (T x T tiles of the (dim0, rest) view; 0 = one exponent per tensor).
+    activations: ``"per_sample"`` (v1.0) or ``"tiled"`` (main).
+    weight_man_bits: mantissa bits of the in-op weight quantization (see above).
+    rounding: ``"nearest"`` (HBFPEmulator's ``determ``) or ``"stochastic"`` (``stoc``, its
+      CLI default; needs a key).
+
+  References:
+    parsa-epfl/HBFPEmulator ``bfp/bfp_ops.py`` (``_gen_bfp_op``, v1.0 tag 69bfdde and main
+    b5cdb1d); Drumond et al., "Training DNNs with Hybrid Block Floating Point", NeurIPS 2018.
+  """
+  if activations not in HBFP_ACTIVATIONS:
+    raise ValueError(f"hbfp_policy: activations={activations!r} not in {HBFP_ACTIVATIONS}")
+  if activations == "per_sample":
+    act = Quant(hbfp_batched(man_bits), rounding)
+    w = None if weight_man_bits is None else Quant(hbfp(weight_man_bits, tile), rounding)
+  else:
+    act = Quant(hbfp(man_bits, tile), rounding)
+    wm = man_bits if weight_man_bits is None else weight_man_bits
+    w = Quant(hbfp(wm, tile), rounding)
+  return DotPolicy(lhs=act, rhs=w, grad=act)
+
+
+def mx_policy(elem=E4M3FN, block_size: int = 32, *, grad_elem=None,
+              rounding: str = "nearest") -> DotPolicy:
+  """OCP MX dot products: every operand of every GEMM in ``mx(elem, block_size)``.
+
+  Blocks run along the contraction axis of each operand in each GEMM, so the weights and
+  activations are re-quantized for the backward GEMMs (their contraction axes differ from
+  the forward pass).
+
+  Args:
+    elem: element format of activations and weights (``E4M3FN`` = MXFP8).
+    block_size: elements per shared E8M0 scale (32 in the OCP spec).
+    grad_elem: element format of the output gradients (default ``elem``; ``E5M2`` is common).
+    rounding: rounding of every quantization.
+
+  References:
+    OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
+    Formats for Deep Learning", arXiv:2310.10537.
+  """
+  a = Quant(mx(elem, block_size), rounding)
+  g = Quant(mx(elem if grad_elem is None else grad_elem, block_size), rounding)
+  return DotPolicy(lhs=a, rhs=a, grad=g, dlhs_rhs=a, drhs_lhs=a, drhs_grad=g)
+
+
+def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
+                 bwd_rounding: str | None = None) -> DotPolicy:
+  """Element-wise float quantizers on the GEMM operands (QPyTorch / CPD style).
+
+  Forward operands (activations and weights) are rounded to ``fwd``, the output gradient
+  to ``bwd``; the backward GEMMs reuse the forward-quantized operands.
+
+  Args:
+    fwd: format of the forward operands (e.g. ``E4M3``, ``cpd_float(5, 2)``), None = FP32.
+    bwd: format of the output gradient (e.g. ``E5M2``), None = FP32.
+    rounding: rounding of the forward operands.
+    bwd_rounding: rounding of the gradient (default ``rounding``).
+
+  References:
+    Zhang et al., "QPyTorch: A Low-Precision Arithmetic Simulation Framework", 2019
+    (``quantizer(forward_number, backward_number, ...)``); CPD (drcut/CPD).
+  """
+  f = None if fwd is None else Quant(fwd, rounding)
+  b = None if bwd is None else Quant(bwd, rounding if bwd_rounding is None else bwd_rounding)
+  return DotPolicy(lhs=f, rhs=f, grad=b)

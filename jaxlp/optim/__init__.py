@@ -1,0 +1,24 @@
+"""jaxlp.optim: optax transformations for low-precision training.
+
+* :func:`master_weights` — HBFP's wide/narrow weight storage as a wrapper transformation.
+* :func:`quantize_updates` — round the updates to a format.
+* :func:`scale_by_adam`, :func:`trace` — Adam / momentum with moments stored in a format
+  (stochastic rounding; the key lives in the state and is split every step).
+
+Each returns an ``optax.GradientTransformation`` and composes with optax (``optax.chain``,
+``optax.lars``, schedules, ...).
+"""
+
+from jaxlp.optim.transforms import LowPrecisionAdamState as LowPrecisionAdamState
+from jaxlp.optim.transforms import LowPrecisionTraceState as LowPrecisionTraceState
+from jaxlp.optim.transforms import MasterWeightsState as MasterWeightsState
+from jaxlp.optim.transforms import QuantizeUpdatesState as QuantizeUpdatesState
+from jaxlp.optim.transforms import master_weights as master_weights
+from jaxlp.optim.transforms import quantize_updates as quantize_updates
+from jaxlp.optim.transforms import scale_by_adam as scale_by_adam
+from jaxlp.optim.transforms import trace as trace
+
+__all__ = [
+    "LowPrecisionAdamState", "LowPrecisionTraceState", "MasterWeightsState",
+    "QuantizeUpdatesState", "master_weights", "quantize_updates", "scale_by_adam", "trace",
+]

@@ -1,0 +1,235 @@
+"""optax transformations: master weights, quantized updates, low-precision optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlp.formats.quantize import check_format
+from jaxlp.formats.quantize import quantize as _quantize
+
+
+def _check(fmt, rounding, name):
+  if fmt is not None:
+    check_format(fmt, rounding)
+
+
+def _needs_key(rounding, key, who):
+  if rounding == "stochastic" and key is None:
+    raise ValueError(f"{who}: rounding='stochastic' needs key=jax.random.key(...) (kept in the "
+                     "optimizer state and split every step)")
+  return jnp.zeros((2,), jnp.uint32) if key is None else key
+
+
+def _tree_quantize(tree, fmt, rounding, key):
+  """Quantize every float leaf; leaf i draws noise from fold_in(key, i)."""
+  if fmt is None:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for i, leaf in enumerate(leaves):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      out.append(leaf)
+      continue
+    k = jax.random.fold_in(key, i) if rounding == "stochastic" else None
+    x = leaf.astype(jnp.float32) if leaf.dtype == jnp.float64 else leaf
+    out.append(_quantize(x, fmt, rounding, key=k).astype(leaf.dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _split(key, rounding):
+  if rounding != "stochastic":
+    return key, key
+  k_next, k_use = jax.random.split(key)
+  return k_next, k_use
+
+
+class MasterWeightsState(NamedTuple):
+  """State of :func:`master_weights`: the wide copy, the inner state and the noise key."""
+
+  wide: Any
+  inner_state: Any
+  key: jax.Array
+
+
+def master_weights(inner: optax.GradientTransformation, narrow=None, wide=None, *,
+                   rounding: str = "nearest", key=None) -> optax.GradientTransformation:
+  """HBFP's shell optimizer: the inner optimizer updates a wide copy; params come out narrow.
+
+  ``init``: ``wide = Q_wide(params)`` (HBFPEmulator quantizes the weight to the wide format
+  the first time). ``update(grads, state, params)``: the inner transformation runs in FP32 on
+  the wide copy (``u = inner(grads, wide)``, ``new = wide + u``); then, from the same FP32
+  ``new``, ``state.wide = Q_wide(new)`` and the narrow parameters ``Q_narrow(new)`` are formed
+  with independent roundings (independent noise for stochastic rounding), and the returned
+  updates are ``Q_narrow(new) - params``, so ``optax.apply_updates(params, updates)`` yields
+  the narrow parameters. (That add is exact whenever params and the new narrow value are on
+  nearby grids, e.g. BFP values whose exponents differ by < 2^(24 - man_bits - 1); in
+  general it is one FP32 rounding away from ``Q_narrow(new)``.)
+
+  Args:
+    inner: the base optimizer (its buffers stay FP32: HBFPEmulator never quantizes them).
+    narrow: format of the parameters the model uses (e.g. ``hbfp(7, 24)``), None = FP32.
+    wide: format of the stored copy (e.g. ``hbfp(15, 24)``), None = FP32.
+    rounding: rounding of both quantizations.
+    key: PRNG key (required for stochastic rounding).
+
+  References:
+    parsa-epfl/HBFPEmulator ``bfp/bfp_optim.py`` (``get_bfp_optim``); Drumond et al., NeurIPS
+    2018 ("wide weight storage").
+  """
+  _check(narrow, rounding, "narrow")
+  _check(wide, rounding, "wide")
+  key0 = _needs_key(rounding, key, "master_weights")
+
+  def init_fn(params):
+    k_next, k = _split(key0, rounding)
+    w = _tree_quantize(params, wide, rounding, k)
+    return MasterWeightsState(w, inner.init(w), k_next)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("master_weights: update(updates, state, params) needs params (the "
+                       "current narrow parameters) to return narrow - params")
+    u, inner_state = inner.update(updates, state.inner_state, state.wide)
+    new = optax.apply_updates(state.wide, u)
+    key, k = _split(state.key, rounding)
+    k_wide, k_narrow = jax.random.split(k) if rounding == "stochastic" else (k, k)
+    new_wide = _tree_quantize(new, wide, rounding, k_wide)
+    new_narrow = _tree_quantize(new, narrow, rounding, k_narrow)
+    out = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_narrow, params)
+    new_wide = jax.tree.map(lambda n, w: n.astype(w.dtype), new_wide, state.wide)
+    return out, MasterWeightsState(new_wide, inner_state, key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class QuantizeUpdatesState(NamedTuple):
+  """State of :func:`quantize_updates`: the noise key (split every step)."""
+
+  key: jax.Array
+
+
+def quantize_updates(fmt, rounding: str = "nearest", *, key=None
+                     ) -> optax.GradientTransformation:
+  """Round every update leaf to ``fmt`` (stochastic rounding: key in the state, split per step).
+
+  Args:
+    fmt: a jaxlp format.
+    rounding: rounding mode.
+    key: PRNG key (required for stochastic rounding).
+  """
+  _check(fmt, rounding, "fmt")
+  key0 = _needs_key(rounding, key, "quantize_updates")
+
+  def init_fn(params):
+    del params
+    return QuantizeUpdatesState(key0)
+
+  def update_fn(updates, state, params=None):
+    del params
+    key, k = _split(state.key, rounding)
+    return _tree_quantize(updates, fmt, rounding, k), QuantizeUpdatesState(key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class LowPrecisionTraceState(NamedTuple):
+  """State of :func:`trace`: the momentum (values representable in ``format``) and key."""
+
+  trace: Any
+  key: jax.Array
+
+
+def trace(decay: float, nesterov: bool = False, *, format=None,  # noqa: A002
+          rounding: str = "stochastic", key=None) -> optax.GradientTransformation:
+  """optax.trace (momentum) whose buffer is stored rounded to ``format``.
+
+  ``m = Q(g + decay * m)``; the update is ``m`` (or ``g + decay * m`` for Nesterov). The
+  buffer is float32 holding values representable in ``format``; stochastic rounding (the
+  default) draws from a key kept in the state and split every step.
+
+  Args:
+    decay: momentum decay.
+    nesterov: Nesterov momentum.
+    format: storage format of the buffer (None = FP32, i.e. ``optax.trace``).
+    rounding: rounding mode of the buffer writes.
+    key: PRNG key (required for stochastic rounding with a format).
+  """
+  rounding = "nearest" if format is None else rounding
+  _check(format, rounding, "format")
+  key0 = _needs_key(rounding, key, "trace")
+
+  def init_fn(params):
+    return LowPrecisionTraceState(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), key0)
+
+  def update_fn(updates, state, params=None):
+    del params
+    key, k = _split(state.key, rounding)
+    m = jax.tree.map(lambda g, t: g.astype(jnp.float32) + decay * t, updates, state.trace)
+    m = _tree_quantize(m, format, rounding, k)
+    if nesterov:
+      out = jax.tree.map(lambda g, t: g.astype(jnp.float32) + decay * t, updates, m)
+    else:
+      out = m
+    out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
+    return out, LowPrecisionTraceState(m, key)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class LowPrecisionAdamState(NamedTuple):
+  """State of :func:`scale_by_adam`: step count, moments (values in their formats), key."""
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+  key: jax.Array
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  eps_root: float = 0.0, *, mu_format=None, nu_format=None,
+                  rounding: str = "stochastic", key=None) -> optax.GradientTransformation:
+  """optax.scale_by_adam with the moments stored rounded to ``mu_format`` / ``nu_format``.
+
+  ``mu = Q_mu(b1 mu + (1 - b1) g)``, ``nu = Q_nu(b2 nu + (1 - b2) g²)`` (float32 containers of
+  representable values), then optax's bias correction and ``mu_hat / (sqrt(nu_hat +
+  eps_root) + eps)`` from the stored (quantized) moments. With both formats None this equals
+  ``optax.scale_by_adam``.
+
+  Args:
+    b1, b2, eps, eps_root: as in optax.
+    mu_format, nu_format: storage formats (None = FP32).
+    rounding: rounding of the moment writes (default stochastic: unbiased).
+    key: PRNG key (required for stochastic rounding with a format).
+  """
+  lp = mu_format is not None or nu_format is not None
+  rounding = rounding if lp else "nearest"
+  _check(mu_format, rounding, "mu_format")
+  _check(nu_format, rounding, "nu_format")
+  key0 = _needs_key(rounding, key, "scale_by_adam")
+
+  def init_fn(params):
+    z = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return LowPrecisionAdamState(jnp.zeros([], jnp.int32), z, z, key0)
+
+  def update_fn(updates, state, params=None):
+    del params
+    key, k = _split(state.key, rounding)
+    k_mu, k_nu = jax.random.split(k) if rounding == "stochastic" else (k, k)
+    g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+    mu = optax.tree.update_moment(g32, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(g32, state.nu, b2, 2)
+    mu = _tree_quantize(mu, mu_format, rounding, k_mu)
+    nu = _tree_quantize(nu, nu_format, rounding, k_nu)
+    count = optax.safe_increment(state.count)
+    mu_hat = optax.tree.bias_correction(mu, b1, count)
+    nu_hat = optax.tree.bias_correction(nu, b2, count)
+    out = jax.tree.map(lambda m, v, g: (m / (jnp.sqrt(v + eps_root) + eps)).astype(g.dtype),
+                       mu_hat, nu_hat, updates)
+    return out, LowPrecisionAdamState(count, mu, nu, key)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,122 @@
+"""jaxlp.optim: master weights, quantized updates, low-precision optimizer state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxlp.formats import BF16, E4M3, E5M2, hbfp
+from jaxlp.formats.quantize import quantize
+from jaxlp.optim import master_weights, quantize_updates, scale_by_adam, trace
+
+PARAMS = {"w": jax.random.normal(jax.random.key(0), (30, 20)),
+          "b": jax.random.normal(jax.random.key(1), (20,)) * 0.1}
+GRADS = jax.tree.map(lambda p: 0.05 * jnp.cos(3 * p), PARAMS)
+NARROW, WIDE = hbfp(7, 24), hbfp(15, 24)
+
+
+def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
+  inner = optax.sgd(0.1, momentum=0.9)
+  tx = master_weights(inner, narrow=NARROW, wide=WIDE)
+  q = lambda t, f: jax.tree.map(lambda a: quantize(a, f), t)
+  p0 = q(PARAMS, NARROW)
+  s = jax.jit(tx.init)(p0)
+  wide0 = q(p0, WIDE)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), s.wide, wide0))
+  u, s1 = jax.jit(tx.update)(GRADS, s, p0)
+  p1 = optax.apply_updates(p0, u)
+  # independent: the inner optimizer in fp32 on the wide copy, then both roundings
+  iu, _ = inner.update(GRADS, inner.init(wide0), wide0)
+  new = optax.apply_updates(wide0, iu)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), p1, q(new, NARROW))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), s1.wide, q(new, WIDE))
+  assert not np.array_equal(s1.wide["w"], p1["w"])  # wide keeps more bits
+
+
+def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
+  tx = master_weights(optax.lars(0.1, momentum=0.9), narrow=NARROW, wide=WIDE,
+                      rounding="stochastic", key=jax.random.key(0))
+  s = tx.init(PARAMS)
+  p = PARAMS
+  step = jax.jit(tx.update)
+  for _ in range(3):
+    u, s = step(GRADS, s, p)
+    p = optax.apply_updates(p, u)
+  for leaf in jax.tree.leaves(p):
+    assert np.isfinite(leaf).all()
+  with pytest.raises(ValueError, match="key"):
+    master_weights(optax.sgd(0.1), narrow=NARROW, rounding="stochastic")
+  with pytest.raises(ValueError, match="params"):
+    master_weights(optax.sgd(0.1), narrow=NARROW).update(GRADS, s, None)
+
+
+def test_fp32_formats_equal_optax():
+  for ours, theirs in ((scale_by_adam(), optax.scale_by_adam()),
+                       (trace(0.9), optax.trace(0.9)),
+                       (trace(0.9, nesterov=True), optax.trace(0.9, nesterov=True))):
+    s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+    for _ in range(3):
+      u1, s1 = ours.update(GRADS, s1)
+      u2, s2 = theirs.update(GRADS, s2)
+      jax.tree.map(np.testing.assert_array_equal, u1, u2)
+
+
+def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
+  tx = scale_by_adam(mu_format=E4M3, nu_format=E5M2, key=jax.random.key(3))
+  s = tx.init(PARAMS)
+  step = jax.jit(tx.update)
+  u1, s1 = step(GRADS, s)
+  u2, s2 = step(GRADS, s1)
+  for mu, nu in zip(jax.tree.leaves(s2.mu), jax.tree.leaves(s2.nu), strict=True):
+    np.testing.assert_array_equal(quantize(mu, E4M3), mu)
+    np.testing.assert_array_equal(quantize(nu, E5M2), nu)
+  assert not np.array_equal(jax.random.key_data(s1.key), jax.random.key_data(s2.key))
+  tr = trace(0.9, format=BF16, key=jax.random.key(0))
+  _, st = tr.update(GRADS, tr.init(PARAMS))
+  for m in jax.tree.leaves(st.trace):
+    np.testing.assert_array_equal(quantize(m, BF16), m)
+  qu = quantize_updates(E4M3)
+  out, _ = qu.update(GRADS, qu.init(PARAMS))
+  for g in jax.tree.leaves(out):
+    np.testing.assert_array_equal(quantize(g, E4M3), g)
+
+
+def test_stochastic_moments_unbiased_on_average():
+  g = {"w": jnp.full((20000,), 0.1)}  # 0.1 is not representable in E4M3
+  tr = trace(0.0, format=E4M3, key=jax.random.key(0))
+  _, st = tr.update(g, tr.init(g))
+  m = st.trace["w"]
+  assert len(np.unique(m)) == 2 and abs(float(m.mean()) - 0.1) < 2e-3
+
+
+TRANSFORMS = {
+    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), narrow=NARROW, wide=WIDE,
+                                             rounding="stochastic", key=jax.random.key(0)),
+    "master_lars": lambda: master_weights(optax.lars(0.1), narrow=NARROW, wide=WIDE),
+    "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
+    "adam": lambda: optax.chain(scale_by_adam(mu_format=BF16, nu_format=E5M2,
+                                              key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
+    "trace": lambda: trace(0.9, format=E4M3, key=jax.random.key(1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_state_types_stable_and_no_recompilation(name):
+  tx = TRANSFORMS[name]()
+  traces = []
+
+  @jax.jit
+  def step(params, state):
+    traces.append(1)
+    u, state = tx.update(GRADS, state, params)
+    return optax.apply_updates(params, u), state
+
+  state0 = tx.init(PARAMS)
+  params, state1 = step(PARAMS, state0)
+  params, state2 = step(params, state1)
+  params, state3 = step(params, state2)
+  assert len(traces) == 1
+  typ = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)
+  assert typ(state0) == typ(state1) == typ(state3)
+  assert jax.tree.structure(state0) == jax.tree.structure(state3)

@@ -1,0 +1,21 @@
+"""Smoke test of benchmarks/layers.py --small (MLP, all four policies)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_layers_benchmark_small(tmp_path):
+  out = tmp_path / "layers.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+                      "--models", "mlp", "--steps", "2", "--json", str(out)],
+                     capture_output=True, text=True, env=env, timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = json.loads(out.read_text())
+  assert [row["policy"] for row in rows] == ["fp32", "hbfp8", "mxfp8", "float_e4m3"]
+  assert all(row["step_ms"] > 0 and row["overhead"] > 0 for row in rows)
+  assert "| mlp (batch 32) | hbfp8 |" in r.stdout
