@@ -2,8 +2,11 @@
 
 Exact number formats (``jaxlp.formats``), Pallas kernels (``jaxlp.pallas``), quantized
 layers (``jaxlp.ops``), data-parallel low-precision / compressed reduction
-(``jaxlp.parallel``), Flax/optax integration and a PyTorch bridge.
+(``jaxlp.parallel``). Integrations with optional dependencies load on first use:
+``jaxlp.flax`` (Flax), ``jaxlp.optim`` (optax), ``jaxlp.torch`` (PyTorch).
 """
+
+import importlib as _importlib
 
 from jaxlp import formats as formats
 from jaxlp import ops as ops
@@ -12,17 +15,43 @@ from jaxlp import parallel as parallel
 from jaxlp.formats import BlockFormat as BlockFormat
 from jaxlp.formats import FixedPoint as FixedPoint
 from jaxlp.formats import FloatFormat as FloatFormat
+from jaxlp.ops import Accum as Accum
+from jaxlp.ops import DotPolicy as DotPolicy
+from jaxlp.ops import Quant as Quant
+from jaxlp.ops import conv_general_dilated as conv_general_dilated
+from jaxlp.ops import dot_general as dot_general
+from jaxlp.ops import float_policy as float_policy
+from jaxlp.ops import hbfp_policy as hbfp_policy
 from jaxlp.ops import matmul as matmul
+from jaxlp.ops import mx_policy as mx_policy
 from jaxlp.ops import quantize as quantize
 
 __version__ = "0.1.0"
 
+_LAZY = ("flax", "optim", "torch", "cli")
+
+
+def __getattr__(name):
+  # Subpackages with optional dependencies are imported on first attribute access.
+  if name in _LAZY:
+    return _importlib.import_module(f"jaxlp.{name}")
+  raise AttributeError(f"module 'jaxlp' has no attribute {name!r}")
+
+
 __all__ = [
+    "Accum",
     "BlockFormat",
+    "DotPolicy",
     "FixedPoint",
     "FloatFormat",
+    "Quant",
+    "conv_general_dilated",
+    "dot_general",
+    "float_policy",
     "formats",
+    "hbfp_policy",
     "matmul",
+    "mx_policy",
     "ops",
     "pallas",
     "parallel",
