@@ -81,11 +81,28 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None) -> int:
   if W <= 1:
     return 0
   leaves = jax.tree_util.tree_leaves(params)
+  fp32_ring = lambda n: 2 * (W - 1) * math.ceil(n / W) * 4
   if compressor is not None:
-    return int(sum(compressor.wire_bytes(leaf.shape, leaf.dtype) for leaf in leaves))
+    # Mirrors jaxlp.parallel.compressed_allreduce: small leaves and vectors go in fp32; dense
+    # quantizers/casts use scatter-reduce-allgather (2(W-1) chunk payloads); PowerSGD
+    # all-reduces its factors; sparsifiers all-gather their payload to W-1 peers.
+    total = 0
+    for leaf in leaves:
+      n = leaf.size
+      kind = getattr(compressor, "kind", "")
+      if n < 1024 or leaf.ndim <= 1 or (kind == "lowrank" and
+                                        compressor.matrix_shape(leaf.shape) is None):
+        total += fp32_ring(n)
+      elif kind in ("quantizer", "cast", "lowrank"):
+        chunk = (math.ceil(n / W),) if kind != "lowrank" else leaf.shape
+        wb = compressor.wire_bytes(chunk, leaf.dtype)
+        total += 2 * (W - 1) * (wb if kind != "lowrank" else math.ceil(wb / W))
+      else:
+        total += (W - 1) * compressor.wire_bytes(leaf.shape, leaf.dtype)
+    return int(total)
   fmt = grad_format(cfg)
   if fmt is None:
-    return int(sum(2 * (W - 1) * math.ceil(leaf.size / W) * 4 for leaf in leaves))
+    return int(sum(fp32_ring(leaf.size) for leaf in leaves))
   from jaxlp.parallel import payload_bytes
 
   return int(sum(payload_bytes(leaf.size, W, fmt, cfg.order, kahan=cfg.kahan, aps=cfg.aps)
