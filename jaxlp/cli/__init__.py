@@ -55,6 +55,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=int, default=None, metavar="MANT", help="HBFP mantissa bits")
   g.add_argument("--tile", type=int, default=24, help="HBFP tile size (default 24)")
+  g.add_argument("--weight-man", type=int, default=None, metavar="MANT",
+                 help="HBFP wide weight storage mantissa bits (e.g. 16; needs --hbfp)")
   g.add_argument("--policy", default=None, help="layer policy preset: hbfp8, hbfp12, mxfp8, e4m3")
   g = p.add_argument_group("optimisation")
   g.add_argument("--epochs", type=int, default=10)

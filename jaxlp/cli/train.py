@@ -37,6 +37,7 @@ class TrainConfig:
   compress: str | None = None
   hbfp: int | None = None
   tile: int = 24
+  weight_man: int | None = None
   policy: str | None = None
   epochs: int = 10
   batch_size: int = 128
@@ -204,6 +205,15 @@ class Trainer:
     else:
       self.tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
                             optax.sgd(cfg.lr, momentum=cfg.momentum))
+    if cfg.weight_man is not None:
+      if cfg.hbfp is None:
+        raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
+      import jaxlp.optim
+      from jaxlp import formats as F
+
+      # HBFPEmulator's shell optimizer: FP32 update of a wide copy, narrow params to the model.
+      self.tx = jaxlp.optim.master_weights(self.tx, narrow=F.hbfp(cfg.hbfp, cfg.tile),
+                                           wide=F.hbfp(cfg.weight_man, cfg.tile))
     self.opt_state = self.tx.init(self.params)
     self.comp_state = None
     if self.compressor is not None:
