@@ -112,48 +112,107 @@ def round_to_quantum(mag, qe, rounding: str, *, negative=None, rand=None, rand_b
   off the significand with shifts, and the increment is decided with integer compares.
   """
   field = (mag >> 23).astype(I32)
-  frac = mag & u32(FRAC_MASK)
-  sig = jnp.where(field > 0, frac | u32(0x800000), frac)
-  e_lsb = jnp.maximum(field, 1) - 150  # exponent of the significand's lowest bit
-  d = jnp.asarray(qe, I32) - e_lsb  # number of low significand bits to drop
-  dc = jnp.clip(d, 0, 31).astype(U32)
+  qe = jnp.asarray(qe, I32)
+  d = qe - (jnp.maximum(field, 1) - 150)  # qe minus the exponent of the significand's lsb
+  big = pow2_bits(jnp.clip(qe, -149, 128))
+  return round_dropped_bits(mag, d, rounding, big=big, negative=negative, rand=rand,
+                            rand_bits=rand_bits)
+
+
+def round_dropped_bits(mag, d, rounding: str, *, big, negative=None, rand=None, rand_bits=None,
+                       d_range=(None, None)):
+  """:func:`round_to_quantum` given the number ``d`` of low significand bits to drop.
+
+  Args:
+    mag: uint32 magnitude bits of finite values.
+    d: int32, ``qe - (max(field, 1) - 150)`` where 2^qe is the quantum.
+    rounding, negative, rand, rand_bits: as in :func:`round_to_quantum`.
+    big: uint32 bits of 2^qe (broadcastable); used only where ``d >= 24`` (there the value
+      is below 2^qe, so the result is 0 or 2^qe).
+    d_range: static (lo, hi) bounds on ``d`` over the finite elements (``None``: unbounded).
+      Branches that cannot occur are left out of the traced computation; the bits are the
+      same as without bounds.
+
+  Returns:
+    uint32 magnitude bits of the rounded value (as :func:`round_to_quantum`).
+  """
+  lo, hi = d_range
+  lo = -(1 << 30) if lo is None else lo
+  hi = (1 << 30) if hi is None else hi
+  d = jnp.asarray(d, I32)
+  # Shift amount, clipped to [0, 31] only where d can leave that range (no over-shifts, so
+  # this is also valid inside Pallas kernels).
+  dc = d if lo >= 0 else jnp.maximum(d, 0)
+  dc = (dc if hi <= 31 else jnp.minimum(dc, 31)).astype(U32)
   low_mask = (u32(1) << dc) - u32(1)
-  rem = jnp.where(d >= 32, sig, sig & low_mask)
-  k = sig >> dc
-  half = u32(1) << jnp.maximum(dc, 1) - u32(1)
+  has_small = lo <= 23
+  has_big = hi >= 24
+  if has_big or (rounding == "nearest" and hi >= 23):
+    field = mag >> 23
+    frac = mag & u32(FRAC_MASK)
+    sig = jnp.where(field > 0, frac | u32(0x800000), frac)
+  else:
+    sig = mag & u32(FRAC_MASK)  # equal to the significand's bits below bit d (d <= 22)
+  # Remainder: the dropped bits (for d >= 24 the whole significand; dc >= 24 keeps it all).
+  rem = (sig if has_big else mag) & low_mask
+  half = (u32(1) << dc) >> u32(1)  # 2^(d-1) (0 where d <= 0, which never increments)
 
+  small = bigv = None
   if rounding == "nearest":
-    inc = (rem > half) | ((rem == half) & ((k & u32(1)) == 1))
-  elif rounding == "nearest_away":
-    inc = rem >= half
-  elif rounding == _HALF_UP:
-    inc = (rem > half) | ((rem == half) & ~negative)
-  elif rounding == "toward_zero":
-    inc = jnp.zeros(mag.shape, bool)
-  elif rounding == "up":
-    inc = (rem != 0) & ~negative
-  elif rounding == "down":
-    inc = (rem != 0) & negative
-  elif rounding == "stochastic":
-    # P(inc) = rem / 2^d exactly for d <= 32 (threshold T / 2^32 with T = rem * 2^(32-d)).
-    shl = jnp.clip(32 - d, 0, 31).astype(U32)
-    shr = jnp.clip(d - 32, 0, 31).astype(U32)
-    thr = jnp.where(d <= 32, rem << shl, rem >> shr)
-    thr = jnp.where(d >= 56, u32(0), thr)
-    if rand_bits is not None and rand_bits < 32:
-      thr = thr & ~((u32(1) << u32(32 - rand_bits)) - u32(1))
-    inc = rand < thr
-  else:  # pragma: no cover - validated by callers
-    raise ValueError(f"unknown rounding {rounding!r}")
+    # Ties to even on k = sig >> d: adding half - 1 + (k & 1) carries exactly when
+    # rem > half or (rem == half and k odd); the carry ripples into the exponent field.
+    if has_small:
+      kodd = (sig >> dc) & u32(1)
+      small = (mag + (half - u32(1)) + kodd) & ~low_mask
+    if has_big:  # d >= 24: k = 0 (even), so round up iff sig > half (only possible at d = 24)
+      bigv = jnp.where(sig > half, big, u32(0))
+  else:
+    if rounding == "nearest_away":
+      inc = rem >= half
+    elif rounding == _HALF_UP:
+      inc = (rem > half) | ((rem == half) & ~negative)
+    elif rounding == "toward_zero":
+      inc = None
+    elif rounding == "up":
+      inc = (rem != 0) & ~negative
+    elif rounding == "down":
+      inc = (rem != 0) & negative
+    elif rounding == "stochastic":
+      # P(inc) = rem / 2^d exactly for d <= 32 (threshold T / 2^32 with T = rem * 2^(32-d)).
+      # rem = 0 where d <= 0, so no increment there; for d >= 56 the right shift by >= 24
+      # clears the (24-bit) remainder.
+      if lo >= 32:
+        thr = rem >> jnp.minimum(d - 32, 31).astype(U32)
+      else:
+        thr = rem << jnp.clip(32 - d, 0, 31).astype(U32)
+        if hi > 32:
+          thr = jnp.where(d <= 32, thr, rem >> jnp.clip(d - 32, 0, 31).astype(U32))
+      if rand_bits is not None and rand_bits < 32:
+        thr = thr & ~((u32(1) << u32(32 - rand_bits)) - u32(1))
+      inc = rand < thr
+    else:  # pragma: no cover - validated by callers
+      raise ValueError(f"unknown rounding {rounding!r}")
+    if inc is not None and rounding != "stochastic" and lo <= 0:
+      inc = inc & (d > 0)
+    if has_small:
+      # d <= 23: clear the dropped bits of the pattern and add the increment; a carry
+      # ripples into the exponent field exactly as the value demands.
+      small = mag & ~low_mask
+      if inc is not None:
+        small = small + (inc.astype(U32) << dc)
+    if has_big:
+      bigv = u32(0) if inc is None else jnp.where(inc, big, u32(0))
+      bigv = jnp.broadcast_to(bigv, mag.shape)
 
-  inc = inc & (d > 0)
-  # d <= 23: clear the dropped bits of the pattern and add the increment; a carry ripples
-  # into the exponent field exactly as the value demands.
-  small = (mag & ~low_mask) + (inc.astype(U32) << dc)
-  # d >= 24: the value is below 2^qe, so the result is either 0 or 2^qe.
-  big = jnp.where(inc, pow2_bits(jnp.clip(jnp.asarray(qe, I32), -149, 128)), u32(0))
-  out = jnp.where(d <= 23, small, big)
-  return jnp.where(d <= 0, mag, out)
+  if small is None:
+    out = bigv
+  elif bigv is None:
+    out = small
+  else:
+    out = jnp.where(d <= 23, small, bigv)
+  if lo <= 0:
+    out = jnp.where(d <= 0, mag, out)
+  return out
 
 
 def fmix32(h):

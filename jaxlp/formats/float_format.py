@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlp.formats import _bits as B
 
@@ -174,13 +175,16 @@ class FloatFormat:
     """
     sign, mag, field = B.split(bits)
     m = self.man_bits
-    e = B.floor_log2(mag)
-    emin = self.emin if scale_exp is None else self.emin + scale_exp
-    if self.subnormals:
-      qe = jnp.maximum(e, emin) - m
+    if scale_exp is None:
+      r = self._round_mag(mag, field, rounding, sign, rand, rand_bits)
     else:
-      qe = jnp.where(e < emin, emin, e - m)
-    r = B.round_to_quantum(mag, qe, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
+      e = B.floor_log2(mag)
+      emin = self.emin + scale_exp
+      if self.subnormals:
+        qe = jnp.maximum(e, emin) - m
+      else:
+        qe = jnp.where(e < emin, emin, e - m)
+      r = B.round_to_quantum(mag, qe, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
 
     max_bits = B.to_bits(jnp.float32(self.max_normal))
     if scale_exp is not None:
@@ -216,3 +220,28 @@ class FloatFormat:
     if not self.has_negative_zero:
       signed = jnp.where(out == 0, B.u32(0), signed)
     return signed
+
+  def _round_mag(self, mag, field, rounding, sign, rand, rand_bits):
+    """``round_to_quantum(mag, qe)`` with qe = this format's quantum, from the exponent field.
+
+    Bit-identical to ``qe = max(floor_log2|x|, emin) - m`` (or the no-subnormal rule): the
+    number of dropped significand bits is ``d = qe - (max(field, 1) - 150)``. For a normal
+    input floor_log2 is ``field - 127``; a float32 subnormal input is below every format's
+    ``emin`` (>= -126), so only ``emin`` matters there and ``clz`` is never needed. Below
+    the format's normal range (the only place ``d >= 24`` can occur) qe is a constant.
+    """
+    m, emin = self.man_bits, self.emin
+    f1 = jnp.maximum(field, 1)
+    if self.subnormals:
+      # qe = max(e, emin) - m  =>  d = max(23 - m, emin + 150 - m - f1)
+      d = jnp.maximum(23 - m, (emin + 150 - m) - f1)
+      d_range = (23 - m, max(23 - m, emin + 149 - m))
+      q_small = emin - m  # qe wherever d > 23 - m
+    else:
+      # qe = emin if e < emin else e - m
+      d = jnp.where(field < emin + 127, (emin + 150) - f1, 23 - m)
+      d_range = (min(23 - m, 24), max(23 - m, emin + 149))
+      q_small = emin
+    big = B.u32(int(np.float32(2.0**q_small).view(np.uint32)))
+    return B.round_dropped_bits(mag, d, rounding, big=big, negative=sign, rand=rand,
+                                rand_bits=rand_bits, d_range=d_range)
