@@ -18,7 +18,10 @@ from jaxlp.ops.matmul import matmul
 from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
 from jaxlp.torch._quantize import quantize_raw
 
-__all__ = ["Quant_Conv", "Quant_Linear", "Quantizer", "float_quantize", "quant_gemm", "quantizer"]
+__all__ = [
+    "Quant_Conv", "Quant_Linear", "Quantizer", "float_quantize", "quant_gemm", "quantizer",
+    "sum_gradients",
+]
 
 
 def float_quantize(x, exp, man):
@@ -168,3 +171,10 @@ class Quant_Conv(torch.nn.Conv2d):  # noqa: N801 (CPD's name)
                                      self.bias, self.exp, self.man)
     return out.reshape(n, ho * wo, self.out_channels).transpose(1, 2).reshape(
         n, self.out_channels, ho, wo)
+
+
+def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,  # noqa: N803
+                  group=None):
+  """CPD's ``dist_util.sum_gradients`` (see :func:`jaxlp.torch.ddp.sum_gradients`)."""
+  from jaxlp.torch.ddp import sum_gradients as impl  # noqa: PLC0415
+  return impl(model, use_APS, grad_exp, grad_man, use_kahan, group)

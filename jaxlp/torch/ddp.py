@@ -165,12 +165,8 @@ def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,
     if plain and not use_APS:
       dist.all_reduce(g, group=group)
       continue
-    if plain:
-      fmt_ = fmt
-      res = _low_precision_sum([g.detach()], fmt_, False, [(0, g.numel())], group, w)
-    else:
-      res = _low_precision_sum([g.detach()], fmt, use_kahan,
-                               [(0, g.numel())] if use_APS else None, group, w)
+    res = _low_precision_sum([g.detach()], fmt, use_kahan,
+                             [(0, g.numel())] if use_APS else None, group, w)
     g.copy_(res.view_as(g))
   return model
 

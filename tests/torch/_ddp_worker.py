@@ -24,7 +24,7 @@ def variants():
   return {
       "fp32": dict(),
       "e4m3_aps": dict(fmt=jaxlp.formats.E4M3, aps=True),
-      "cpd52_kahan": dict(fmt=jaxlp.formats.cpd_float(5, 2), kahan=True),
+      "e5m2_kahan_bucket_aps": dict(fmt=jaxlp.formats.E5M2, kahan=True, aps="bucket"),
       "cgx4": dict(compressor=C.cgx(bits=4, bucket_size=128)),
       "powersgd2": dict(compressor=C.powersgd(rank=2)),
       "onebit": dict(compressor=C.onebit()),
@@ -79,6 +79,16 @@ def main():
       res[f"{name}/rec{j}/in"] = inp
       res[f"{name}/rec{j}/out"] = outp
       res[f"{name}/rec{j}/numels"] = numels
+  # CPD's sum_gradients (non-DDP, SUM semantics), E4M3-like cpd_float(4, 3) with APS
+  model = model_fn()
+  g = torch.Generator().manual_seed(77 + rank)
+  torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
+                                    torch.randint(0, 4, (8,), generator=g)).backward()
+  for i, p in enumerate(model.parameters()):
+    res[f"sumgrad/in{i}"] = p.grad.numpy().copy()
+  jddp.sum_gradients(model, use_APS=True, grad_exp=4, grad_man=3)
+  for i, p in enumerate(model.parameters()):
+    res[f"sumgrad/out{i}"] = p.grad.numpy().copy()
   np.savez(os.path.join(out, f"rank{rank}.npz"), **res)
   dist.barrier()
   dist.destroy_process_group()
