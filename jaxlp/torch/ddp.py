@@ -27,8 +27,6 @@ References:
   Han, Demmel, You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907.
 """
 
-from __future__ import annotations
-
 import functools
 import math
 
@@ -426,12 +424,13 @@ def _compressor_bucket(state, bucket, flat, layout, w):
   return out
 
 
-def comm_hook(state: CommState, bucket) -> torch.futures.Future:
+def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
   """DDP communication hook: the bucket's gradients reduced to the MEAN over ranks.
 
   Register with ``ddp_model.register_comm_hook(CommState(...), comm_hook)``. The work is
   done synchronously (gathers, JAX encode/decode, rank-order sums) and an already completed
-  future is returned; the result is bit-identical on every rank.
+  future is returned; the result is bit-identical on every rank. (This module deliberately
+  has no ``from __future__ import annotations``: DDP checks the return annotation object.)
   """
   if not isinstance(state, CommState):
     raise TypeError(f"jaxlp.torch.ddp.comm_hook: state must be a CommState, got {state!r}")

@@ -166,7 +166,12 @@ def test_sum_gradients_is_cpd(runs):
 
 
 def test_comm_state_validation():
+  import inspect  # noqa: PLC0415
+
   from jaxlp.torch import ddp  # noqa: PLC0415
+  # DDP.register_comm_hook checks this annotation object
+  assert (inspect.signature(ddp.comm_hook).return_annotation
+          == torch.futures.Future[torch.Tensor])
   with pytest.raises(ValueError, match="not both"):
     ddp.CommState(compressor=jaxlp.parallel.compressors.onebit(), fmt=jaxlp.formats.E4M3)
   with pytest.raises(ValueError, match="need fmt"):
