@@ -31,6 +31,7 @@ import argparse
 import datetime
 import gzip
 import logging
+import math
 import os
 import socket
 import sys
@@ -161,6 +162,71 @@ def accuracy(output, target, topk=(1, 5)):
   return [float(correct[:k].reshape(-1).float().sum()) * 100.0 / target.size(0) for k in topk]
 
 
+def _torch_batched_powersgd_is_broken():
+  """PyTorch's ``batched_powerSGD_hook`` passes 2-D P/Q to ``_orthogonalize``, which asserts
+  3-D input in recent versions (seeds-spec §5.4); probe it."""
+  import torch  # noqa: PLC0415
+  from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
+  try:
+    powerSGD_hook._orthogonalize(torch.ones(2, 1))
+  except AssertionError:
+    return True
+  return False
+
+
+def batched_powersgd_hook_2d(state, bucket):
+  """``batched_powerSGD_hook``'s intended semantics (seeds-spec §5.4) for PyTorch versions
+  whose own hook fails: the bucket zero-padded to ``s x s`` (``s = ceil(sqrt(numel))``),
+  error feedback, ``Q`` from ``randn`` seeded by ``state.rng`` on first use, every step
+  ``orth(Q); P = M Q; allreduce(P); orth(P); Q = M^T P; allreduce(Q); Q /= W; M = P Q^T``
+  (Gram-Schmidt through PyTorch's own ``_orthogonalize`` on a 3-D view).
+  """
+  import torch  # noqa: PLC0415
+  import torch.distributed as dist  # noqa: PLC0415
+  from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,  # noqa: PLC0415
+    powerSGD_hook,  # noqa: PLC0415
+  )
+  group = state.process_group
+  w = dist.get_world_size(group)
+  buf = bucket.buffer()
+  if state.iter < state.start_powerSGD_iter:
+    state.maybe_increase_iter(bucket)
+    return default_hooks._allreduce_fut(group, buf)
+  n = buf.numel()
+  s = math.ceil(math.sqrt(n))
+  x = torch.zeros(s * s, dtype=buf.dtype, device=buf.device)
+  x[:n] = buf.reshape(-1)
+  idx = bucket.index()
+  if state.use_error_feedback:
+    if idx not in state.error_dict:
+      state.error_dict[idx] = torch.zeros_like(x)
+    x += state.error_dict[idx]
+    cp = x.clone()
+  m = x.view(s, s)
+  if not state.warm_start or idx not in state.q_memory_dict:
+    with torch.random.fork_rng(devices=[]):
+      torch.manual_seed(state.rng.randint(1_000_000_000))
+      state.q_memory_dict[idx] = torch.randn(s, state.matrix_approximation_rank,
+                                             dtype=buf.dtype).to(buf.device)
+  q = state.q_memory_dict[idx]
+  powerSGD_hook._orthogonalize(q.unsqueeze(0))
+  p = m @ q
+  dist.all_reduce(p, group=group)
+  powerSGD_hook._orthogonalize(p.unsqueeze(0))
+  torch.matmul(m.t(), p, out=q)
+  dist.all_reduce(q, group=group)
+  q.div_(w)
+  torch.matmul(p, q.t(), out=m)
+  if state.use_error_feedback:
+    state.error_dict[idx] = cp - x
+  buf.copy_(x[:n].view_as(buf))
+  state.maybe_increase_iter(bucket)
+  fut = torch.futures.Future()
+  fut.set_result(buf)
+  return fut
+
+
 def register_hook(model, name, args):
   """Register the communication hook of compression choice ``name`` on DDP ``model``."""
   from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
@@ -173,8 +239,10 @@ def register_hook(model, name, args):
   if name in ("powersgd", "powersgd_fp16", "batched_powersgd_fp16"):
     state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                    start_powerSGD_iter=args.start_powersgd_iter)
-    hook = powerSGD.batched_powerSGD_hook if name.startswith("batched") else \
-        powerSGD.powerSGD_hook
+    hook = powerSGD.powerSGD_hook
+    if name.startswith("batched"):
+      hook = batched_powersgd_hook_2d if _torch_batched_powersgd_is_broken() else \
+          powerSGD.batched_powerSGD_hook
     if name.endswith("fp16"):
       hook = default_hooks.fp16_compress_wrapper(hook)
     model.register_comm_hook(state, hook)
