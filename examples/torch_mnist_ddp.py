@@ -227,6 +227,22 @@ def batched_powersgd_hook_2d(state, bucket):
   return fut
 
 
+def serialized(hook):
+  """Wait for ``hook``'s future chain before returning it.
+
+  PyTorch's PowerSGD hooks chain further ``all_reduce`` calls in future callbacks; with gloo
+  those callbacks run on gloo's worker threads, so with several buckets in flight the ranks
+  can issue collectives in different orders (a "collective mismatch" abort). Waiting per
+  bucket keeps the order identical on every rank (at the cost of overlap).
+  """
+  def wrapped(state, bucket):
+    fut = hook(state, bucket)
+    fut.wait()
+    return fut
+
+  return wrapped
+
+
 def register_hook(model, name, args):
   """Register the communication hook of compression choice ``name`` on DDP ``model``."""
   from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
@@ -245,7 +261,7 @@ def register_hook(model, name, args):
           powerSGD.batched_powerSGD_hook
     if name.endswith("fp16"):
       hook = default_hooks.fp16_compress_wrapper(hook)
-    model.register_comm_hook(state, hook)
+    model.register_comm_hook(state, hook if args.device == "cuda" else serialized(hook))
     return state
   from jaxlp.torch import ddp as jddp  # noqa: PLC0415
   state = jddp.CommState(layer_min_size=args.layer_min_size, seed=args.seed,
