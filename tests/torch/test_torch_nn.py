@@ -27,8 +27,12 @@ def _data(seed, *shapes):
 
 
 def _jax_vjp(f, args, g):
-  y, vjp = jax.vjp(f, *[jnp.asarray(a) for a in args])
-  return y, vjp(jnp.asarray(g))
+  @jax.jit
+  def run(args, g):
+    y, vjp = jax.vjp(f, *args)
+    return y, vjp(g)
+
+  return run(tuple(jnp.asarray(a) for a in args), jnp.asarray(g))
 
 
 def _torch_run(layer, x, g):
@@ -66,7 +70,8 @@ def test_linear_3d_input_and_no_bias():
   with torch.no_grad():
     layer.weight.copy_(torch.tensor(w))
   y = layer(torch.tensor(x))
-  yj = jaxlp.dot_general(policy)(jnp.asarray(x), jnp.asarray(w), (((2,), (1,)), ((), ())))
+  yj = jax.jit(lambda a, b: jaxlp.dot_general(policy)(a, b, (((2,), (1,)), ((), ()))))(
+      jnp.asarray(x), jnp.asarray(w))
   assert_same_bits(y.detach().numpy(), np.asarray(yj), "y")
 
 
@@ -129,8 +134,9 @@ def test_stochastic_policy_reproducible_and_matches_jax():
   torch.manual_seed(7)
   y2 = layer(torch.tensor(x)).detach()
   assert_same_bits(y1.numpy(), y2.numpy(), "reproducible")
-  yj = jaxlp.dot_general(policy)(jnp.asarray(x), jnp.asarray(w), (((1,), (1,)), ((), ())),
-                                 key=jnp.asarray(key))
+  yj = jax.jit(lambda a, b, k: jaxlp.dot_general(policy)(a, b, (((1,), (1,)), ((), ())),
+                                                         key=k))(
+      jnp.asarray(x), jnp.asarray(w), jnp.asarray(key))
   assert_same_bits(y1.numpy(), np.asarray(yj), "stochastic y")
 
 
