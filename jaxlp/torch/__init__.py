@@ -4,12 +4,19 @@
 * :func:`quantize`: any jaxlp format on a torch tensor, bit-identical to ``jaxlp.quantize``.
 * QPyTorch drop-ins: :func:`float_quantize`, :func:`block_quantize`,
   :func:`fixed_point_quantize`, :func:`quantizer`, :class:`Quantizer`, :class:`OptimLP`.
-* CPD drop-ins: ``jaxlp.torch.cpd.float_quantize``, ``quantizer``, ``Quantizer``.
+* CPD drop-ins: ``jaxlp.torch.cpd.float_quantize``, ``quantizer``, ``Quantizer``,
+  ``quant_gemm``, ``Quant_Linear``, ``Quant_Conv``, ``sum_gradients``.
+* Layers: ``jaxlp.torch.nn.Linear`` / ``Conv2d`` (a :class:`jaxlp.DotPolicy`, same bits as
+  ``jaxlp.dot_general`` / ``jaxlp.conv_general_dilated``) and ``nn.quantize_model``.
+* DDP: ``jaxlp.torch.ddp.CommState`` + ``comm_hook`` (low-precision chain reduction with
+  APS/Kahan, or any ``jaxlp.parallel.compressors`` compressor) and ``ddp.sum_gradients``.
 
 torch is imported only inside this subpackage.
 """
 
 from jaxlp.torch import cpd as cpd
+from jaxlp.torch import ddp as ddp
+from jaxlp.torch import nn as nn
 from jaxlp.torch._dlpack import to_jax as to_jax
 from jaxlp.torch._dlpack import to_torch as to_torch
 from jaxlp.torch._formats import QPyTorchFixedPoint as QPyTorchFixedPoint
@@ -25,7 +32,7 @@ from jaxlp.torch._quantize import quantize as quantize
 from jaxlp.torch._quantize import seed_to_key as seed_to_key
 
 __all__ = [
-    "OptimLP", "QPyTorchFixedPoint", "Quantizer", "as_format", "block_quantize", "cpd",
-    "draw_key", "fixed_point_quantize", "float_quantize", "quantize", "quantizer",
+    "OptimLP", "QPyTorchFixedPoint", "Quantizer", "as_format", "block_quantize", "cpd", "ddp",
+    "draw_key", "fixed_point_quantize", "float_quantize", "nn", "quantize", "quantizer",
     "seed_to_key", "to_jax", "to_torch",
 ]

@@ -1,5 +1,6 @@
-"""CPD-compatible torch API (``CPDtorch.quant``): ``float_quantize``, ``quantizer``,
-``Quantizer``.
+"""CPD-compatible torch API (``CPDtorch.quant`` and ``CPDtorch.utils.dist_util``):
+``float_quantize``, ``quantizer``, ``Quantizer``, ``quant_gemm``, ``Quant_Linear``,
+``Quant_Conv``, ``sum_gradients`` (re-exported from :mod:`jaxlp.torch.ddp`).
 
 References:
   drcut/CPD@ad66a44, ``CPDtorch/quant/quant_function.py``, ``quant_module.py``.
@@ -7,13 +8,20 @@ References:
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import torch
 
 from jaxlp.formats.compat import cpd_float
-from jaxlp.torch._dlpack import check_quantize_dtype
+from jaxlp.ops.matmul import matmul
+from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
 from jaxlp.torch._quantize import quantize_raw
 
-__all__ = ["Quantizer", "float_quantize", "quantizer"]
+__all__ = [
+    "Quant_Conv", "Quant_Linear", "Quantizer", "float_quantize", "quant_gemm", "quantizer",
+    "sum_gradients",
+]
 
 
 def float_quantize(x, exp, man):
@@ -69,3 +77,104 @@ class Quantizer(torch.nn.Module):
 
   def forward(self, x):
     return self.quantize(x)
+
+
+@functools.cache
+def _gemm_fn(exp, man):
+  fmt = cpd_float(exp, man)
+  return jax.jit(lambda a, b: matmul(a, b, mul=fmt, acc=fmt, algorithm="kahan"))
+
+
+def quant_gemm(a, b, man=23, exp=8):
+  """CPD's ``quant_gemm(a, b, man, exp)`` (note the argument order): ``a (M, K) @ b (K, N)``.
+
+  Per output element, k ascending, every operation of a Kahan summation rounded to
+  ``cpd_float(exp, man)``: ``p = Q(a*b); y = Q(p - c); t = Q(s + y); c = Q(Q(t - s) - y);
+  s = t`` (the compensation is not added back). Backed by
+  ``jaxlp.matmul(a, b, mul=cpd_float(exp, man), acc=cpd_float(exp, man), algorithm="kahan")``;
+  CPU and CUDA tensors, without CPD's tail-tile bug (seeds-spec §1.2).
+  """
+  for name, t in (("a", a), ("b", b)):
+    if not isinstance(t, torch.Tensor):
+      raise TypeError(f"jaxlp.torch.cpd.quant_gemm: {name} must be a torch.Tensor, got "
+                      f"{type(t).__name__}")
+    if t.dtype != torch.float32 or t.dim() != 2:
+      raise TypeError(f"jaxlp.torch.cpd.quant_gemm: {name} must be a 2-D float32 tensor, got "
+                      f"dtype={t.dtype}, shape={tuple(t.shape)}")
+  if a.shape[1] != b.shape[0]:
+    raise ValueError(f"jaxlp.torch.cpd.quant_gemm: inner dimensions differ: a.shape="
+                     f"{tuple(a.shape)}, b.shape={tuple(b.shape)}")
+  return to_torch(_gemm_fn(int(exp), int(man))(to_jax(a), to_jax(b)))
+
+
+class _QuantLinearFunction(torch.autograd.Function):
+  """CPD's ``Quant_LinearFunction``: all three GEMMs through :func:`quant_gemm`."""
+
+  @staticmethod
+  def forward(ctx, x, weight, bias, exp, man):
+    ctx.save_for_backward(x, weight)
+    ctx.exp, ctx.man, ctx.has_bias = exp, man, bias is not None
+    out = quant_gemm(x, weight.t().contiguous(), man, exp)
+    return out + bias if bias is not None else out
+
+  @staticmethod
+  def backward(ctx, g):
+    x, weight = ctx.saved_tensors
+    g = g.contiguous()
+    dx = quant_gemm(g, weight.contiguous(), ctx.man, ctx.exp)
+    dw = quant_gemm(g.t().contiguous(), x, ctx.man, ctx.exp)
+    db = float_quantize(g.sum(0), ctx.exp, ctx.man) if ctx.has_bias else None
+    return dx, dw, db, None, None
+
+
+class Quant_Linear(torch.nn.Linear):  # noqa: N801 (CPD's name)
+  """CPD's ``Quant_Linear(in, out, bias=True, exp=8, man=23)`` (2-D inputs).
+
+  Forward ``quant_gemm(x, W^T) + bias`` (bias add fp32); backward ``dX = quant_gemm(dY, W)``,
+  ``dW = quant_gemm(dY^T, X)``, ``db = Q(sum_batch dY)``. Initialisation as ``nn.Linear``.
+  """
+
+  def __init__(self, in_features, out_features, bias=True, exp=8, man=23):
+    super().__init__(in_features, out_features, bias)
+    self.exp, self.man = exp, man
+
+  def forward(self, x):
+    return _QuantLinearFunction.apply(x.contiguous(), self.weight, self.bias, self.exp,
+                                      self.man)
+
+
+class Quant_Conv(torch.nn.Conv2d):  # noqa: N801 (CPD's name)
+  """CPD's ``Quant_Conv(in, out, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+  bias=True, exp=8, man=23)``: ``unfold`` then :class:`Quant_Linear`'s function with
+  ``W.view(out, -1)``. As in CPD, dilation and groups are ignored by the computation (a
+  ``ValueError`` is raised for values other than 1 rather than silently computing something
+  else).
+  """
+
+  def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+               groups=1, bias=True, exp=8, man=23):
+    if dilation != 1 or groups != 1:
+      raise ValueError(f"jaxlp.torch.cpd.Quant_Conv: CPD ignores dilation and groups; got "
+                       f"{dilation=}, {groups=} (only 1 is supported)")
+    super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                     bias)
+    self.exp, self.man = exp, man
+
+  def forward(self, x):
+    n, _, h, w = x.shape
+    k, s, p = self.kernel_size, self.stride, self.padding
+    ho = (h - k[0] + 2 * p[0]) // s[0] + 1
+    wo = (w - k[1] + 2 * p[1]) // s[1] + 1
+    cols = torch.nn.functional.unfold(x, k, padding=p, stride=s)  # (N, C*kh*kw, L)
+    cols = cols.transpose(1, 2).reshape(n * ho * wo, -1)
+    out = _QuantLinearFunction.apply(cols.contiguous(), self.weight.view(self.out_channels, -1),
+                                     self.bias, self.exp, self.man)
+    return out.reshape(n, ho * wo, self.out_channels).transpose(1, 2).reshape(
+        n, self.out_channels, ho, wo)
+
+
+def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,  # noqa: N803
+                  group=None):
+  """CPD's ``dist_util.sum_gradients`` (see :func:`jaxlp.torch.ddp.sum_gradients`)."""
+  from jaxlp.torch.ddp import sum_gradients as impl  # noqa: PLC0415
+  return impl(model, use_APS, grad_exp, grad_man, use_kahan, group)

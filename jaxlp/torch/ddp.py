@@ -1,0 +1,456 @@
+"""DistributedDataParallel communication hooks and CPD's ``sum_gradients`` on jaxlp numerics.
+
+* :class:`CommState` + :func:`comm_hook`: ``ddp.register_comm_hook(CommState(...), comm_hook)``
+  reduces each gradient bucket to the MEAN over ranks with either
+
+  - a low-precision reduction (``fmt=``): CPD's chain sum in rank order with ``Q`` after each
+    add (optionally Kahan-compensated), with APS per parameter or per bucket, or
+  - a compressor from :mod:`jaxlp.parallel.compressors` (``cgx``, ``onebit``, ``powersgd``,
+    ``topk``, ``dgc``, ``cast``, ...): pure JAX encode on each rank, one ``all_gather`` of the
+    packed payload bytes, decode and sum in rank order; error-feedback state kept per bucket.
+
+* :func:`sum_gradients`: CPD's ``CPDtorch.utils.dist_util.sum_gradients`` for non-DDP loops
+  (in place on ``p.grad``, SUM semantics).
+
+Every collective is a plain ``torch.distributed`` call (``all_gather``, ``all_reduce``), so the
+hooks work with gloo (CPU) and NCCL. Results are identical on every rank: the sums are computed
+redundantly, in rank order, from gathered data (``order="chain"``).
+
+Mean convention: the bucket is divided by W BEFORE the reduction (as ``allreduce_hook`` and
+CGX, and as CPD's examples pre-scale the loss by 1/W); the fp16/bf16 ``cast`` compressor casts
+first and divides the fp32 sum (cast payloads are summed in fp32 here, not in the cast type);
+PowerSGD divides only Q (PyTorch's order). APS then sees ``g/W`` and uses ``max|(g/W)*W|`` as CPD.
+
+References:
+  drcut/CPD ``CPDtorch/utils/dist_util.py``; IST-DASLab/torch_cgx ``cgx_utils/allreduce_hooks.py``;
+  PyTorch ``torch/distributed/algorithms/ddp_comm_hooks`` (default_hooks, powerSGD_hook);
+  Han, Demmel, You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.distributed as dist
+from jax import lax
+
+from jaxlp.formats.compat import cpd_float
+from jaxlp.formats.quantize import quantize
+from jaxlp.parallel.aps import format_emax
+from jaxlp.parallel.compressors._base import exact_div
+from jaxlp.parallel.compressors.powersgd import orthogonalize
+from jaxlp.torch._dlpack import to_jax, to_torch
+
+__all__ = ["CommState", "chain_sum", "comm_hook", "sum_gradients"]
+
+ORDERS = ("chain", "allreduce")
+APS_MODES = (False, True, "parameter", "bucket")
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-precision chain sum (CPD normal_sum_gradients / kahan_sum_gradients)
+
+@functools.cache
+def _chain_fn(fmt, kahan: bool):
+  def q(x):
+    return quantize(x, fmt)
+
+  def f(stack):
+    res = jnp.zeros(stack.shape[1:], jnp.float32)
+    if not kahan:
+      for r in range(stack.shape[0]):
+        res = q(res + stack[r])
+      return res
+    c = jnp.zeros_like(res)
+    for r in range(stack.shape[0]):
+      y = q(stack[r] - c)
+      t = q(res + y)
+      c = q(q(t - res) - y)
+      res = t
+    return res
+
+  return jax.jit(f)
+
+
+def chain_sum(stack, fmt, kahan: bool = False):
+  """CPD's chain sum of a gathered ``(W, n)`` float32 stack, rank order, Q after each op.
+
+  ``res = 0; for r: res = Q(res + g_r)``; with ``kahan``: ``y = Q(g_r - c); t = Q(res + y);
+  c = Q(Q(t - res) - y); res = t`` (compensation not added back). Returns ``res`` (a SUM).
+  Accepts and returns torch tensors (or JAX arrays).
+  """
+  if isinstance(stack, torch.Tensor):
+    return to_torch(_chain_fn(fmt, bool(kahan))(to_jax(stack.contiguous())))
+  return _chain_fn(fmt, bool(kahan))(jnp.asarray(stack, jnp.float32))
+
+
+def _gather(t, group):
+  """``(W, *t.shape)`` stack of every rank's ``t`` in rank order (``dist.all_gather``)."""
+  w = dist.get_world_size(group)
+  out = [torch.empty_like(t) for _ in range(w)]
+  dist.all_gather(out, t.contiguous(), group=group)
+  return torch.stack(out)
+
+
+def _aps_exponents(pieces, w):
+  """Local ``ceil(log2(max|g*W|))`` per piece (float64; -inf for an all-zero piece)."""
+  vals = []
+  for g in pieces:
+    m = (g * w).abs().max().item() if g.numel() else 0.0
+    vals.append(math.ceil(math.log2(m)) if m > 0 and math.isfinite(m) else
+                (-math.inf if m == 0 else math.inf))
+  return torch.tensor(vals, dtype=torch.float64)
+
+
+def _scale(t, shift):
+  """``t * 2**shift`` computed exactly in float64, rounded once to float32."""
+  return (t.double() * (2.0 ** shift)).float()
+
+
+def _low_precision_sum(pieces, fmt, kahan, aps_pieces, group, w):
+  """Chain-sum a list of flat fp32 pieces (concatenated); APS exponent per ``aps_pieces``.
+
+  ``aps_pieces``: None (no APS) or a list of (start, stop) ranges sharing one exponent.
+  Returns the flat fp32 result (same bits on every rank).
+  """
+  from jaxlp.torch._quantize import quantize_raw
+  x = torch.cat([p.reshape(-1) for p in pieces]) if len(pieces) != 1 else \
+      pieces[0].reshape(-1).contiguous()
+  shifts = None
+  if aps_pieces is not None:
+    a = _aps_exponents([x[s:e] for s, e in aps_pieces], w)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+    u = format_emax(fmt)
+    # guard (CPD gives NaN): an all-zero parameter on every rank gets shift 0
+    shifts = [0 if not math.isfinite(v) else int(u - v) for v in a.tolist()]
+    x = torch.cat([_scale(x[s:e], sh) for (s, e), sh in zip(aps_pieces, shifts, strict=True)])
+    x = quantize_raw(x, fmt, "nearest", None)
+  stack = _gather(x, group)
+  res = chain_sum(stack, fmt, kahan)
+  if shifts is not None:
+    res = torch.cat([_scale(res[s:e], -sh) for (s, e), sh in zip(aps_pieces, shifts,
+                                                                 strict=True)])
+  return res
+
+
+def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,  # noqa: N803
+                  group=None):
+  """CPD's ``sum_gradients``: in place, every ``p.grad`` becomes the SUM over ranks.
+
+  Per parameter (with ``requires_grad`` and a gradient), in ``model.parameters()`` order:
+  all-gather, then the chain sum of :func:`chain_sum` with ``Q = cpd_float(grad_exp,
+  grad_man)`` (Kahan with ``use_kahan``); with ``use_APS`` the exponent
+  ``A = max_ranks ceil(log2(max|g*W|))``, ``g <- Q(g * 2**(U - A))`` first and the sum
+  unscaled after (``U = 2**(grad_exp-1) - 1``). ``(8, 23)`` without Kahan is a plain
+  ``dist.all_reduce`` (as CPD). Deviation: an all-zero gradient under APS stays zero (CPD
+  produces NaN). Scale the loss by ``1/W`` for a mean, as CPD's examples do.
+  """
+  if not dist.is_initialized():
+    raise ValueError("jaxlp.torch.ddp.sum_gradients: torch.distributed is not initialized")
+  w = dist.get_world_size(group)
+  fmt = cpd_float(grad_exp, grad_man)
+  plain = (grad_exp, grad_man) == (8, 23) and not use_kahan
+  for p in model.parameters():
+    if not p.requires_grad or p.grad is None:
+      continue
+    g = p.grad
+    if g.dtype != torch.float32:
+      raise TypeError(f"jaxlp.torch.ddp.sum_gradients: gradients must be float32, got "
+                      f"dtype={g.dtype}")
+    if plain and not use_APS:
+      dist.all_reduce(g, group=group)
+      continue
+    res = _low_precision_sum([g.detach()], fmt, use_kahan,
+                             [(0, g.numel())] if use_APS else None, group, w)
+    g.copy_(res.view_as(g))
+  return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressors: payload bytes on the wire
+
+def _to_bytes(leaf):
+  leaf = jnp.ravel(leaf)
+  if leaf.dtype.itemsize == 1:
+    return lax.bitcast_convert_type(leaf, jnp.uint8)
+  return lax.bitcast_convert_type(leaf, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(buf, spec):
+  n = math.prod(spec.shape)
+  size = np.dtype(spec.dtype).itemsize
+  if size == 1:
+    return lax.bitcast_convert_type(buf, spec.dtype).reshape(spec.shape)
+  return lax.bitcast_convert_type(buf.reshape(n, size), spec.dtype).reshape(spec.shape)
+
+
+@functools.cache
+def _codec(comp, n: int):
+  """Jitted ``encode(x, state, key) -> (bytes, state)`` and ``decode_sum(stack) -> sum``."""
+  state0 = comp.init((n,), jnp.float32)
+  spec = jax.eval_shape(lambda x, s: comp.encode(x, s, jax.random.PRNGKey(0))[0],
+                        jax.ShapeDtypeStruct((n,), jnp.float32), state0)
+  leaves, treedef = jax.tree_util.tree_flatten(spec)
+  sizes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves]
+
+  def encode(x, state, key):
+    payload, state = comp.encode(x, state, key)
+    flat = [_to_bytes(a) for a in jax.tree_util.tree_leaves(payload)]
+    return (jnp.concatenate(flat) if flat else jnp.zeros((0,), jnp.uint8)), state
+
+  def decode_sum(stack):
+    out = None
+    for r in range(stack.shape[0]):
+      off, parts = 0, []
+      for s, size in zip(leaves, sizes, strict=True):
+        parts.append(_from_bytes(stack[r, off:off + size], s))
+        off += size
+      d = comp.decode(treedef.unflatten(parts), (n,))
+      out = d if out is None else out + d
+    return out
+
+  return jax.jit(encode), jax.jit(decode_sum), state0
+
+
+@functools.cache
+def _powersgd_fns(comp, n, m):
+  hi = lax.Precision.HIGHEST
+
+  def start(x, err, q):
+    mat = x.reshape(n, m) if n * m == x.shape[0] else jnp.pad(
+        x, (0, n * m - x.shape[0])).reshape(n, m)
+    if err is not None:
+      mat = mat + err.reshape(n, m)
+    q = orthogonalize(q)
+    return mat, jnp.matmul(mat, q, precision=hi)
+
+  def middle(mat, p_sum):
+    p = orthogonalize(p_sum)
+    return p, jnp.matmul(mat.T, p, precision=hi)
+
+  def finish(mat, p, q_sum, w):
+    qm = exact_div(q_sum, w)
+    approx = jnp.matmul(p, qm.T, precision=hi)
+    return approx.reshape(-1), qm, (mat - approx).reshape(-1)
+
+  return jax.jit(start), jax.jit(middle), jax.jit(finish, static_argnums=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP hook
+
+class CommState:
+  """State of :func:`comm_hook` (mutable: per-bucket compressor state and a step counter).
+
+  Args:
+    compressor: a compressor from :mod:`jaxlp.parallel.compressors` (exclusive with ``fmt``).
+    fmt: an elementwise jaxlp format for CPD's low-precision chain reduction
+      (``E4M3``, ``cpd_float(5, 2)``, ...).
+    aps: APS for ``fmt``: False, True / ``"parameter"`` (one exponent per parameter, as CPD)
+      or ``"bucket"`` (one per DDP bucket).
+    kahan: Kahan-compensated chain (``fmt`` only).
+    layer_min_size: parameters with fewer elements are reduced in fp32 (compressors only; CGX's
+      ``layer_min_size``).
+    skip_vectors: reduce parameters with ``ndim <= 1`` (biases, norms) in fp32 (compressors;
+      CGX's ``should_compress_``).
+    order: ``"chain"`` (all-gather + rank-order sum: identical bits on every backend) or
+      ``"allreduce"`` (``dist.all_reduce`` for the fp32 parts and PowerSGD's P/Q sums).
+    seed: seed of the per-step compressor noise keys and PowerSGD's initial Q (same on every
+      rank).
+    process_group: the process group (None = default group).
+
+  With neither ``compressor`` nor ``fmt`` the hook is PyTorch's ``allreduce_hook`` (divide by
+  W, fp32 sum).
+  """
+
+  def __init__(self, compressor=None, fmt=None, aps=False, kahan=False, layer_min_size=1024,
+               skip_vectors=True, order="chain", seed=0, process_group=None):
+    if compressor is not None and fmt is not None:
+      raise ValueError("jaxlp.torch.ddp.CommState: give compressor= or fmt=, not both")
+    if compressor is not None and not all(hasattr(compressor, a) for a in
+                                          ("init", "encode", "decode", "kind")):
+      raise TypeError(f"jaxlp.torch.ddp.CommState: compressor must be a jaxlp.parallel."
+                      f"compressors object, got {compressor!r}")
+    if aps not in APS_MODES:
+      raise ValueError(f"jaxlp.torch.ddp.CommState: aps={aps!r} must be one of {APS_MODES}")
+    if (aps or kahan) and fmt is None:
+      raise ValueError(f"jaxlp.torch.ddp.CommState: {aps=} / {kahan=} need fmt=")
+    if fmt is not None:
+      quantize(jnp.zeros((1,), jnp.float32), fmt)  # validates the format
+    if order not in ORDERS:
+      raise ValueError(f"jaxlp.torch.ddp.CommState: {order=} must be one of {ORDERS}")
+    if layer_min_size < 0:
+      raise ValueError(f"jaxlp.torch.ddp.CommState: {layer_min_size=} must be >= 0")
+    self.compressor = compressor
+    self.fmt = fmt
+    self.aps = "parameter" if aps is True else aps
+    self.kahan = bool(kahan)
+    self.layer_min_size = int(layer_min_size)
+    self.skip_vectors = bool(skip_vectors)
+    self.order = order
+    self.seed = int(seed)
+    self.process_group = process_group
+    self.step = 0
+    self.buckets = {}   # bucket index -> (layout, per-bucket compressor state)
+
+  def __repr__(self):
+    return (f"CommState(compressor={self.compressor!r}, fmt={self.fmt!r}, aps={self.aps!r}, "
+            f"kahan={self.kahan}, layer_min_size={self.layer_min_size}, order={self.order!r}, "
+            f"step={self.step})")
+
+  def _sum(self, x):
+    """fp32 SUM over ranks: rank-order chain or ``all_reduce``."""
+    if self.order == "allreduce":
+      x = x.clone()
+      dist.all_reduce(x, group=self.process_group)
+      return x
+    stack = _gather(x, self.process_group)
+    out = stack[0].clone()
+    for r in range(1, stack.shape[0]):
+      out = out + stack[r]
+    return out
+
+  def _key(self, rank, index):
+    k = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step)
+    return jax.random.fold_in(jax.random.fold_in(k, rank), index)
+
+
+def _bucket_layout(bucket, flat):
+  """(start, stop, shape) of each parameter's gradient inside the flat bucket buffer."""
+  grads = bucket.gradients()
+  out, off = [], 0
+  for g in grads:
+    n = g.numel()
+    out.append((off, off + n, tuple(g.shape)))
+    off += n
+  if off != flat.numel():
+    out = [(0, flat.numel(), (flat.numel(),))]
+  return out
+
+
+def _fmt_bucket(state, flat, layout, w):
+  x = flat / w
+  if state.aps == "parameter":
+    pieces = [(s, e) for s, e, _ in layout]
+  elif state.aps == "bucket":
+    pieces = [(0, x.numel())]
+  else:
+    pieces = None
+  return _low_precision_sum([x], state.fmt, state.kahan, pieces, state.process_group, w)
+
+
+def _compressible(state, shape):
+  comp = state.compressor
+  n = math.prod(shape)
+  if n == 0 or n < state.layer_min_size or (state.skip_vectors and len(shape) <= 1):
+    return False
+  if comp.kind == "lowrank" and comp.matrix_shape(shape) is None:
+    return False
+  return True
+
+
+def _compressor_bucket(state, bucket, flat, layout, w):
+  comp, group = state.compressor, state.process_group
+  rank = dist.get_rank(group)
+  index = bucket.index()
+  sig = tuple(shape for _, _, shape in layout)
+  entry = state.buckets.get(index)
+  if entry is None or entry[0] != sig:
+    entry = (sig, {})
+    state.buckets[index] = entry
+  store = entry[1]
+  out = torch.empty_like(flat)
+  comp_idx = [i for i, (_, _, shape) in enumerate(layout) if _compressible(state, shape)]
+  plain = [i for i in range(len(layout)) if i not in comp_idx]
+  if plain:
+    x = torch.cat([flat[layout[i][0]:layout[i][1]] for i in plain]) / w
+    r = state._sum(x)
+    off = 0
+    for i in plain:
+      s, e, _ = layout[i]
+      out[s:e] = r[off:off + e - s]
+      off += e - s
+  if not comp_idx:
+    return out
+
+  if comp.kind == "lowrank":
+    warm = state.step < comp.start_iter
+    for i in comp_idx:
+      s, e, shape = layout[i]
+      if warm:
+        out[s:e] = state._sum(flat[s:e] / w)
+        continue
+      n, m, r = comp.matrix_shape(shape)
+      if i not in store:
+        init = comp.init(shape, jnp.float32,
+                         key=jax.random.fold_in(jax.random.PRNGKey(state.seed),
+                                                1000003 + 1000 * index + i))
+        store[i] = {"q": init["q"], "error": init.get("error")}
+      st = store[i]
+      start, middle, finish = _powersgd_fns(comp, n, m)
+      mat, p = start(to_jax(flat[s:e].contiguous()), st["error"], st["q"])
+      p_sum = to_jax(state._sum(to_torch(p).reshape(-1)).reshape(n, r))
+      p, qloc = middle(mat, p_sum)
+      q_sum = to_jax(state._sum(to_torch(qloc).reshape(-1)).reshape(m, r))
+      approx, qm, err = finish(mat, p, q_sum, w)
+      out[s:e] = to_torch(approx)[:e - s]
+      st["q"] = qm
+      if comp.error_feedback:
+        st["error"] = err
+    return out
+
+  x = torch.cat([flat[layout[i][0]:layout[i][1]] for i in comp_idx])
+  n = x.numel()
+  encode, decode_sum, state0 = _codec(comp, n)
+  cst = store.get("codec", state0)
+  xj = to_jax(x)
+  if comp.kind != "cast":
+    xj = exact_div(xj, w)
+  payload, cst = encode(xj, cst, state._key(rank, index))
+  store["codec"] = cst
+  stack = _gather(to_torch(payload), group)
+  r = decode_sum(to_jax(stack))
+  if comp.kind == "cast":
+    r = exact_div(r, w)
+  r = to_torch(r)
+  off = 0
+  for i in comp_idx:
+    s, e, _ = layout[i]
+    out[s:e] = r[off:off + e - s]
+    off += e - s
+  return out
+
+
+def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
+  """DDP communication hook: the bucket's gradients reduced to the MEAN over ranks.
+
+  Register with ``ddp_model.register_comm_hook(CommState(...), comm_hook)``. The work is
+  done synchronously (gathers, JAX encode/decode, rank-order sums) and an already completed
+  future is returned; the result is bit-identical on every rank. (This module deliberately
+  has no ``from __future__ import annotations``: DDP checks the return annotation object.)
+  """
+  if not isinstance(state, CommState):
+    raise TypeError(f"jaxlp.torch.ddp.comm_hook: state must be a CommState, got {state!r}")
+  buf = bucket.buffer()
+  group = state.process_group
+  w = dist.get_world_size(group)
+  if buf.dtype != torch.float32:
+    raise TypeError(f"jaxlp.torch.ddp.comm_hook: bucket dtype must be float32, got "
+                    f"dtype={buf.dtype}")
+  flat = buf.detach().reshape(-1)
+  layout = _bucket_layout(bucket, flat)
+  if state.fmt is not None:
+    res = _fmt_bucket(state, flat, layout, w)
+  elif state.compressor is not None:
+    res = _compressor_bucket(state, bucket, flat, layout, w)
+  else:
+    res = state._sum(flat / w)
+  if bucket.is_last():
+    state.step += 1
+  buf.copy_(res.view_as(buf))
+  fut = torch.futures.Future()
+  fut.set_result(buf)
+  return fut

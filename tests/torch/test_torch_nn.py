@@ -1,0 +1,215 @@
+"""jaxlp.torch.nn layers and CPD's quant_gemm / Quant_Linear / Quant_Conv."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jaxlp  # noqa: E402
+from jaxlp.formats import E4M3, E5M2, cpd_float  # noqa: E402
+from jaxlp.torch import cpd  # noqa: E402
+from jaxlp.torch import nn as jnn  # noqa: E402
+from tests.torch._torch_testutil import assert_same_bits  # noqa: E402
+
+POLICIES = {
+    "hbfp_tiled": jaxlp.hbfp_policy(5, tile=4, activations="tiled"),
+    "hbfp_per_sample": jaxlp.hbfp_policy(7, weight_man_bits=5, tile=8),
+    "mx": jaxlp.mx_policy(E4M3, block_size=8, grad_elem=E5M2),
+    "float": jaxlp.float_policy(E4M3, E5M2),
+}
+
+
+def _data(seed, *shapes):
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def _jax_vjp(f, args, g):
+  @jax.jit
+  def run(args, g):
+    y, vjp = jax.vjp(f, *args)
+    return y, vjp(g)
+
+  return run(tuple(jnp.asarray(a) for a in args), jnp.asarray(g))
+
+
+def _torch_run(layer, x, g):
+  xt = torch.tensor(x, requires_grad=True)
+  y = layer(xt)
+  y.backward(torch.tensor(g))
+  return y.detach(), xt.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_linear_matches_jax_dot_general(name):
+  policy = POLICIES[name]
+  x, w, b, g = _data(1, (6, 16), (12, 16), (12,), (6, 12))
+  layer = jnn.Linear(16, 12, policy=policy)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor(w))
+    layer.bias.copy_(torch.tensor(b))
+  y, dx, dw, db = _torch_run(layer, x, g)
+  dg = jaxlp.dot_general(policy)
+
+  def f(x_, w_, b_):
+    return dg(x_, w_, (((1,), (1,)), ((), ()))) + b_[None, :]
+
+  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g)
+  for a, bb, what in ((y, yj, "y"), (dx, dxj, "dx"), (dw, dwj, "dw"), (db, dbj, "db")):
+    assert_same_bits(a.numpy(), np.asarray(bb), f"{name} {what}")
+  # quantization really happened
+  assert not np.array_equal(y.numpy(), x @ w.T + b)
+
+
+def test_linear_3d_input_and_no_bias():
+  policy = POLICIES["float"]
+  x, w = _data(2, (2, 3, 8), (5, 8))
+  layer = jnn.Linear(8, 5, bias=False, policy=policy)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor(w))
+  y = layer(torch.tensor(x))
+  yj = jax.jit(lambda a, b: jaxlp.dot_general(policy)(a, b, (((2,), (1,)), ((), ()))))(
+      jnp.asarray(x), jnp.asarray(w))
+  assert_same_bits(y.detach().numpy(), np.asarray(yj), "y")
+
+
+@pytest.mark.parametrize("name,stride,padding,dilation,groups", [
+    ("hbfp_tiled", 1, 1, 1, 1), ("hbfp_tiled", 2, 0, 2, 2), ("mx", 1, 1, 1, 1),
+    ("float", 2, 1, 1, 1)])
+def test_conv2d_matches_jax_conv(name, stride, padding, dilation, groups):
+  policy = POLICIES[name]
+  cin, cout = 4, 8
+  x, w, b = _data(3, (2, cin, 9, 9), (cout, cin // groups, 3, 3), (cout,))
+  layer = jnn.Conv2d(cin, cout, 3, stride, padding, dilation, groups, policy=policy)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor(w))
+    layer.bias.copy_(torch.tensor(b))
+  y0 = layer(torch.tensor(x))
+  (g,) = _data(4, tuple(y0.shape))
+  y, dx, dw, db = _torch_run(layer, x, g)
+  cv = jaxlp.conv_general_dilated(policy)
+
+  def f(x_, w_, b_):
+    return cv(x_, w_, (stride, stride), ((padding, padding), (padding, padding)),
+              rhs_dilation=(dilation, dilation), dimension_numbers=("NCHW", "OIHW", "NCHW"),
+              feature_group_count=groups) + b_.reshape(1, -1, 1, 1)
+
+  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g)
+  for a, bb, what in ((y, yj, "y"), (dx, dxj, "dx"), (dw, dwj, "dw"), (db, dbj, "db")):
+    assert_same_bits(a.numpy(), np.asarray(bb), f"{name} {what}")
+  ref = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), torch.tensor(b), stride,
+                                   padding, dilation, groups)
+  assert y.shape == ref.shape
+  assert float(torch.linalg.norm(y - ref) / torch.linalg.norm(ref)) < 0.1
+
+
+def test_conv2d_hbfp_tiles_weights_on_o_by_ikk_view():
+  # an HBFP weight tile spans the (O, I*kh*kw) view: quantizing the kernel there (as
+  # HBFPEmulator does) gives the forward output of the jaxlp layer
+  fmt = jaxlp.formats.hbfp(5, 4)
+  policy = jaxlp.DotPolicy(rhs=fmt)
+  x, w = _data(5, (1, 3, 6, 6), (6, 3, 3, 3))
+  layer = jnn.Conv2d(3, 6, 3, bias=False, policy=policy)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor(w))
+  y = layer(torch.tensor(x)).detach()
+  wq = np.asarray(jaxlp.quantize(jnp.asarray(w.reshape(6, 27)), fmt)).reshape(w.shape)
+  ref = jax.lax.conv_general_dilated(jnp.asarray(x), jnp.asarray(wq), (1, 1), "VALID",
+                                     dimension_numbers=("NCHW", "OIHW", "NCHW"))
+  assert_same_bits(y.numpy(), np.asarray(ref), "hbfp conv y")
+
+
+def test_stochastic_policy_reproducible_and_matches_jax():
+  policy = jaxlp.float_policy(E4M3, E5M2, rounding="stochastic")
+  x, w = _data(6, (4, 8), (3, 8))
+  layer = jnn.Linear(8, 3, bias=False, policy=policy)
+  with torch.no_grad():
+    layer.weight.copy_(torch.tensor(w))
+  torch.manual_seed(7)
+  y1 = layer(torch.tensor(x)).detach()
+  torch.manual_seed(7)
+  key = jaxlp.torch.draw_key()
+  torch.manual_seed(7)
+  y2 = layer(torch.tensor(x)).detach()
+  assert_same_bits(y1.numpy(), y2.numpy(), "reproducible")
+  yj = jax.jit(lambda a, b, k: jaxlp.dot_general(policy)(a, b, (((1,), (1,)), ((), ())),
+                                                         key=k))(
+      jnp.asarray(x), jnp.asarray(w), jnp.asarray(key))
+  assert_same_bits(y1.numpy(), np.asarray(yj), "stochastic y")
+
+
+def test_quantize_model_swaps_layers_and_keeps_parameters():
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 7),
+                              torch.nn.Linear(7, 2))
+  params = list(model.parameters())
+  x = torch.randn(2, 3, 5, 5)
+  ref = model(x).detach()
+  policy = POLICIES["float"]
+  out = jnn.quantize_model(model, policy, exclude=["4"])
+  assert out is model
+  assert isinstance(model[0], jnn.Conv2d) and isinstance(model[3], jnn.Linear)
+  assert type(model[4]) is torch.nn.Linear
+  assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+  y = model(x)
+  assert not torch.equal(y, ref) and torch.allclose(y, ref, atol=0.3, rtol=0.2)
+  y.sum().backward()
+  assert all(p.grad is not None for p in model.parameters())
+  # DotPolicy() = the plain lax GEMM
+  m2 = jnn.quantize_model(torch.nn.Linear(4, 3), jaxlp.DotPolicy())
+  assert isinstance(m2, jnn.Linear)
+  with pytest.raises(TypeError, match="policy"):
+    jnn.Linear(2, 2, policy="hbfp")
+
+
+def _kahan_gemm_ref(a, b, fmt):
+  def q(v):
+    return np.asarray(jaxlp.formats.quantize(jnp.asarray(np.float32(v)).reshape(1), fmt))[0]
+  out = np.zeros((a.shape[0], b.shape[1]), np.float32)
+  for i in range(a.shape[0]):
+    for j in range(b.shape[1]):
+      s = c = np.float32(0)
+      for k in range(a.shape[1]):
+        p = q(np.float32(a[i, k] * b[k, j]))
+        y = q(np.float32(p - c))
+        t = q(np.float32(s + y))
+        c = q(np.float32(q(np.float32(t - s)) - y))
+        s = t
+      out[i, j] = s
+  return out
+
+
+def test_quant_gemm_is_cpd_kahan():
+  a, b = _data(8, (3, 7), (7, 2))
+  out = cpd.quant_gemm(torch.tensor(a), torch.tensor(b), man=2, exp=5)
+  assert_same_bits(out.numpy(), _kahan_gemm_ref(a, b, cpd_float(5, 2)), "quant_gemm")
+  full = cpd.quant_gemm(torch.tensor(a), torch.tensor(b))
+  np.testing.assert_allclose(full.numpy(), a @ b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="inner"):
+    cpd.quant_gemm(torch.tensor(a), torch.tensor(a))
+
+
+def test_quant_linear_and_conv():
+  torch.manual_seed(0)
+  lin = cpd.Quant_Linear(6, 4, exp=5, man=2)
+  x = torch.randn(3, 6, requires_grad=True)
+  y = lin(x)
+  w = lin.weight.detach()
+  ref = cpd.quant_gemm(x.detach(), w.t().contiguous(), 2, 5) + lin.bias.detach()
+  assert torch.equal(y.detach(), ref)
+  g = torch.randn(3, 4)
+  y.backward(g)
+  assert torch.equal(x.grad, cpd.quant_gemm(g, w, 2, 5))
+  assert torch.equal(lin.weight.grad, cpd.quant_gemm(g.t().contiguous(), x.detach(), 2, 5))
+  assert torch.equal(lin.bias.grad, cpd.float_quantize(g.sum(0), 5, 2))
+  conv = cpd.Quant_Conv(3, 5, 3, stride=2, padding=1)
+  xc = torch.randn(2, 3, 7, 7)
+  yc = conv(xc)
+  ref = torch.nn.functional.conv2d(xc, conv.weight, conv.bias, 2, 1)
+  assert yc.shape == ref.shape
+  assert torch.allclose(yc, ref, atol=1e-5)
+  with pytest.raises(ValueError, match="dilation"):
+    cpd.Quant_Conv(3, 5, 3, dilation=2)
