@@ -11,6 +11,14 @@ training step does for its own buffers, and so avoid the page faults of a fresh 
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
+# This folder holds a script named like a module that jax's dependencies import
+# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+
 import argparse
 import datetime
 import platform

@@ -9,6 +9,14 @@ jaxlp.parallel.payload_bytes; lax.psum counted as a float32 ring all-reduce). Th
 8-node emulated step on one device against 8 x the single-node step.
 """
 
+import os as _os
+import sys as _sys
+
+# This folder holds a script named like a module that jax's dependencies import
+# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+
 import argparse
 import json
 import os

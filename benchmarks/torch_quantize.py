@@ -3,6 +3,14 @@
 Usage: python benchmarks/torch_quantize.py [--small] [--n N] [--exp 5 --man 2]
 """
 
+import os as _os
+import sys as _sys
+
+# This folder holds a script named like a module that jax's dependencies import
+# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+
 import argparse
 import platform
 import time
