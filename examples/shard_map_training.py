@@ -26,7 +26,7 @@ def main(argv=None):
   steps = 5 if a.smoke else a.steps
   ndev, emu = jax.device_count(), a.emulate
   W = ndev * emu
-  mesh = jax.make_mesh((ndev,), ("dev",))
+  mesh = jax.make_mesh((ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
   ds = D.load_digits()
   x_all = ds.x_train.reshape(len(ds.x_train), -1)
   fmt = jaxlp.formats.cpd_float(3, 0)
