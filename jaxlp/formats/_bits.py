@@ -266,3 +266,15 @@ def ldexp_bits(mag, s):
   sub = jnp.where(sh <= -32, u32(0), sub)
   out = jnp.where(new_e >= -126, normal, sub)
   return jnp.where(mag == 0, u32(0), out)
+
+
+def fma_guard(x):
+  """``x`` (float32) unchanged, but opaque to FMA contraction with a following add.
+
+  XORs the bit pattern with ``fmix32(b) == fmix32(b ^ 1)``, which is always 0 (fmix32 is a
+  bijection) but which no compiler can prove to be 0. An ``optimization_barrier`` is not
+  enough: XLA:CPU/LLVM still contract ``s + a*b`` into an FMA in small unrolled loops and in
+  some fusions (measured).
+  """
+  b = to_bits(x)
+  return from_bits(b ^ (fmix32(b) == fmix32(b ^ u32(1))).astype(U32))

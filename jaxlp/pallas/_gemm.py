@@ -169,9 +169,8 @@ class StepCtx:
     pb = B.to_bits(p)
     if self.zero is not None:
       pb = pb ^ self.zero
-    if self.hash_guard:
-      pb = pb ^ (B.fmix32(pb) == B.fmix32(pb ^ B.u32(1))).astype(jnp.uint32)
-    return B.from_bits(pb)
+    p = B.from_bits(pb)
+    return B.fma_guard(p) if self.hash_guard else p
 
 
 def naive_step(ctx: StepCtx, s, a_col, b_row, t):

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxlp.formats._bits import fma_guard
+
 
 def numel(shape) -> int:
   return int(math.prod(shape))
@@ -75,8 +77,8 @@ def unpack_bits(packed, bits: int, n: int):
 
 
 def no_fma(x):
-  """Keep ``x`` (a product) from being contracted with a following add into an FMA."""
-  return lax.optimization_barrier(x)
+  """Keep ``x`` (a float32 product) from being contracted with a following add into an FMA."""
+  return fma_guard(jnp.asarray(x, jnp.float32))
 
 
 def exact_div(a, d):

@@ -63,7 +63,13 @@ def test_identical_on_workers_and_vmap_equals_shard_map(comp):
   os_, ss = _run_shard_map(comp, jax.tree_util.tree_map(lambda a: 0.5 * a, g), ss, **kw)
   for a, b in zip(jax.tree_util.tree_leaves((ov, sv)), jax.tree_util.tree_leaves((os_, ss)),
                   strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if isinstance(comp, C.PowerSGD) and np.issubdtype(np.asarray(a).dtype, np.floating):
+      # PowerSGD's factors come from XLA matmuls/QR, whose accumulation order differs between
+      # the batched (vmap) and per-device (shard_map) kernels: equal to float32 rounding only.
+      # Within each mode every worker still gets identical bits (checked below).
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for a in jax.tree_util.tree_leaves(ov):
     np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(a)[0], a.shape))
   mean = jax.tree_util.tree_map(lambda a: 0.5 * a.mean(0), g)
@@ -146,15 +152,22 @@ def test_powersgd_start_iter_is_plain_mean():
   out, st = _run_vmap(comp, g, st, min_size=0)
   np.testing.assert_allclose(np.asarray(out["w1"][0]), np.asarray(g["w1"].mean(0)), rtol=1e-5,
                              atol=1e-6)
-  assert int(st.leaves[0]["iter"][0]) == 1
+  iters = [int(leaf["iter"][0]) for leaf in st.leaves if "iter" in leaf]
+  assert iters and all(i == 1 for i in iters)
 
 
 def test_cast_bf16_reduces_in_bf16():
   comp = C.cast("bf16")
   g = _grads(2, 4)
   out, _ = _run_vmap(comp, g, _state(comp, 4), min_size=0)
-  want = (g["w1"].astype(jnp.bfloat16) / jnp.bfloat16(4)).astype(jnp.float32).sum(0)
-  np.testing.assert_allclose(np.asarray(out["w1"][0]), np.asarray(want), rtol=2 ** -6)
+  # PyTorch's order: cast, divide by W in the narrow type, sum (in rank order, in bf16).
+  parts = np.asarray((g["w1"].astype(jnp.bfloat16) / jnp.bfloat16(4)).astype(jnp.float32))
+  import ml_dtypes
+  acc = parts[0].astype(ml_dtypes.bfloat16)
+  for r in range(1, parts.shape[0]):
+    acc = (acc.astype(np.float32) + parts[r]).astype(ml_dtypes.bfloat16)
+  want = acc.astype(np.float32)
+  np.testing.assert_allclose(np.asarray(out["w1"][0]), want, rtol=2 ** -7, atol=0)
   assert out["w1"].dtype == jnp.float32
   hlo = jax.jit(jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=0),
                          axis_name="i")).lower(g, _state(comp, 4)).as_text()
