@@ -22,8 +22,6 @@ def test_example_smoke(name, tmp_path):
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
   env["JAX_PLATFORMS"] = "cpu"
   args = [sys.executable, os.path.join(ROOT, "examples", name), "--smoke"]
-  if name == "hipress_vgg19.py":
-    args.append("--all")
   r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(tmp_path),
                      timeout=600)
   assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
