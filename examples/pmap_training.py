@@ -52,7 +52,7 @@ def main(argv=None):
   params, opt_state = rep(params), rep(opt_state)
   rng = np.random.default_rng(0)
   per = 16
-  for s in range(steps):
+  for _ in range(steps):
     idx = rng.choice(len(x_all), n * per, replace=False)
     xb = x_all[idx].reshape(n, per, -1)
     yb = ds.y_train[idx].reshape(n, per)

@@ -1,4 +1,4 @@
-"""The README's python snippets run as written, and its quick-start commands are the ones CI uses."""
+"""The README's python snippets run as written; its test command is the one CI runs."""
 
 import os
 import re
