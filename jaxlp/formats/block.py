@@ -152,14 +152,16 @@ class BlockFormat:
       return B.ceil_log2(B.to_bits(y))
     return B.floor_log2(mx_bits) + 1
 
-  def _quantize_f32(self, x, rounding, rand, rand_bits):
-    bits = B.to_bits(x)
-    mag = bits & B.u32(B.ABS_MASK)
-    mx = self._block_max(mag)
+  def _round_with_block_max(self, bits, mx, rounding, rand, rand_bits):
+    """Round float32 ``bits`` given each element's block-max magnitude bits ``mx``."""
     e = self.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
     out = _bfp_round(bits, e, self.man_bits, rounding, rand, rand_bits)
-    out = jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
-    return B.from_bits(out)
+    return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+
+  def _quantize_f32(self, x, rounding, rand, rand_bits):
+    bits = B.to_bits(x)
+    mx = self._block_max(bits & B.u32(B.ABS_MASK))
+    return B.from_bits(self._round_with_block_max(bits, mx, rounding, rand, rand_bits))
 
 
 def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
@@ -288,8 +290,12 @@ class MXFormat:
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
     bits = B.to_bits(x)
+    mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=self.axis, block_size=self.block_size)
+    return B.from_bits(self._round_with_block_max(bits, mx, rounding, rand, rand_bits))
+
+  def _round_with_block_max(self, bits, mx, rounding, rand, rand_bits):
+    """Round float32 ``bits`` given each element's block-max magnitude bits ``mx``."""
     mag = bits & B.u32(B.ABS_MASK)
-    mx = block_max_bits(mag, axis=self.axis, block_size=self.block_size)
     s = jnp.clip(B.floor_log2(jnp.minimum(mx, B.u32(0x7F7FFFFF))) - self.elem_emax, -127, 127)
     if self.elem == "int8":
       sign = (bits & B.u32(B.SIGN_MASK)) != 0
@@ -301,8 +307,7 @@ class MXFormat:
       out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
     else:
       out = self.elem._round_bits(bits, rounding, rand, rand_bits, scale_exp=s, saturate=True)
-    out = jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
-    return B.from_bits(out)
+    return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
 
 
 def mx(elem, block_size: int = 32, axis: int = -1) -> MXFormat:

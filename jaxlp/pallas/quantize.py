@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.block import BlockFormat, MXFormat, _bfp_round
+from jaxlp.formats.block import BlockFormat, MXFormat
 from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
 from jaxlp.formats.fixed_point import FixedPoint
 from jaxlp.formats.float_format import FloatFormat
@@ -143,23 +143,7 @@ def _elementwise_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, bloc
 
 def _block_round(fmt, bits, mxb, rounding, rand, rand_bits):
   """Round ``bits`` given each element's block max magnitude bits ``mxb`` (as the spec)."""
-  if isinstance(fmt, BlockFormat):
-    e = fmt.shared_exponent(jnp.minimum(mxb, B.u32(0x7F7FFFFF)))
-    out = _bfp_round(bits, e, fmt.man_bits, rounding, rand, rand_bits)
-  else:  # MXFormat (mirrors MXFormat._quantize_f32 with the block max given)
-    mag = bits & B.u32(B.ABS_MASK)
-    s = jnp.clip(B.floor_log2(jnp.minimum(mxb, B.u32(0x7F7FFFFF))) - fmt.elem_emax, -127, 127)
-    if fmt.elem == "int8":
-      sign = (bits & B.u32(B.SIGN_MASK)) != 0
-      r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand,
-                             rand_bits=rand_bits)
-      lim_pos = B.ldexp_bits(B.u32(np.float32(127.0).view(np.uint32)), s - 6)
-      lim_neg = B.ldexp_bits(B.u32(np.float32(128.0).view(np.uint32)), s - 6)
-      r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
-      out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
-    else:
-      out = fmt.elem._round_bits(bits, rounding, rand, rand_bits, scale_exp=s, saturate=True)
-  return jnp.where(B.is_finite_mag(mxb), out, B.u32(B.QNAN_BITS))
+  return fmt._round_with_block_max(bits, mxb, rounding, rand, rand_bits)
 
 
 def _block_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, block_rows, width):
