@@ -27,6 +27,7 @@ class TrainConfig:
   data: str = "digits"
   data_dir: str | None = None
   nodes: int = 1
+  devices: int = 1
   grad_exp: int | None = None
   grad_man: int | None = None
   grad_format: str | None = None
@@ -176,11 +177,23 @@ class Trainer:
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
     if cfg.order not in ORDERS:
       raise ValueError(f"--order must be one of {ORDERS}, got {cfg.order!r}")
+    import jax as _jax
+
+    ndev = cfg.devices if cfg.devices > 0 else max(
+        d for d in range(1, _jax.device_count() + 1) if cfg.nodes % d == 0)
+    if ndev > _jax.device_count() or cfg.nodes % ndev:
+      raise ValueError(f"--devices {cfg.devices}: need a divisor of --nodes {cfg.nodes} that is "
+                       f"at most the {_jax.device_count()} available device(s)")
+    self.ndev = ndev
+    self.axis = ("dev", "nodes") if ndev > 1 else "nodes"
     self.fmt = grad_format(cfg)
     if (cfg.aps or cfg.kahan) and self.fmt is None:
       raise ValueError("--aps/--kahan need a low-precision gradient format "
                        "(--grad-exp/--grad-man or --grad-format)")
     self.compressor = _parse_compress(cfg.compress) if cfg.compress else None
+    if self.compressor is not None and self.ndev > 1:
+      raise ValueError("--compress with --devices > 1 is not supported yet (compressed "
+                       "all-gathers over a (device, emulated-node) axis pair); use --devices 1")
     if self.compressor is not None and self.fmt is not None:
       raise ValueError("give either --compress or a gradient format, not both")
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
@@ -238,12 +251,12 @@ class Trainer:
       from jaxlp.parallel.compressed import compressed_allreduce
 
       # compressed_allreduce with mean=False: the loss is already pre-scaled by 1/W.
-      return compressed_allreduce(g, comp_state, "nodes", self.compressor, mean=False, key=key)
+      return compressed_allreduce(g, comp_state, self.axis, self.compressor, mean=False, key=key)
     if self.fmt is None or W == 1:
-      return jax.tree_util.tree_map(lambda a: lax.psum(a, "nodes"), g), comp_state
+      return jax.tree_util.tree_map(lambda a: lax.psum(a, self.axis), g), comp_state
     from jaxlp.parallel import psum
 
-    return psum(g, "nodes", fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
+    return psum(g, self.axis, fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
                 rounding="nearest"), comp_state
 
   def _build_step(self):
@@ -269,11 +282,20 @@ class Trainer:
     def node_step(params, batch_stats, x, y, key, comp_state):
       (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x, y)
       g, comp_state = self._reduce(g, key, comp_state)
-      loss = lax.psum(loss, "nodes")
-      new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, "nodes"), new_bs)
+      loss = lax.psum(loss, self.axis)
+      new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, self.axis), new_bs)
       return g, loss, new_bs, comp_state
 
     vstep = jax.vmap(node_step, in_axes=(None, None, 0, 0, None, 0), axis_name="nodes")
+    if self.ndev > 1:
+      # Real devices x emulated nodes: shard the worker axis over a device mesh and vmap the
+      # workers of each device; reductions run over ("dev", "nodes"), worker-major.
+      from jax.sharding import PartitionSpec as P
+
+      mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
+      vstep = jax.shard_map(vstep, mesh=mesh,
+                            in_specs=(P(), P(), P("dev"), P("dev"), P(), P("dev")),
+                            out_specs=P("dev"), check_vma=False)
 
     def train_step(params, batch_stats, opt_state, comp_state, x, y, key):
       xs = x.reshape((W, x.shape[0] // W) + x.shape[1:])
