@@ -35,7 +35,7 @@ def run(args, **cfg_kwargs) -> list[dict]:
   if args.smoke:
     # CI-sized: the small CNN stands in for ResNet-18/VGG-19 (their full topologies are
     # trained in tests/flax and by `jaxlp train --model ...`); everything else as configured.
-    cfg.model = "cnn" if cfg.model in ("resnet18", "vgg19") else cfg.model
+    cfg.model = "cnn" if cfg.model in ("resnet9", "resnet18", "vgg19") else cfg.model
     cfg.epochs, cfg.max_steps_per_epoch, cfg.width = 1, 2, 4
     cfg.batch_size = max(cfg.nodes * 2, 16)
     cfg.data, cfg.data_dir = "digits", None

@@ -65,6 +65,10 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g.add_argument("--epochs", type=int, default=10)
   g.add_argument("--batch-size", type=int, default=128, help="global batch (split over workers)")
   g.add_argument("--lr", type=float, default=0.05)
+  g.add_argument("--schedule", choices=("constant", "triangle"), default="constant",
+                 help="learning rate: constant, or DavidNet's triangle (0 -> --lr over "
+                      "--warmup-epochs, then linearly to 0; with Nesterov momentum)")
+  g.add_argument("--warmup-epochs", type=int, default=0)
   g.add_argument("--momentum", type=float, default=0.9)
   g.add_argument("--weight-decay", type=float, default=0.0)
   g.add_argument("--seed", type=int, default=0)
@@ -261,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   pl = sub.add_parser("plan", help="SeCoPa selective-compression plan for a model",
                       description="HiPress's SeCoPa cost model applied to a model's gradients.")
-  pl.add_argument("--model", default="resnet18", choices=("mlp", "cnn", "resnet18", "vgg19"))
+  pl.add_argument("--model", default="resnet18",
+                  choices=("mlp", "cnn", "resnet9", "resnet18", "vgg19"))
   pl.add_argument("--data", default="cifar10", choices=("digits", "synthetic", "mnist", "cifar10"))
   pl.add_argument("--width", type=int, default=64)
   pl.add_argument("--nodes", type=int, default=16)

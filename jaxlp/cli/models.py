@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-MODELS = ("mlp", "cnn", "resnet18", "vgg19")
+MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19")
 
 
 def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
@@ -74,7 +74,28 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
       x = jnp.mean(x, axis=(1, 2))
       return nn.Dense(num_classes, **dkw)(x)
 
-  table = {"mlp": MLP, "cnn": CNN, "resnet18": ResNet18, "vgg19": VGG19}
+  class ResNet9(nn.Module):
+    """DavidNet (Page's fast CIFAR-10 ResNet): prep, 3 pooled stages, 2 residual blocks."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+      def conv_bn(x, f):
+        x = nn.Conv(f, (3, 3), use_bias=False, **ckw)(x)
+        return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+
+      def pool(x):
+        return nn.max_pool(x, (2, 2), (2, 2)) if x.shape[1] > 1 else x
+
+      x = conv_bn(x, width)
+      x = pool(conv_bn(x, 2 * width))
+      x = x + conv_bn(conv_bn(x, 2 * width), 2 * width)
+      x = pool(conv_bn(x, 4 * width))
+      x = pool(conv_bn(x, 8 * width))
+      x = x + conv_bn(conv_bn(x, 8 * width), 8 * width)
+      x = jnp.max(x, axis=(1, 2))
+      return nn.Dense(num_classes, use_bias=False, **dkw)(x) * 0.125
+
+  table = {"mlp": MLP, "cnn": CNN, "resnet9": ResNet9, "resnet18": ResNet18, "vgg19": VGG19}
   if name not in table:
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
   return table[name]()

@@ -43,6 +43,8 @@ class TrainConfig:
   epochs: int = 10
   batch_size: int = 128
   lr: float = 0.05
+  schedule: str = "constant"
+  warmup_epochs: int = 0
   momentum: float = 0.9
   weight_decay: float = 0.0
   seed: int = 0
@@ -211,13 +213,25 @@ class Trainer:
     self.params = variables["params"]
     self.batch_stats = variables.get("batch_stats", {})
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
+    if cfg.schedule not in ("constant", "triangle"):
+      raise ValueError(f"--schedule must be 'constant' or 'triangle', got {cfg.schedule!r}")
+    steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
+    if cfg.max_steps_per_epoch:
+      steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    lr = cfg.lr
+    if cfg.schedule == "triangle":  # DavidNet: 0 -> lr over warm-up, then linearly -> 0
+      up = max(cfg.warmup_epochs * steps_per_epoch, 1)
+      down = max((cfg.epochs - cfg.warmup_epochs) * steps_per_epoch, 1)
+      lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, up),
+                                 optax.linear_schedule(cfg.lr, 0.0, down)], [up])
     if cfg.lars:
       from jaxlp.parallel import lars
 
-      self.tx = lars(cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+      self.tx = lars(lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     else:
       self.tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
-                            optax.sgd(cfg.lr, momentum=cfg.momentum))
+                            optax.sgd(lr, momentum=cfg.momentum,
+                                      nesterov=cfg.schedule == "triangle"))
     if cfg.weight_man is not None:
       if cfg.hbfp is None:
         raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
