@@ -40,9 +40,9 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g = p.add_argument_group("workers and gradient reduction")
   g.add_argument("--nodes", type=int, default=8,
                  help="number of data-parallel workers, emulated with named vmap (default: 8)")
-  g.add_argument("--devices", type=int, default=1,
-                 help="real devices to spread the workers over (0 = as many as divide --nodes; "
-                      "default 1: all workers emulated on one device)")
+  g.add_argument("--devices", type=int, default=0,
+                 help="real devices to spread the workers over (default 0 = auto: as many as "
+                      "divide --nodes; 1 with --compress); 1 = all emulated on one device")
   g.add_argument("--grad-exp", type=int, default=None,
                  help="CPD gradient exponent bits (with --grad-man; 8/23 = fp32)")
   g.add_argument("--grad-man", type=int, default=None, help="CPD gradient mantissa bits")

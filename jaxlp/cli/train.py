@@ -27,7 +27,7 @@ class TrainConfig:
   data: str = "digits"
   data_dir: str | None = None
   nodes: int = 1
-  devices: int = 1
+  devices: int = 0
   grad_exp: int | None = None
   grad_man: int | None = None
   grad_format: str | None = None
@@ -181,8 +181,12 @@ class Trainer:
       raise ValueError(f"--order must be one of {ORDERS}, got {cfg.order!r}")
     import jax as _jax
 
-    ndev = cfg.devices if cfg.devices > 0 else max(
-        d for d in range(1, _jax.device_count() + 1) if cfg.nodes % d == 0)
+    if cfg.devices > 0:
+      ndev = cfg.devices
+    elif cfg.compress:  # compressed all-gathers run over one (emulated-node) axis only
+      ndev = 1
+    else:  # auto: as many real devices as divide the number of workers
+      ndev = max(d for d in range(1, _jax.device_count() + 1) if cfg.nodes % d == 0)
     if ndev > _jax.device_count() or cfg.nodes % ndev:
       raise ValueError(f"--devices {cfg.devices}: need a divisor of --nodes {cfg.nodes} that is "
                        f"at most the {_jax.device_count()} available device(s)")
@@ -439,7 +443,8 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
   if not cfg.quiet:
     fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
     stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
-                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s), gradients {fmt}"
+                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} device(s), "
+                 f"gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
   while trainer.epoch < cfg.epochs:
