@@ -443,8 +443,8 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
   if not cfg.quiet:
     fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
     stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
-                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} device(s), "
-                 f"gradients {fmt}"
+                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} "
+                 f"device(s), gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
   while trainer.epoch < cfg.epochs:
