@@ -45,6 +45,25 @@ def all_gather(x, axis_name):
   return out.reshape((axis_size(axes),) + x.shape)
 
 
+def all_to_all(x, axis_name):
+  """Personalised exchange: ``x`` has a leading axis of size W whose row ``j`` goes to worker
+  ``j``; row ``j`` of the result is the row worker ``j`` sent to this worker (combined order).
+
+  For a tuple of axes the rows are viewed as an array of shape ``(n_0, ..., n_k)`` and one
+  ``all_to_all`` is done per name along its own dimension.
+  """
+  axes = as_tuple(axis_name)
+  sizes = tuple(int(lax.axis_size(a)) for a in axes)
+  w = axis_size(axes)
+  if x.shape[0] != w:
+    raise ValueError(f"all_to_all: leading dimension {x.shape[0]} != number of workers {w}")
+  out = x.reshape(sizes + x.shape[1:])
+  for d, a in enumerate(axes):
+    if sizes[d] > 1:
+      out = lax.all_to_all(out, a, d, d)
+  return out.reshape(x.shape)
+
+
 def ring_shift(x, axis_name):
   """Value of ``x`` held by the combined predecessor (worker ``i-1 mod W``).
 

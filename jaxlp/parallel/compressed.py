@@ -14,6 +14,15 @@ Algorithms (``algorithm=``):
   ROOT_DECOMP_COMP task), and the encoded chunks are all-gathered and decoded by everyone:
   ``chunk r = Q(x_r + sum_{j != r} Q(x_j))``. CGX chunks layer-aware with 4-element alignment
   and polls peers in arrival order; jaxlp uses equal chunks and ascending rank order.
+* ``"ring"`` -- CGX compressed ring (torch_cgx ``ring.cc``): the vector is cut into W chunks as
+  for ``"sra"``; in W-1 reduce-scatter steps worker r encodes its partial sum of chunk
+  ``r-1-s`` (its own unquantized data at step 0), sends it to ``r+1`` (``ppermute``) and adds the
+  decoded partial sum of chunk ``r-2-s`` received from ``r-1`` to its own unquantized chunk.
+  Chunk c thus collects ``x_{c+1}, x_{c+2}, ..., x_c`` with W-1 re-quantizations; the owner c
+  encodes the final sum once more and that encoding is all-gathered unchanged (CGX forwards the
+  compressed bytes around the ring), so every worker decodes the same bits. The worker
+  residual of chunk j is used when this worker encodes chunk j; the server residual as in
+  ``"sra"``.
 * ``"allgather"`` -- every worker's payload is all-gathered, decoded and summed (rank order).
   Sparsifiers always use it (GRACE/HiPress). ``"auto"`` = ``"sra"`` for quantizers.
 * PowerSGD uses its two all-reduces (P, then Q); ``cast`` casts, divides by W in the narrow
@@ -27,13 +36,13 @@ PowerSGD, whose matrices are per leaf).
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp.parallel import _axes
 from jaxlp.parallel.compressors._base import exact_div, numel
 
 
@@ -81,15 +90,10 @@ def init_compression_state(compressor, params, *, seed: int = 0) -> CompressionS
   return CompressionState(jnp.zeros((), jnp.int32), base, tuple(states))
 
 
-def _axis_size(axis_name):
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return math.prod(int(lax.axis_size(a)) for a in names)
-
-
 def ordered_psum(x, axis_name, w):
   """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
   under vmap, shard_map and pmap (``lax.psum``'s order differs between them)."""
-  g = lax.all_gather(x, axis_name)
+  g = _axes.all_gather(x, axis_name)
   acc = g[0]
   for j in range(1, w):
     acc = acc + g[j]
@@ -135,7 +139,7 @@ def _allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
   else:
     payload, st = comp.encode(x, st, key)
     dec = lambda p: comp.decode(p, (n,))  # noqa: E731
-  gathered = jax.tree_util.tree_map(lambda a: lax.all_gather(a, axis_name), payload)
+  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), payload)
   out = None
   for j in range(w):
     d = dec(jax.tree_util.tree_map(lambda a, j=j: a[j], gathered))
@@ -149,7 +153,7 @@ def _sra_reduce(comp, x, st, key, axis_name, w, me):
   xs = _pad_edge(x, w * c).reshape(w, c)
   wst = _split_state(st["worker"], w, c, n)
   payload, wst = jax.vmap(comp.encode)(xs, wst, jax.random.split(key, w))
-  recv = jax.tree_util.tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0), payload)
+  recv = jax.tree_util.tree_map(lambda a: _axes.all_to_all(a, axis_name), payload)
   dec = jax.vmap(lambda p: comp.decode(p, (c,)))(recv)
   acc = lax.dynamic_index_in_dim(xs, me, keepdims=False)
   for j in range(w):
@@ -159,7 +163,36 @@ def _sra_reduce(comp, x, st, key, axis_name, w, me):
   p2, mine = comp.encode(acc, mine, jax.random.fold_in(key, 0x5EC0))
   sst = jax.tree_util.tree_map(
       lambda a, b: lax.dynamic_update_index_in_dim(a, b, me, 0), sst, mine)
-  gathered = jax.tree_util.tree_map(lambda a: lax.all_gather(a, axis_name), p2)
+  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), p2)
+  out = jax.vmap(lambda p: comp.decode(p, (c,)))(gathered).reshape(-1)[:n]
+  return out, {"worker": _join_state(wst, n), "server": _join_state(sst, n)}
+
+
+def _ring_reduce(comp, x, st, key, axis_name, w, me):
+  """CGX compressed ring: W-1 re-quantizing reduce-scatter steps, then the owner's final
+  encoding is all-gathered unchanged."""
+  n = x.shape[0]
+  c = -(-n // w)
+  xs = _pad_edge(x, w * c).reshape(w, c)
+  wst = _split_state(st["worker"], w, c, n)
+  take = lambda tree, i: jax.tree_util.tree_map(  # noqa: E731
+      lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+  put = lambda tree, v, i: jax.tree_util.tree_map(  # noqa: E731
+      lambda a, b: lax.dynamic_update_index_in_dim(a, b, i, 0), tree, v)
+  seg = (me - 1) % w
+  acc = lax.dynamic_index_in_dim(xs, seg, keepdims=False)
+  for s in range(w - 1):
+    # send my partial sum of segment (me-1-s) to me+1; receive segment (me-2-s) from me-1
+    payload, mine = comp.encode(acc, take(wst, seg), jax.random.fold_in(key, s))
+    wst = put(wst, mine, seg)
+    recv = jax.tree_util.tree_map(lambda a: _axes.ring_shift(a, axis_name), payload)
+    seg = (me - 2 - s) % w
+    acc = lax.dynamic_index_in_dim(xs, seg, keepdims=False) + comp.decode(recv, (c,))
+  # seg == me: the fully reduced segment; its encoding travels the ring unchanged
+  sst = _split_state(st["server"], w, c, n)
+  p2, mine = comp.encode(acc, take(sst, me), jax.random.fold_in(key, 0x5EC0))
+  sst = put(sst, mine, me)
+  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), p2)
   out = jax.vmap(lambda p: comp.decode(p, (c,)))(gathered).reshape(-1)[:n]
   return out, {"worker": _join_state(wst, n), "server": _join_state(sst, n)}
 
@@ -222,8 +255,8 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
     compressor: a compressor from :mod:`jaxlp.parallel.compressors`.
     min_size: leaves with fewer elements are reduced in fp32 (CGX ``layer_min_size``).
     skip_vectors: reduce leaves with ``ndim <= 1`` (biases, norms) in fp32.
-    algorithm: ``"auto"``, ``"sra"`` (scatter-reduce-allgather, dense quantizers only) or
-      ``"allgather"``.
+    algorithm: ``"auto"``, ``"sra"`` (scatter-reduce-allgather), ``"ring"`` (CGX compressed
+      ring; both dense quantizers only) or ``"allgather"``.
     bucket_mb: fuse the compressed leaves into buckets of at most this many MB (fp32).
     mean: divide by W -- BEFORE compression (CGX hook) for quantizers/sparsifiers; cast then
       divide for ``cast``; Q only, for PowerSGD (PyTorch).
@@ -236,17 +269,17 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
   Returns:
     ``(reduced_tree, new_state)``; ``reduced_tree`` is identical on every worker.
   """
-  if algorithm not in ("auto", "sra", "allgather"):
-    raise ValueError(f"{algorithm=} must be 'auto', 'sra' or 'allgather'")
-  if algorithm == "sra" and not _is_dense(compressor):
+  if algorithm not in ("auto", "sra", "ring", "allgather"):
+    raise ValueError(f"{algorithm=} must be 'auto', 'sra', 'ring' or 'allgather'")
+  if algorithm in ("sra", "ring") and not _is_dense(compressor):
     raise ValueError(f"{algorithm=} needs a dense quantizer, got {type(compressor).__name__}")
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   if len(leaves) != len(state.leaves):
     raise ValueError(f"state has {len(state.leaves)} leaves, tree has {len(leaves)}")
   if plan is not None and len(plan) != len(leaves):
     raise ValueError(f"plan has {len(plan)} entries, tree has {len(leaves)} leaves")
-  w = _axis_size(axis_name)
-  me = lax.axis_index(axis_name)
+  w = _axes.axis_size(axis_name)
+  me = _axes.axis_index(axis_name)
   base = state.key if key is None else key
   step_key = jax.random.fold_in(base, state.step)
   worker_key = jax.random.fold_in(step_key, me)
@@ -308,6 +341,8 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
         x = exact_div(x, w)
       if use_sra:
         r, st = _sra_reduce(compressor, x, st, k, axis_name, w, me)
+      elif _is_dense(compressor) and algorithm == "ring":
+        r, st = _ring_reduce(compressor, x, st, k, axis_name, w, me)
       elif _is_dense(compressor):
         r, wst = _allgather_reduce(compressor, x, st["worker"], k, axis_name, w,
                                    parts_of[grp[0]])

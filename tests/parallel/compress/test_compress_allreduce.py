@@ -27,12 +27,13 @@ def _state(comp, w=W):
   return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape), st)
 
 
-def _run_vmap(comp, g, st, **kw):
+def _run_vmap(comp, g=None, st=None, **kw):
   f = lambda g, s: compressed_allreduce(g, s, "i", comp, **kw)  # noqa: E731
-  return jax.jit(jax.vmap(f, axis_name="i"))(g, st)
+  fn = jax.jit(jax.vmap(f, axis_name="i"))
+  return fn if g is None else fn(g, st)
 
 
-def _run_shard_map(comp, g, st, **kw):
+def _run_shard_map(comp, g=None, st=None, **kw):
   mesh = jax.make_mesh((W,), ("i",))
   def f(g, s):
     g = jax.tree_util.tree_map(lambda a: a[0], g)
@@ -42,8 +43,9 @@ def _run_shard_map(comp, g, st, **kw):
   sm = jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"),
                      check_vma=False)
   shard = jax.sharding.NamedSharding(mesh, P("i"))
-  g, st = jax.device_put((g, st), shard)
-  return jax.jit(sm)(g, st)
+  fn = jax.jit(sm)
+  run = lambda g, st: fn(*jax.device_put((g, st), shard))  # noqa: E731
+  return run if g is None else run(g, st)
 
 
 COMPS = [C.cgx(4, 128), C.cgx(2, 64, stochastic=True), C.qsgd(7, 128), C.onebit(), C.tbq(0.2),
@@ -57,10 +59,10 @@ def test_identical_on_workers_and_vmap_equals_shard_map(comp):
   g = _grads()
   st = _state(comp)
   kw = dict(min_size=100)
-  ov, sv = _run_vmap(comp, g, st, **kw)
-  ov, sv = _run_vmap(comp, jax.tree_util.tree_map(lambda a: 0.5 * a, g), sv, **kw)  # step 2
-  os_, ss = _run_shard_map(comp, g, st, **kw)
-  os_, ss = _run_shard_map(comp, jax.tree_util.tree_map(lambda a: 0.5 * a, g), ss, **kw)
+  fv, fs = _run_vmap(comp, **kw), _run_shard_map(comp, **kw)
+  g2 = jax.tree_util.tree_map(lambda a: 0.5 * a, g)
+  ov, sv = fv(g2, fv(g, st)[1])  # two steps
+  os_, ss = fs(g2, fs(g, st)[1])
   for a, b in zip(jax.tree_util.tree_leaves((ov, sv)), jax.tree_util.tree_leaves((os_, ss)),
                   strict=True):
     if isinstance(comp, C.PowerSGD) and np.issubdtype(np.asarray(a).dtype, np.floating):
@@ -109,6 +111,73 @@ def test_cgx_sra_matches_formula():
         acc = acc + _np_cgx(x[j, r * c:(r + 1) * c], 3, 16)
     want[r * c:(r + 1) * c] = _np_cgx(acc, 3, 16)
   np.testing.assert_array_equal(np.asarray(out[0]), want)
+
+
+@pytest.mark.parametrize("w,n", [(4, 200), (3, 101), (1, 50)])
+def test_cgx_ring_matches_formula(w, n):
+  """Chunk c gathers x_{c+1}, ..., x_{c+W-1}, x_c, re-quantizing the forwarded partial sum at
+  every hop; the owner quantizes the total once more (torch_cgx ring.cc)."""
+  comp = C.cgx(3, 16)
+  g = jnp.asarray(np.random.default_rng(w).standard_normal((w, n)).astype(np.float32))
+  st = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape),
+                              init_compression_state(comp, jnp.zeros((n,))))
+  out, _ = jax.jit(jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=0,
+                                                               skip_vectors=False,
+                                                               algorithm="ring"),
+                            axis_name="i"))(g, st)
+  x = np.asarray(g) / np.float32(w)
+  c = -(-n // w)
+  xs = np.concatenate([x, np.repeat(x[:, -1:], w * c - n, axis=1)], axis=1)  # edge padding
+  want = np.empty(w * c, np.float32)
+  for seg in range(w):
+    sl = slice(seg * c, (seg + 1) * c)
+    acc = xs[(seg + 1) % w, sl].copy()
+    for k in range(2, w + 1):
+      acc = xs[(seg + k) % w, sl] + _np_cgx(acc, 3, 16)
+    want[sl] = _np_cgx(acc, 3, 16)
+  for r in range(w):
+    np.testing.assert_array_equal(np.asarray(out[r]), want[:n])
+
+
+@pytest.mark.parametrize("comp,alg", [(C.cgx(4, 64), "ring"), (C.onebit(), "ring"),
+                                      (C.cgx(4, 64), "sra")], ids=["cgx-ring", "onebit-ring",
+                                                                   "cgx-sra"])
+def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg):
+  """The ring (ppermute) and SRA (all_to_all) paths give the same bits under vmap, shard_map
+  and a (mesh axis, vmap axis) pair, over two steps with residuals."""
+  g = _grads(4)
+  g2 = jax.tree_util.tree_map(lambda a: 0.5 * a, g)
+  kw = dict(min_size=100, algorithm=alg)
+  results = []
+  for runner in (_run_vmap, _run_shard_map, _run_mixed):
+    f = runner(comp, **kw)
+    o, s = f(g, _state(comp))
+    results.append(f(g2, s))
+  for a, b, c in zip(*(jax.tree_util.tree_leaves(r) for r in results), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+  ov = results[0][0]
+  for a in jax.tree_util.tree_leaves(ov):
+    np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(a)[0], a.shape))
+  err = np.abs(np.asarray(ov["w1"][0]) - np.asarray(0.5 * g["w1"].mean(0))).max()
+  assert err < 1.0, (alg, err)
+
+
+def _run_mixed(comp, **kw):
+  """2 real devices ("dev") x 4 vmapped workers ("emu") = 8 workers, axis ("dev", "emu")."""
+  mesh = jax.make_mesh((2,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
+  split = lambda t: jax.tree_util.tree_map(lambda a: a.reshape((2, 4) + a.shape[1:]), t)  # noqa
+  def f(g, s):
+    inner = jax.vmap(lambda g, s: compressed_allreduce(g, s, ("dev", "emu"), comp, **kw),
+                     axis_name="emu")
+    o = inner(*jax.tree_util.tree_map(lambda a: a[0], (g, s)))
+    return jax.tree_util.tree_map(lambda a: a[None], o)
+  sm = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("dev"), P("dev")), out_specs=P("dev"),
+                             check_vma=False))
+  def run(g, st):
+    out = sm(split(g), split(st))
+    return jax.tree_util.tree_map(lambda a: a.reshape((W,) + a.shape[2:]), out)
+  return run
 
 
 def test_allgather_fusion_and_plan():
@@ -175,8 +244,9 @@ def test_cast_bf16_reduces_in_bf16():
 
 
 def test_errors():
-  with pytest.raises(ValueError, match="algorithm"):
-    compressed_allreduce({}, init_compression_state(C.topk(), {}), "i", C.topk(),
-                         algorithm="sra")
+  for alg in ("sra", "ring", "tree"):
+    with pytest.raises(ValueError, match="algorithm"):
+      compressed_allreduce({}, init_compression_state(C.topk(), {}), "i", C.topk(),
+                           algorithm=alg)
   with pytest.raises(ValueError, match="bits"):
     C.cgx(bits=9)
