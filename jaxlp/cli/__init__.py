@@ -42,7 +42,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                  help="number of data-parallel workers, emulated with named vmap (default: 8)")
   g.add_argument("--devices", type=int, default=0,
                  help="real devices to spread the workers over (default 0 = auto: as many as "
-                      "divide --nodes; 1 with --compress); 1 = all emulated on one device")
+                      "divide --nodes); 1 = all emulated on one device")
   g.add_argument("--grad-exp", type=int, default=None,
                  help="CPD gradient exponent bits (with --grad-man; 8/23 = fp32)")
   g.add_argument("--grad-man", type=int, default=None, help="CPD gradient mantissa bits")

@@ -183,8 +183,6 @@ class Trainer:
 
     if cfg.devices > 0:
       ndev = cfg.devices
-    elif cfg.compress:  # compressed all-gathers run over one (emulated-node) axis only
-      ndev = 1
     else:  # auto: as many real devices as divide the number of workers
       ndev = max(d for d in range(1, _jax.device_count() + 1) if cfg.nodes % d == 0)
     if ndev > _jax.device_count() or cfg.nodes % ndev:
@@ -197,9 +195,6 @@ class Trainer:
       raise ValueError("--aps/--kahan need a low-precision gradient format "
                        "(--grad-exp/--grad-man or --grad-format)")
     self.compressor = _parse_compress(cfg.compress) if cfg.compress else None
-    if self.compressor is not None and self.ndev > 1:
-      raise ValueError("--compress with --devices > 1 is not supported yet (compressed "
-                       "all-gathers over a (device, emulated-node) axis pair); use --devices 1")
     if self.compressor is not None and self.fmt is not None:
       raise ValueError("give either --compress or a gradient format, not both")
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)

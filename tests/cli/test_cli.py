@@ -108,7 +108,8 @@ def test_formats_demo(capsys):
   assert "E4M3FN" in out and "448" in out
 
 
-@pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"]])
+@pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"],
+                                   ["--compress", "onebit"]])
 def test_real_devices_equal_emulation(tmp_path, flags):
   """Workers spread over 4 (forced CPU) devices x 2 emulated = the same run on one device."""
   runs = []
@@ -116,13 +117,17 @@ def test_real_devices_equal_emulation(tmp_path, flags):
     out = str(tmp_path / d)
     assert main(["train", "--nodes", "8", "--devices", d, "--out", out] + FAST + flags) == 0
     runs.append([(m["train_loss"], m["test_accuracy"]) for m in _metrics(out)])
-  if flags:  # jaxlp.parallel.psum: order-faithful, so identical bits
+  if "--aps" in flags:  # jaxlp.parallel.psum: order-faithful, so identical bits
     assert runs[0] == runs[1]
-  else:  # plain lax.psum: XLA's fp32 summation order differs between the two layouts
+  else:
+    # plain lax.psum: XLA's fp32 summation order differs between the two layouts; and the
+    # per-worker gradients themselves come from batched (vmap) vs per-device matmuls, whose
+    # last bits differ -- compressed_allreduce's own layout-independence is tested in
+    # tests/parallel/compress (the 1-bit scale is an fp32 mean, so it carries those bits).
     for (l1, a1), (l4, a4) in zip(runs[0], runs[1]):
       assert l4 == pytest.approx(l1, rel=1e-5) and a4 == pytest.approx(a1, abs=0.01)
 
 
-def test_devices_with_compressor_is_a_clear_error(capsys):
-  assert main(["train", "--nodes", "8", "--devices", "4", "--compress", "cgx"] + FAST) == 2
+def test_bad_devices_is_a_clear_error(capsys):
+  assert main(["train", "--nodes", "8", "--devices", "3"] + FAST) == 2
   assert "--devices" in capsys.readouterr().err
