@@ -10,6 +10,8 @@ from jaxlp.formats.block import hbfp as hbfp
 from jaxlp.formats.block import hbfp_batched as hbfp_batched
 from jaxlp.formats.block import mx as mx
 from jaxlp.formats.block import qpytorch_block as qpytorch_block
+from jaxlp.formats.codes import from_codes as from_codes
+from jaxlp.formats.codes import to_codes as to_codes
 from jaxlp.formats.compat import CPDFloat as CPDFloat
 from jaxlp.formats.compat import QPyTorchFloat as QPyTorchFloat
 from jaxlp.formats.compat import cpd_float as cpd_float
@@ -41,6 +43,6 @@ __all__ = [
     "BF16", "BlockFormat", "CPDFloat", "DTypeError", "E2M1FN", "E2M3FN", "E3M2FN", "E3M4",
     "E4M3", "E4M3FN", "E4M3FNUZ", "E5M2", "E5M2FNUZ", "FP16", "FP32", "FixedPoint",
     "FloatFormat", "MXFormat", "PRESETS", "QPyTorchBlock", "QPyTorchFloat", "ROUNDINGS",
-    "TF32", "check_format", "cpd_float", "get_format", "hbfp", "hbfp_batched", "mx",
-    "qpytorch_block", "qpytorch_float", "quantize", "random_bits",
+    "TF32", "check_format", "cpd_float", "from_codes", "get_format", "hbfp", "hbfp_batched", "mx",
+    "qpytorch_block", "qpytorch_float", "quantize", "random_bits", "to_codes",
 ]

@@ -25,8 +25,10 @@ Algorithms (``algorithm=``):
   ``"sra"``.
 * ``"allgather"`` -- every worker's payload is all-gathered, decoded and summed (rank order).
   Sparsifiers always use it (GRACE/HiPress). ``"auto"`` = ``"sra"`` for quantizers.
-* PowerSGD uses its two all-reduces (P, then Q); ``cast`` casts, divides by W in the narrow
-  type (PyTorch's order) and sums in that type (fp16/bf16) in rank order.
+* PowerSGD uses its two all-reduces (P, then Q); ``cast`` to fp16/bf16 casts, divides by W in
+  the narrow type (PyTorch's order) and sums in that type in rank order; narrower casts and
+  formats without a native dtype all-gather their codes, sum the decoded values in fp32 in rank
+  order and divide by W.
 
 Filters (CGX ``should_compress_``): leaves with ``size < min_size`` or (``skip_vectors``)
 ``ndim <= 1`` are reduced in fp32 (divide-first mean). ``bucket_mb`` fuses the compressed leaves
@@ -198,7 +200,7 @@ def _ring_reduce(comp, x, st, key, axis_name, w, me):
 
 
 def _cast_reduce(comp, x, axis_name, w, mean):
-  if comp.bits >= 16:
+  if comp.native_dtype is not None and comp.bits >= 16:
     c = comp.cast(x)
     if mean:
       c = exact_div(c, w)

@@ -1,5 +1,5 @@
-"""Cast compression (PyTorch ``fp16_compress_hook`` / ``bf16_compress_hook``, any ml_dtypes
-twin of a jaxlp format)."""
+"""Cast compression (PyTorch ``fp16_compress_hook`` / ``bf16_compress_hook``, generalised to
+every ml_dtypes type and to any jaxlp :class:`~jaxlp.formats.FloatFormat`)."""
 
 from __future__ import annotations
 
@@ -10,97 +10,130 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jaxlp.formats.codes import from_codes, to_codes
 from jaxlp.formats.float_format import FloatFormat
 from jaxlp.formats.presets import ML_DTYPES_NAMES, PRESETS
-from jaxlp.formats.quantize import quantize
 from jaxlp.parallel.compressors._base import numel, pack_bits, packed_nbytes, unpack_bits
 
 _ALIASES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
             "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+# ml_dtypes names of the presets (reverse of ML_DTYPES_NAMES)
+_PRESET_OF_DTYPE = {v: k for k, v in ML_DTYPES_NAMES.items()}
 
 
-def _resolve(fmt) -> np.dtype:
+def _np_dtype(name: str) -> np.dtype:
+  return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def _resolve(fmt) -> tuple[np.dtype | None, FloatFormat]:
+  """``(native dtype or None, FloatFormat)`` of a cast target."""
   if isinstance(fmt, FloatFormat):
     for name, preset in PRESETS.items():
       if preset == fmt and name in ML_DTYPES_NAMES:
-        return np.dtype(getattr(ml_dtypes, ML_DTYPES_NAMES[name], None) or ML_DTYPES_NAMES[name])
-    raise ValueError(f"cast: {fmt=} has no ml_dtypes twin; use a preset such as FP16, BF16, "
-                     "E4M3FN, E5M2, E2M1FN")
+        return _np_dtype(ML_DTYPES_NAMES[name]), preset
+    return None, fmt
   if isinstance(fmt, str):
     name = _ALIASES.get(fmt.lower(), fmt.lower())
-    if name in ("float16", "float32"):
-      return np.dtype(name)
-    if hasattr(ml_dtypes, name):
-      return np.dtype(getattr(ml_dtypes, name))
+    if name in _PRESET_OF_DTYPE:
+      return _np_dtype(name), PRESETS[_PRESET_OF_DTYPE[name]]
     if fmt.upper() in PRESETS:
       return _resolve(PRESETS[fmt.upper()])
-    raise ValueError(f"cast: unknown {fmt=}")
-  return np.dtype(fmt)
+    raise ValueError(f"cast: unknown {fmt=}; give a FloatFormat, a preset name (e.g. 'E4M3FN') "
+                     "or a dtype name ('bf16', 'fp16', 'float8_e5m2', ...)")
+  try:
+    dt = np.dtype(fmt)
+  except TypeError:
+    raise ValueError(f"cast: {fmt=} is not a FloatFormat, preset name or float dtype") from None
+  return _resolve(dt.name)
 
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
-  """Cast the gradient to a narrower float type (RNE), then divide by W in that type
-  (PyTorch's cast-then-divide order), then sum. fp16/bf16 are summed by ``lax.psum`` in that
-  dtype; narrower (fp8/fp6/fp4) payloads are all-gathered and summed in fp32 in rank order.
-  Sub-byte types (fp6, fp4) are bit-packed on the wire.
+  """Cast the gradient to a narrower float format (round to nearest even), divide by W
+  (PyTorch's cast-then-divide order) and sum.
+
+  ``fmt`` is a dtype name (``"bf16"``, ``"fp16"``, ``"float8_e4m3fn"``), a preset name or any
+  :class:`~jaxlp.formats.FloatFormat` -- also formats without an ml_dtypes twin (e.g.
+  ``FloatFormat(3, 3)`` = 7 bits, or an 11-bit ``FloatFormat(5, 5)``).
+
+  Wire format: fp16/bf16 and the 8-bit ml_dtypes types travel as that dtype; every other
+  format travels as its ``bits``-bit storage codes (:mod:`jaxlp.formats.codes`: sign,
+  exponent field, fraction): ``bits // 8`` byte planes (``"bytes"``, uint8 ``(n, bits//8)``,
+  low byte first) plus the remaining ``bits % 8`` bits of each code bit-packed LSB first
+  (``"rest"``), so ``wire_bytes = n*(bits//8) + ceil(n*(bits%8)/8)``.
+  The 16-bit types are summed in that dtype (rank order); the others are decoded and summed
+  in float32 in rank order, then divided by W.
   """
   fmt: object = "bf16"
   kind = "cast"
   elementwise_state = True
 
+  def __post_init__(self):
+    _resolve(self.fmt)  # validate early
+
   @property
-  def dtype(self) -> np.dtype:
-    return _resolve(self.fmt)
+  def format(self) -> FloatFormat:
+    return _resolve(self.fmt)[1]
+
+  @property
+  def native_dtype(self) -> np.dtype | None:
+    """The dtype the payload travels in, or None when it travels as packed codes."""
+    dt, fmt = _resolve(self.fmt)
+    return dt if dt is not None and fmt.bits in (8, 16, 32) else None
+
+  @property
+  def dtype(self) -> np.dtype | None:
+    return self.native_dtype
 
   @property
   def bits(self) -> int:
-    dt = self.dtype
-    return int(getattr(ml_dtypes.finfo(dt), "bits", dt.itemsize * 8)) if dt.kind == "V" or \
-        dt.itemsize == 1 else dt.itemsize * 8
+    return self.format.bits
 
   def init(self, shape, dtype=jnp.float32, key=None):
     return ()
 
-  def _preset(self):
-    name = self.dtype.name
-    for key, mname in ML_DTYPES_NAMES.items():
-      if mname == name:
-        return PRESETS[key]
-    raise ValueError(f"cast: no jaxlp preset for {name}")
-
-  def _table(self):
-    codes = np.arange(2 ** self.bits, dtype=np.uint8)
-    return jnp.asarray(codes.view(self.dtype).astype(np.float32))
-
   def cast(self, x):
-    return lax.convert_element_type(x, self.dtype)
+    if self.native_dtype is None:
+      raise ValueError(f"cast: {self.fmt!r} has no native dtype")
+    return lax.convert_element_type(x, self.native_dtype)
 
   def encode(self, g, state, key=None):
     x = jnp.ravel(g).astype(jnp.float32)
-    if self.bits < 8:
-      # XLA:CPU cannot convert to 6-bit types; round with the jaxlp spec (same bits)
-      c = quantize(x, self._preset())
-      # sub-byte types: code = position of the value's fp32 bit pattern in the code table
-      table = lax.bitcast_convert_type(self._table(), jnp.uint32)
-      v = lax.bitcast_convert_type(c, jnp.uint32)
-      code = jnp.argmax(v[:, None] == table[None, :], axis=1).astype(jnp.uint32)
-      return {"codes": pack_bits(code, self.bits)}, state
-    c = self.cast(x)
-    return {"values": c}, state
+    if self.native_dtype is not None:
+      return {"values": self.cast(x)}, state
+    code = to_codes(x, self.format)
+    nb, r = divmod(self.bits, 8)
+    payload = {}
+    if nb:
+      shifts = jnp.arange(nb, dtype=jnp.uint32) * 8
+      payload["bytes"] = ((code[:, None] >> shifts[None, :]) & 0xFF).astype(jnp.uint8)
+    if r:
+      payload["rest"] = pack_bits(code >> (8 * nb), r)
+    return payload, state
 
   def decode(self, payload, shape):
-    if self.bits < 8:
-      code = unpack_bits(payload["codes"], self.bits, numel(shape))
-      return self._table()[code].reshape(shape)
-    else:
-      c = payload["values"]
-    return c.astype(jnp.float32).reshape(shape)
+    if self.native_dtype is not None:
+      return payload["values"].astype(jnp.float32).reshape(shape)
+    n = numel(shape)
+    nb, r = divmod(self.bits, 8)
+    code = jnp.zeros((n,), jnp.uint32)
+    if nb:
+      shifts = jnp.arange(nb, dtype=jnp.uint32) * 8
+      planes = payload["bytes"].astype(jnp.uint32) << shifts[None, :]
+      for j in range(nb):
+        code = code | planes[:, j]
+    if r:
+      code = code | (unpack_bits(payload["rest"], r, n) << (8 * nb))
+    return from_codes(code, self.format).reshape(shape)
 
   def wire_bytes(self, shape, dtype=jnp.float32):
     n = numel(shape)
-    return packed_nbytes(n, self.bits) if self.bits < 8 else n * self.dtype.itemsize
+    if self.native_dtype is not None:
+      return n * self.native_dtype.itemsize
+    nb, r = divmod(self.bits, 8)
+    return n * nb + packed_nbytes(n, r)
 
 
 def cast(fmt="bf16") -> Cast:
+  """A :class:`Cast` compressor to ``fmt`` (dtype name, preset name or FloatFormat)."""
   return Cast(fmt)
