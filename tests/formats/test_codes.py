@@ -1,11 +1,10 @@
 """FloatFormat storage codes: every code of every format up to 16 bits against an
 independent float64 formula, ml_dtypes bit patterns for the presets, and round trips."""
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from jaxlp.formats import PRESETS, FloatFormat, quantize
 from jaxlp.formats.codes import from_codes, to_codes
