@@ -32,12 +32,18 @@ Algorithms (``algorithm=``):
 
 Filters (CGX ``should_compress_``): leaves with ``size < min_size`` or (``skip_vectors``)
 ``ndim <= 1`` are reduced in fp32 (divide-first mean). ``bucket_mb`` fuses the compressed leaves
-(in tree order) into flat buckets of at most that many MB of fp32 before encoding (not for
-PowerSGD, whose matrices are per leaf).
+(in tree order) into flat buckets of at most that many MB of fp32 before encoding. For
+PowerSGD a bucket keeps one matrix per leaf but all-reduces the P's of the bucket in one fused
+sum and the Q's in another (PyTorch ``powerSGD_hook``; the same bits as unfused, fewer
+collectives); with ``batched=True`` the whole bucket is one zero-padded square matrix
+(``batched_powerSGD_hook``), whose state lives in ``CompressionState.buckets``. Unlike PyTorch,
+tensors that fail PowerSGD's compression test are reduced in fp32 without error feedback
+(PyTorch's bucket-wide feedback gives them the residual ``local - mean``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -56,18 +62,23 @@ class CompressionState(NamedTuple):
     key: legacy uint32[2] PRNG key; per step and worker keys are folded from it.
     leaves: one entry per gradient leaf (tree-flatten order): the compressor's state, or for
       dense quantizers ``{"worker": ..., "server": ...}`` (the server residual is used by
-      ``"sra"``; the owner uses its chunk of it).
+      ``"sra"``/``"ring"``; the owner uses its chunk of it).
+    buckets: per-bucket states of ``PowerSGD(batched=True)`` with ``bucket_mb`` (one square
+      matrix per bucket, as PyTorch's ``batched_powerSGD_hook``); empty otherwise.
   """
   step: Any
   key: Any
   leaves: tuple
+  buckets: tuple = ()
 
 
 def _is_dense(comp):
   return comp.kind == "quantizer"
 
 
-def init_compression_state(compressor, params, *, seed: int = 0) -> CompressionState:
+def init_compression_state(compressor, params, *, seed: int = 0, bucket_mb: float | None = None,
+                           min_size: int = 1024, skip_vectors: bool = True,
+                           plan=None) -> CompressionState:
   """Initial state of ``compressed_allreduce`` for gradients shaped like ``params``.
 
   Args:
@@ -75,21 +86,35 @@ def init_compression_state(compressor, params, *, seed: int = 0) -> CompressionS
     params: pytree of arrays (or ShapeDtypeStructs) shaped like the gradients.
     seed: seed of the noise key and of PowerSGD's initial Q (identical on every worker, as
       PyTorch's ``RandomState(0)``).
+    bucket_mb, min_size, skip_vectors, plan: only for ``PowerSGD(batched=True)`` with
+      ``bucket_mb``, whose state is per bucket: give the same values as to
+      ``compressed_allreduce``. Ignored otherwise.
 
   Returns:
-    A :class:`CompressionState`. State is allocated for every leaf, whatever the filters, so
-    the same state works for any ``min_size``/``bucket_mb``/``algorithm``.
+    A :class:`CompressionState`. Per-leaf state is allocated for every leaf, whatever the
+    filters, so the same state works for any ``min_size``/``bucket_mb``/``algorithm`` (except
+    batched PowerSGD with buckets, see above).
   """
   leaves = jax.tree_util.tree_leaves(params)
   base = jax.random.PRNGKey(seed)
+  bucket_states, bucketed = [], set()
+  if getattr(compressor, "kind", "") == "lowrank" and compressor.batched and bucket_mb:
+    for b, (grp, total) in enumerate(_batched_bucket_shapes(
+        compressor, params, min_size=min_size, skip_vectors=skip_vectors, bucket_mb=bucket_mb,
+        plan=plan)):
+      bucket_states.append(compressor.init((total,), key=jax.random.fold_in(base, 2000003 + b)))
+      bucketed.update(grp)
   states = []
   for i, leaf in enumerate(leaves):
     shape = tuple(leaf.shape)
+    if i in bucketed:
+      states.append({})
+      continue
     st = compressor.init(shape, leaf.dtype, key=jax.random.fold_in(base, 1000003 + i))
     if _is_dense(compressor):
       st = {"worker": st, "server": compressor.init(shape, leaf.dtype)}
     states.append(st)
-  return CompressionState(jnp.zeros((), jnp.int32), base, tuple(states))
+  return CompressionState(jnp.zeros((), jnp.int32), base, tuple(states), tuple(bucket_states))
 
 
 def ordered_psum(x, axis_name, w):
@@ -209,39 +234,99 @@ def _cast_reduce(comp, x, axis_name, w, mean):
   return exact_div(out, w) if mean else out
 
 
-def _powersgd_reduce(comp, g, st, key, axis_name, w, mean):
-  shape = g.shape
-  x = g.astype(jnp.float32)
+def _split_flat(flat, shapes):
+  out, off = [], 0
+  for shp in shapes:
+    n = math.prod(shp)
+    out.append(flat[off:off + n].reshape(shp))
+    off += n
+  return out
+
+
+def _fused_psum(arrays, axis_name, w):
+  """One rank-ordered sum for a list of arrays (concatenated: a fused all-reduce)."""
+  if len(arrays) == 1:
+    return [ordered_psum(arrays[0], axis_name, w)]
+  flat = jnp.concatenate([jnp.ravel(a) for a in arrays])
+  return _split_flat(ordered_psum(flat, axis_name, w), [a.shape for a in arrays])
+
+
+def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
+  """PyTorch ``powerSGD_hook`` on a bucket of matrices: P's of all matrices all-reduced in one
+  fused sum, then the Q's in another (and the plain mean before ``start_iter`` in one).
+
+  Returns ``(approximations, new_states)``; the approximations are of the mean (or sum)."""
   hi = lax.Precision.HIGHEST
-  m = comp.to_matrix(x, shape)
-  if comp.error_feedback:
-    m = m + st["error"].reshape(m.shape)
+  ms = [m + st["error"].reshape(m.shape) if comp.error_feedback else m
+        for m, st in zip(mats, sts, strict=True)]
   if comp.warm_start:
-    q = comp_orth(st["q"])
+    qs = [comp_orth(st["q"]) for st in sts]
   else:
-    q = comp_orth(jax.random.normal(key, st["q"].shape, jnp.float32))
-  p = ordered_psum(jnp.matmul(m, q, precision=hi), axis_name, w)
-  p = comp_orth(p)
-  qs = ordered_psum(jnp.matmul(m.T, p, precision=hi), axis_name, w)
-  qm = exact_div(qs, w)
-  approx_mean = jnp.matmul(p, qm.T, precision=hi)
-  out = approx_mean if mean else jnp.matmul(p, qs.T, precision=hi)
-  new = dict(st, q=qm, iter=st["iter"] + 1)
-  if comp.error_feedback:
-    new["error"] = (m - approx_mean).reshape(-1)
-  out = comp.from_matrix(out, shape)
+    qs = [comp_orth(jax.random.normal(k, st["q"].shape, jnp.float32))
+          for st, k in zip(sts, keys, strict=True)]
+  ps = _fused_psum([jnp.matmul(m, q, precision=hi) for m, q in zip(ms, qs, strict=True)],
+                   axis_name, w)
+  ps = [comp_orth(p) for p in ps]
+  qsum = _fused_psum([jnp.matmul(m.T, p, precision=hi) for m, p in zip(ms, ps, strict=True)],
+                     axis_name, w)
+  outs, news = [], []
+  for m, st, p, q in zip(ms, sts, ps, qsum, strict=True):
+    qm = exact_div(q, w)
+    approx_mean = jnp.matmul(p, qm.T, precision=hi)
+    outs.append(approx_mean if mean else jnp.matmul(p, q.T, precision=hi))
+    new = dict(st, q=qm, iter=st["iter"] + 1)
+    if comp.error_feedback:
+      new["error"] = (m - approx_mean).reshape(-1)
+    news.append(new)
   if comp.start_iter > 0:
-    vanilla = ordered_psum(exact_div(x, w) if mean else x, axis_name, w)
-    warm = st["iter"] < comp.start_iter
-    out = jnp.where(warm, vanilla, out)
-    new = jax.tree_util.tree_map(lambda a, b: jnp.where(warm, a, b),
-                                 dict(st, iter=st["iter"] + 1), new)
-  return out, new
+    vanilla = _fused_psum([exact_div(m, w) if mean else m for m in mats], axis_name, w)
+    warm = sts[0]["iter"] < comp.start_iter
+    outs = [jnp.where(warm, v, o) for v, o in zip(vanilla, outs, strict=True)]
+    news = [jax.tree_util.tree_map(lambda a, b: jnp.where(warm, a, b),
+                                   dict(st, iter=st["iter"] + 1), nw)
+            for st, nw in zip(sts, news, strict=True)]
+  return outs, news
 
 
 def comp_orth(x):
   from jaxlp.parallel.compressors.powersgd import orthogonalize
   return orthogonalize(x)
+
+
+def _group_buckets(todo, sizes, bucket_mb):
+  """Consecutive leaves (tree order) in buckets of at most ``bucket_mb`` MB of fp32."""
+  if not bucket_mb:
+    return [[i] for i in todo]
+  limit = int(bucket_mb * 2 ** 20) // 4
+  groups, cur, size = [], [], 0
+  for i in todo:
+    if cur and size + sizes[i] > limit:
+      groups.append(cur)
+      cur, size = [], 0
+    cur.append(i)
+    size += sizes[i]
+  if cur:
+    groups.append(cur)
+  return groups
+
+
+def _lowrank_filter(compressor, leaves, min_size, skip_vectors, plan):
+  """Indices of the leaves PowerSGD compresses."""
+  todo = []
+  for i, g in enumerate(leaves):
+    ok = (bool(plan[i][0]) if plan is not None
+          else numel(g.shape) >= min_size and not (skip_vectors and len(g.shape) <= 1))
+    if ok and numel(g.shape) and compressor.matrix_shape(g.shape) is not None:
+      todo.append(i)
+  return todo
+
+
+def _batched_bucket_shapes(compressor, params, *, min_size=1024, skip_vectors=True,
+                           bucket_mb=None, plan=None):
+  leaves = jax.tree_util.tree_leaves(params)
+  todo = _lowrank_filter(compressor, leaves, min_size, skip_vectors, plan)
+  sizes = [numel(g.shape) for g in leaves]
+  return [(grp, sum(sizes[i] for i in grp)) for grp in _group_buckets(todo, sizes, bucket_mb)]
 
 
 def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *,
@@ -305,27 +390,46 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
     todo.append((i, parts))
 
   if compressor.kind == "lowrank":
-    for i, _ in todo:
-      k = jax.random.fold_in(step_key, i)
-      r, new_states[i] = _powersgd_reduce(compressor, leaves[i], state.leaves[i], k, axis_name,
-                                          w, mean)
-      out[i] = r.astype(leaves[i].dtype)
-    return treedef.unflatten(out), state._replace(step=state.step + 1,
-                                                  leaves=tuple(new_states))
+    sizes = [numel(g.shape) for g in leaves]
+    groups = _group_buckets([i for i, _ in todo], sizes, bucket_mb if plan is None else None)
+    if compressor.batched and bucket_mb and plan is None:
+      want = [(n, m, r) for _, tot in ((g, sum(sizes[i] for i in g)) for g in groups)
+              for n, m, r in [compressor.matrix_shape((tot,))]]
+      have = [tuple(b["q"].shape) for b in state.buckets]
+      if have != [(m, r) for _, m, r in want]:
+        raise ValueError(
+            "compressed_allreduce: PowerSGD(batched=True) with bucket_mb needs bucket states: "
+            "create the state with init_compression_state(compressor, params, bucket_mb=..., "
+            f"min_size=..., skip_vectors=...) using the same filters (state has {len(have)} "
+            f"bucket(s) with Q shapes {have}, the filters give {[(m, r) for _, m, r in want]})")
+      new_buckets = []
+      for b, (grp, (n_, m_, _)) in enumerate(zip(groups, want, strict=True)):
+        x = jnp.concatenate([jnp.ravel(leaves[i]).astype(jnp.float32) for i in grp])
+        mat = jnp.pad(x, (0, n_ * m_ - x.shape[0])).reshape(n_, m_)
+        (o,), (nb,) = _powersgd_core(compressor, [mat], [state.buckets[b]],
+                                     [jax.random.fold_in(step_key, 2000003 + b)], axis_name, w,
+                                     mean)
+        new_buckets.append(nb)
+        flat = o.reshape(-1)
+        off = 0
+        for i in grp:
+          out[i] = flat[off:off + sizes[i]].reshape(leaves[i].shape).astype(leaves[i].dtype)
+          off += sizes[i]
+      return treedef.unflatten(out), state._replace(step=state.step + 1,
+                                                    leaves=tuple(new_states),
+                                                    buckets=tuple(new_buckets))
+    for grp in groups:
+      mats = [compressor.to_matrix(leaves[i].astype(jnp.float32), leaves[i].shape) for i in grp]
+      outs, news = _powersgd_core(compressor, mats, [state.leaves[i] for i in grp],
+                                  [jax.random.fold_in(step_key, i) for i in grp], axis_name, w,
+                                  mean)
+      for i, o, nw in zip(grp, outs, news, strict=True):
+        out[i] = compressor.from_matrix(o, leaves[i].shape).astype(leaves[i].dtype)
+        new_states[i] = nw
+    return treedef.unflatten(out), state._replace(step=state.step + 1, leaves=tuple(new_states))
 
-  groups = []
   if bucket_mb and plan is None:
-    limit = int(bucket_mb * 2 ** 20) // 4
-    cur, size = [], 0
-    for i, _ in todo:
-      n = numel(leaves[i].shape)
-      if cur and size + n > limit:
-        groups.append(cur)
-        cur, size = [], 0
-      cur.append(i)
-      size += n
-    if cur:
-      groups.append(cur)
+    groups = _group_buckets([i for i, _ in todo], [numel(g.shape) for g in leaves], bucket_mb)
     parts_of = {i: 1 for i, _ in todo}
   else:
     groups = [[i] for i, _ in todo]

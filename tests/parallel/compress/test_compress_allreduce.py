@@ -214,6 +214,90 @@ def test_powersgd_allreduce_recovers_low_rank_mean():
   np.testing.assert_allclose(np.asarray(out[0]), np.asarray(g.mean(0)), atol=1e-4)
 
 
+PSGD_PARAMS = {"a": jnp.zeros((40, 30)), "b": jnp.zeros((30,)), "c": jnp.zeros((16, 8, 3)),
+               "d": jnp.zeros((50, 64))}
+
+
+def _psgd_grads(w, seed=0):
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map(
+      lambda p: jnp.asarray(rng.standard_normal((w,) + p.shape).astype(np.float32)), PSGD_PARAMS)
+
+
+@pytest.mark.parametrize("comp", [C.powersgd(2), C.powersgd(1, start_iter=1),
+                                  C.powersgd(2, warm_start=False)], ids=["ws", "start", "cold"])
+def test_powersgd_bucket_fusion_same_bits_fewer_collectives(comp):
+  """bucket_mb fuses the P's (and the Q's) of a bucket into one all-reduce, as PyTorch's hook:
+  identical results to per-leaf reduction, 2 collectives per bucket instead of per leaf."""
+  w = 4
+  g = _psgd_grads(w)
+  res = []
+  for bmb in (None, 1.0):
+    st = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape),
+                                init_compression_state(comp, PSGD_PARAMS))
+    f = jax.jit(jax.vmap(lambda g, s, bmb=bmb: compressed_allreduce(
+        g, s, "i", comp, min_size=100, bucket_mb=bmb), axis_name="i"))
+    o, st = f(g, st)
+    res.append(f(jax.tree_util.tree_map(lambda a: 0.5 * a, g), st))
+  for a, b in zip(*(jax.tree_util.tree_leaves(r) for r in res), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  one = jax.tree_util.tree_map(lambda a: a[0], g)
+  st1 = init_compression_state(comp, PSGD_PARAMS)
+  def n_gathers(bmb):
+    mesh = jax.make_mesh((w,), ("i",))
+    sm = jax.shard_map(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=100,
+                                                         bucket_mb=bmb),
+                       mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return str(jax.make_jaxpr(sm)(one, st1)).count("all_gather[")
+  extra = 1 if comp.start_iter else 0  # the plain mean before start_iter
+  assert n_gathers(None) == 3 * (2 + extra) + 1  # 3 matrices; the vector "b" in fp32
+  assert n_gathers(1.0) == 2 + extra + 1
+
+
+def _np_orth(x):
+  q, r = np.linalg.qr(x.astype(np.float64))
+  return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def test_powersgd_batched_bucket_matches_reference():
+  """batched=True + bucket_mb: the bucket (a, c, d concatenated; b is a filtered vector) is
+  one zero-padded s x s matrix with EF on the padded vector (batched_powerSGD_hook)."""
+  comp = C.powersgd(3, batched=True)
+  w = 4
+  g = _psgd_grads(w, 1)
+  st = init_compression_state(comp, PSGD_PARAMS, bucket_mb=1.0, min_size=100)
+  assert len(st.buckets) == 1 and st.leaves[0] == {}
+  q0 = np.asarray(st.buckets[0]["q"], np.float64)
+  stw = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape), st)
+  f = jax.jit(jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=100,
+                                                         bucket_mb=1.0), axis_name="i"))
+  steps = [g, jax.tree_util.tree_map(lambda a: 0.5 * a, g)]
+  keys = ("a", "c", "d")
+  n = sum(int(np.prod(PSGD_PARAMS[k].shape)) for k in keys)
+  s_ = int(np.ceil(np.sqrt(n)))
+  err = np.zeros((w, s_ * s_))
+  q = q0
+  for gs in steps:
+    out, stw = f(gs, stw)
+    xs = np.concatenate([np.asarray(gs[k]).reshape(w, -1) for k in keys], 1)  # no /W: Q only
+    ms = np.pad(xs, ((0, 0), (0, s_ * s_ - n))) + err
+    qo = _np_orth(q)
+    p = _np_orth(sum(ms[r].reshape(s_, s_) @ qo for r in range(w)))
+    q = sum(ms[r].reshape(s_, s_).T @ p for r in range(w)) / w
+    approx = (p @ q.T).reshape(-1)
+    err = ms - approx[None]
+    got = np.concatenate([np.asarray(out[k][0]).reshape(-1) for k in keys])
+    np.testing.assert_allclose(got, approx[:n], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["b"][0]), np.asarray(gs["b"]).mean(0), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(stw.buckets[0]["error"][0]), err[0], rtol=1e-3,
+                             atol=1e-5)
+  with pytest.raises(ValueError, match="bucket states"):
+    bad = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape),
+                                 init_compression_state(comp, PSGD_PARAMS))
+    jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=100, bucket_mb=1.0),
+             axis_name="i")(g, bad)
+
+
 def test_powersgd_start_iter_is_plain_mean():
   comp = C.powersgd(1, start_iter=2)
   g = _grads(5, 4)
