@@ -1,9 +1,11 @@
-"""`jaxlp.matmul`: GEMM with rounded products and a low-precision accumulator (reference).
+"""`jaxlp.matmul`: GEMM with rounded products and a low-precision accumulator.
 
-The pure-jnp reference. For every output element the reduction index k runs strictly
-ascending; the loop over k is a ``lax.scan`` vectorised over the whole (batch, M, N) output.
-The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical bits (same step
-functions from :mod:`jaxlp.pallas._gemm`).
+:func:`matmul_reference` is the pure-jnp reference: for every output element the reduction
+index k runs strictly ascending; the loop over k is a ``lax.scan`` vectorised over the whole
+(batch, M, N) output. The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical
+bits (same step functions from :mod:`jaxlp.pallas._gemm`). :func:`matmul` (= ``jaxlp.matmul``)
+runs the kernel where :func:`jaxlp.pallas.can_use_pallas_matmul` says so (GPU, large
+enough) and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -16,10 +18,34 @@ from jaxlp.pallas import _gemm as G
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
            rounding: str = "nearest", key=None, dimension_numbers=None,
-           preferred_element_type=None):
+           preferred_element_type=None, bias=None):
   """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
 
-  Per output element (k strictly ascending, s = +0.0 initially):
+  Same arguments and bits as :func:`matmul_reference` (documented there); runs the Pallas
+  kernel :func:`jaxlp.pallas.matmul` when :func:`jaxlp.pallas.can_use_pallas_matmul` is true
+  (a GPU backend and at least ``MIN_PALLAS_MACS`` multiply-adds), else the reference. On GPU,
+  ``"chunked"`` sums inside a chunk in the matrix unit's order (naive/kahan: same bits
+  everywhere).
+  """
+  import importlib
+
+  PM = importlib.import_module("jaxlp.pallas.matmul")  # the module (the package re-exports
+  # a function of the same name)
+  kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding, key=key,
+            dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+            bias=bias)
+  if PM.can_use_pallas_matmul(jnp.asarray(a), jnp.asarray(b), algorithm=algorithm,
+                              chunk=chunk):
+    return PM.matmul(a, b, **kw)
+  return matmul_reference(a, b, **kw)
+
+
+def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
+                     chunk: int | None = None, rounding: str = "nearest", key=None,
+                     dimension_numbers=None, preferred_element_type=None, bias=None):
+  """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
+
+  Per output element (k strictly ascending, s = +0.0 initially, or the ``bias``):
 
   * ``"naive"``: ``p = Q_mul(fl32(a_k * b_k)); s = Q_acc(fl32(s + p))``.
   * ``"kahan"`` (CPD's ``quant_gemm``, seeds-spec §1.2; c = 0 initially):
@@ -52,6 +78,10 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
       through it (e.g. ``(((0,), (0,)), ((), ()))`` for ``a.T @ b``).
     preferred_element_type: output dtype (default ``result_type(a, b)``); the fp32 result is
       cast to it (round to nearest even).
+    bias: optional array broadcastable to the output shape: the accumulator's initial value
+      (``D = A B + C`` of a matrix unit), converted exactly to float32 and NOT rounded to
+      ``acc`` first (pass ``jaxlp.quantize(bias, acc)`` if it must be an ``acc`` value); the
+      first addition rounds. With ``K = 0`` the result is the bias.
 
   Returns:
     The product, shaped as ``lax.dot_general`` would shape it.
@@ -62,8 +92,9 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
   Bt, M, K = A.shape
   N = Bm.shape[2]
+  s0 = G.bias_init(bias, out_shape, Bt, M, N)
   if Bt * M * N == 0 or K == 0:
-    return jnp.zeros(out_shape, dt)
+    return s0.reshape(out_shape).astype(dt)
   kw = G.key_array(key, rounding)
   o_idx = G.output_index(jnp.arange(Bt)[:, None, None], jnp.arange(M)[None, :, None],
                          jnp.arange(N)[None, None, :], M, N)
@@ -71,7 +102,6 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   # product, so XLA cannot contract multiply and add into an FMA (see _gemm.StepCtx).
   ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, Bt * M * N, G.ROUNDINGS_PER_STEP[algorithm],
                   hash_guard=True)
-  s0 = jnp.zeros((Bt, M, N), jnp.float32)
   if algorithm == "chunked":
     nc = -(-K // chunk)
     Ap = jnp.pad(A, ((0, 0), (0, 0), (0, nc * chunk - K))).reshape(Bt, M, nc, chunk)
@@ -97,5 +127,5 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
         a_col, b_row, t = x
         return G.kahan_step(ctx, carry, a_col, b_row, t), None
 
-      (s, _), _ = lax.scan(body, (s0, s0), xs)
+      (s, _), _ = lax.scan(body, (s0, jnp.zeros_like(s0)), xs)
   return s.reshape(out_shape).astype(dt)

@@ -96,6 +96,22 @@ def canonicalize(a, b, dimension_numbers):
   return A, Bm, batch + m_dims + n_dims
 
 
+def bias_init(bias, out_shape, Bt, M, N):
+  """The accumulator's initial value (Bt, M, N) float32: zeros, or ``bias`` broadcast to the
+  output shape and converted exactly."""
+  if bias is None:
+    return jnp.zeros((Bt, M, N), jnp.float32)
+  bias = jnp.asarray(bias)
+  if not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise TypeError(f"matmul: bias must be a float array, got dtype {bias.dtype}")
+  try:
+    full = jnp.broadcast_to(bias, out_shape)
+  except ValueError:
+    raise ValueError(f"matmul: bias.shape={bias.shape} does not broadcast to the output shape "
+                     f"{out_shape}") from None
+  return full.astype(jnp.float32).reshape(Bt, M, N)
+
+
 def out_dtype(a, b, preferred_element_type):
   if preferred_element_type is not None:
     dt = jnp.dtype(preferred_element_type)

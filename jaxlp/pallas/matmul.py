@@ -47,7 +47,7 @@ def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
 
 
 def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn, interpret):
-  def kernel(kw_ref, zero_ref, a_ref, b_ref, o_ref):
+  def kernel(kw_ref, zero_ref, a_ref, b_ref, c_ref, o_ref):
     b_id, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = i * bm + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
     cols = j * bn + lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
@@ -55,7 +55,7 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
     kw = (kw_ref[0], kw_ref[1])
     ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, n_out, G.ROUNDINGS_PER_STEP[algorithm],
                     zero=None if interpret else zero_ref[0], hash_guard=interpret)
-    s0 = jnp.zeros((bm, bn), jnp.float32)
+    s0 = c_ref[...]
     if algorithm == "chunked":
       def body(t, s):
         a_blk = a_ref[:, pl.ds(t * chunk, chunk)]
@@ -72,7 +72,7 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
       def body(t, carry):
         return G.kahan_step(ctx, carry, a_ref[:, pl.ds(t, 1)], b_ref[pl.ds(t, 1), :], t)
 
-      s, _ = lax.fori_loop(0, K, body, (s0, s0))
+      s, _ = lax.fori_loop(0, K, body, (s0, jnp.zeros_like(s0)))
     o_ref[...] = s
 
   return kernel
@@ -80,8 +80,8 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
            rounding: str = "nearest", key=None, dimension_numbers=None,
-           preferred_element_type=None, interpret: bool = False, block_m: int | None = None,
-           block_n: int | None = None, num_warps: int = 4):
+           preferred_element_type=None, bias=None, interpret: bool = False,
+           block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
   """Pallas version of :func:`jaxlp.matmul` (same arguments and bits; see there).
 
   Extra args:
@@ -96,8 +96,9 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
   Bt, M, K = A.shape
   N = Bm.shape[2]
+  C = G.bias_init(bias, out_shape, Bt, M, N)
   if Bt * M * N == 0 or K == 0:
-    return jnp.zeros(out_shape, dt)
+    return C.reshape(out_shape).astype(dt)
   lo = 16 if algorithm == "chunked" else 1
   bm = block_m or max(lo, min(64, _next_pow2(M)))
   bn = block_n or max(lo, min(64, _next_pow2(N)))
@@ -105,6 +106,7 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   Kp = -(-K // chunk) * chunk if algorithm == "chunked" else K
   A = jnp.pad(A, ((0, 0), (0, Mp - M), (0, Kp - K)))
   Bm = jnp.pad(Bm, ((0, 0), (0, Kp - K), (0, Np - N)))
+  C = jnp.pad(C, ((0, 0), (0, Mp - M), (0, Np - N)))
   kernel = _make_kernel(mul=mul, acc=acc, rounding=rounding, algorithm=algorithm, chunk=chunk,
                         K=K, M=M, N=N, n_out=Bt * M * N, bm=bm, bn=bn, interpret=interpret)
   params = None
@@ -120,12 +122,13 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
           pl.BlockSpec((1,), lambda b_, i, j: (0,)),
           pl.BlockSpec((None, bm, Kp), lambda b_, i, j: (b_, i, 0)),
           pl.BlockSpec((None, Kp, bn), lambda b_, i, j: (b_, 0, j)),
+          pl.BlockSpec((None, bm, bn), lambda b_, i, j: (b_, i, j)),
       ],
       out_specs=pl.BlockSpec((None, bm, bn), lambda b_, i, j: (b_, i, j)),
       interpret=interpret,
       compiler_params=params,
       name=f"jaxlp_matmul_{algorithm}",
-  )(G.key_array(key, rounding), jnp.zeros((1,), jnp.uint32), A, Bm)
+  )(G.key_array(key, rounding), jnp.zeros((1,), jnp.uint32), A, Bm, C)
   return out[:, :M, :N].reshape(out_shape).astype(dt)
 
 

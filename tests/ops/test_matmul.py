@@ -26,7 +26,8 @@ def _q(v, fmt, rounding="nearest", rand=None):
   return quantize_f32(v, fmt, rounding, rand, None)
 
 
-def _np_loop(a, b, *, mul=None, acc=None, kahan=False, rounding="nearest", noise=None):
+def _np_loop(a, b, *, mul=None, acc=None, kahan=False, rounding="nearest", noise=None,
+             bias=None):
   """Independent per-MAC loop: numpy float32 products/sums (never fused), Q via the spec."""
   M, K = a.shape
   N = b.shape[1]
@@ -38,7 +39,8 @@ def _np_loop(a, b, *, mul=None, acc=None, kahan=False, rounding="nearest", noise
     rnd = None if noise is None else noise(t, r)
     return np.asarray(_q(jnp.asarray(v, jnp.float32), fmt, rounding, rnd))
 
-  s = np.zeros((M, N), np.float32)
+  s = np.zeros((M, N), np.float32) if bias is None else \
+      np.broadcast_to(np.asarray(bias, np.float32), (M, N)).copy()
   c = np.zeros((M, N), np.float32)
   for t in range(K):
     p = Q(np.multiply(a[:, t:t + 1], b[t:t + 1, :], dtype=np.float32), mul, t, 0)
@@ -181,3 +183,30 @@ def test_errors():
     matmul(a.astype(np.int32), b)
   with pytest.raises(ValueError, match="mismatch"):
     matmul(a, np.ones((4, 2), np.float32))
+
+
+@pytest.mark.parametrize("kahan", [False, True])
+@pytest.mark.parametrize("bias_shape", [(7,), (5, 1), (5, 7)])
+def test_bias_is_the_initial_accumulator(kahan, bias_shape):
+  """``bias`` starts the running sum (D = A B + C), unrounded; every addition then rounds."""
+  a, b = _rand((5, 9), 21), _rand((9, 7), 22)
+  bias = _rand(bias_shape, 23, 4.0)
+  fmt = F.cpd_float(4, 3)
+  got = matmul(a, b, mul=fmt, acc=fmt, algorithm="kahan" if kahan else "naive", bias=bias)
+  want = _np_loop(a, b, mul=fmt, acc=fmt, kahan=kahan, bias=bias)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_bias_edge_cases_and_errors():
+  bias = _rand((3, 4), 24)
+  out = matmul(np.zeros((3, 0), np.float32), np.zeros((0, 4), np.float32), bias=bias)
+  np.testing.assert_array_equal(_bits(out), _bits(bias))  # K = 0: the bias itself
+  chunked = matmul(_rand((3, 40), 25), _rand((40, 4), 26), acc=F.BF16, algorithm="chunked",
+                   chunk=16, bias=bias)
+  zero = matmul(_rand((3, 40), 25), _rand((40, 4), 26), acc=F.BF16, algorithm="chunked",
+                chunk=16, bias=np.zeros((3, 4), np.float32))
+  assert not np.array_equal(_bits(chunked), _bits(zero))
+  with pytest.raises(ValueError, match="bias.shape"):
+    matmul(_rand((3, 5), 1), _rand((5, 4), 2), bias=np.zeros((2,), np.float32))
+  with pytest.raises(TypeError, match="bias"):
+    matmul(_rand((3, 5), 1), _rand((5, 4), 2), bias=np.zeros((4,), np.int32))
