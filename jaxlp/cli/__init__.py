@@ -54,7 +54,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g.add_argument("--lars", action="store_true", help="LARS optimizer (CPD's variant)")
   g.add_argument("--compress", default=None, metavar="SPEC",
                  help="gradient compressor, e.g. cgx:bits=4,bucket=512  powersgd:rank=2  "
-                      "dgc:ratio=0.001  onebit  topk:ratio=0.01")
+                      "dgc:ratio=0.001  onebit  topk:ratio=0.01; reduction options in the same "
+                      "list: algorithm=sra|ring|allgather, bucket_mb=25, min_size=1024")
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=int, default=None, metavar="MANT", help="HBFP mantissa bits")
   g.add_argument("--tile", type=int, default=24, help="HBFP tile size (default 24)")

@@ -73,7 +73,8 @@ def grad_format(cfg: TrainConfig):
   return F.cpd_float(cfg.grad_exp, cfg.grad_man)
 
 
-def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None) -> int:
+def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
+                        min_size: int = 1024) -> int:
   """Bytes each worker sends per step for the configured gradient reduction.
 
   Low-precision sums use :func:`jaxlp.parallel.payload_bytes` per gradient leaf (the bytes
@@ -94,7 +95,7 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None) -> int:
     for leaf in leaves:
       n = leaf.size
       kind = getattr(compressor, "kind", "")
-      if n < 1024 or leaf.ndim <= 1 or (kind == "lowrank" and
+      if n < min_size or leaf.ndim <= 1 or (kind == "lowrank" and
                                         compressor.matrix_shape(leaf.shape) is None):
         total += fp32_ring(n)
       elif kind in ("quantizer", "cast", "lowrank"):
@@ -133,8 +134,12 @@ def _policy(cfg: TrainConfig):
   return presets[cfg.policy]()
 
 
+_REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size")
+
+
 def _parse_compress(spec: str):
-  """``name:key=value,key=value`` -> compressor object from jaxlp.parallel.compressors."""
+  """``name:key=value,key=value`` -> (compressor from jaxlp.parallel.compressors, options of
+  ``compressed_allreduce``: ``algorithm``, ``bucket_mb``, ``min_size``)."""
   from jaxlp.parallel import compressors as C
 
   name, _, rest = spec.partition(":")
@@ -155,8 +160,11 @@ def _parse_compress(spec: str):
   factory = getattr(C, name, None)
   if factory is None or name.startswith("_"):
     raise ValueError(f"--compress: unknown compressor {name!r}")
+  opts = {k: kwargs.pop(k) for k in _REDUCE_OPTS if k in kwargs}
+  if opts.get("algorithm", "auto") not in ("auto", "sra", "ring", "allgather"):
+    raise ValueError(f"--compress {spec!r}: algorithm must be auto, sra, ring or allgather")
   try:
-    return factory(**kwargs)
+    return factory(**kwargs), opts
   except TypeError as e:
     raise ValueError(f"--compress {spec!r}: {e}") from e
 
@@ -194,7 +202,8 @@ class Trainer:
     if (cfg.aps or cfg.kahan) and self.fmt is None:
       raise ValueError("--aps/--kahan need a low-precision gradient format "
                        "(--grad-exp/--grad-man or --grad-format)")
-    self.compressor = _parse_compress(cfg.compress) if cfg.compress else None
+    self.compressor, self.reduce_opts = (_parse_compress(cfg.compress) if cfg.compress
+                                         else (None, {}))
     if self.compressor is not None and self.fmt is not None:
       raise ValueError("give either --compress or a gradient format, not both")
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
@@ -248,7 +257,8 @@ class Trainer:
       one = init_compression_state(self.compressor, self.params)
       self.comp_state = jax.tree_util.tree_map(
           lambda a: jnp.broadcast_to(a, (cfg.nodes,) + a.shape), one)
-    self.wire_per_step = wire_bytes_per_step(cfg, self.compressor, self.params)
+    self.wire_per_step = wire_bytes_per_step(cfg, self.compressor, self.params,
+                                             min_size=self.reduce_opts.get("min_size", 1024))
     self.epoch = 0
     self.step = 0
     self._build_step()
@@ -264,7 +274,8 @@ class Trainer:
       from jaxlp.parallel.compressed import compressed_allreduce
 
       # compressed_allreduce with mean=False: the loss is already pre-scaled by 1/W.
-      return compressed_allreduce(g, comp_state, self.axis, self.compressor, mean=False, key=key)
+      return compressed_allreduce(g, comp_state, self.axis, self.compressor, mean=False, key=key,
+                                  **self.reduce_opts)
     if self.fmt is None or W == 1:
       return jax.tree_util.tree_map(lambda a: lax.psum(a, self.axis), g), comp_state
     from jaxlp.parallel import psum

@@ -58,6 +58,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     ["train", "--grad-exp", "4"],
     ["train", "--data", "cifar10"],
     ["train", "--compress", "nosuch:bits=4"],
+    ["train", "--compress", "cgx:algorithm=tree"],
     ["train", "--grad-format", "E9M9"],
     ["plot", "/nonexistent-dir"],
     ["frobnicate"],
@@ -109,7 +110,7 @@ def test_formats_demo(capsys):
 
 
 @pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"],
-                                   ["--compress", "onebit"]])
+                                   ["--compress", "onebit:algorithm=ring,min_size=512"]])
 def test_real_devices_equal_emulation(tmp_path, flags):
   """Workers spread over 4 (forced CPU) devices x 2 emulated = the same run on one device."""
   runs = []
