@@ -48,6 +48,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -281,6 +282,10 @@ def environment(a):
                                     os.path.join(a.env_out, f"worker{i}.json")], env=env)
            for i in range(w)]
   deadline = time.time() + a.timeout
+
+  def _term(signum, frame):
+    raise SystemExit(143)
+  signal.signal(signal.SIGTERM, _term)  # so that `finally` kills the workers
   rc = 0
   try:
     for p in procs:

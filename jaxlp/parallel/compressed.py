@@ -88,8 +88,15 @@ def _axis_size(axis_name):
 
 def ordered_psum(x, axis_name, w):
   """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
-  under vmap, shard_map and pmap (``lax.psum``'s order differs between them)."""
-  g = lax.all_gather(x, axis_name)
+  under vmap, shard_map and pmap (``lax.psum``'s order differs between them).
+
+  bfloat16 is gathered as its uint16 bit pattern: XLA:CPU otherwise converts bf16 collectives
+  to f32 (4 bytes per element on the wire between processes); the bits are unchanged."""
+  if x.dtype == jnp.bfloat16:
+    g = lax.bitcast_convert_type(lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16),
+                                                axis_name), jnp.bfloat16)
+  else:
+    g = lax.all_gather(x, axis_name)
   acc = g[0]
   for j in range(1, w):
     acc = acc + g[j]
