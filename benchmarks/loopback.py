@@ -279,7 +279,8 @@ def environment(a):
   if a.fast_compile:
     args.append("--fast-compile")
   procs = [subprocess.Popen(args + ["--_worker", str(port), str(w), str(i),
-                                    os.path.join(a.env_out, f"worker{i}.json")], env=env)
+                                    os.path.join(a.env_out, f"worker{i}.json")], env=env,
+                            stdout=sys.stderr)  # gloo's chatter stays out of the table
            for i in range(w)]
   deadline = time.time() + a.timeout
 
