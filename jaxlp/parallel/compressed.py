@@ -119,8 +119,15 @@ def init_compression_state(compressor, params, *, seed: int = 0, bucket_mb: floa
 
 def ordered_psum(x, axis_name, w):
   """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
-  under vmap, shard_map and pmap (``lax.psum``'s order differs between them)."""
-  g = _axes.all_gather(x, axis_name)
+  under vmap, shard_map and pmap (``lax.psum``'s order differs between them).
+
+  bfloat16 is gathered as its uint16 bit pattern: XLA:CPU otherwise converts bf16 collectives
+  to f32 (4 bytes per element on the wire between processes); the bits are unchanged."""
+  if x.dtype == jnp.bfloat16:
+    g = lax.bitcast_convert_type(_axes.all_gather(lax.bitcast_convert_type(x, jnp.uint16),
+                                                  axis_name), jnp.bfloat16)
+  else:
+    g = _axes.all_gather(x, axis_name)
   acc = g[0]
   for j in range(1, w):
     acc = acc + g[j]
