@@ -117,17 +117,29 @@ def init_compression_state(compressor, params, *, seed: int = 0, bucket_mb: floa
   return CompressionState(jnp.zeros((), jnp.int32), base, tuple(states), tuple(bucket_states))
 
 
+def _bitwise(collective, a):
+  """Run ``collective`` on ``a``'s bit pattern when ``a`` is a float type other than f16/f32:
+  XLA:CPU widens bf16 collectives to f32 and fp8 ones to f16 (2-4x the bytes between
+  processes); unsigned integers of the same width travel as they are. The bits are unchanged.
+  """
+  dt = jnp.dtype(a.dtype)
+  if jnp.issubdtype(dt, jnp.floating) and dt not in (jnp.float16, jnp.float32) and \
+      dt.itemsize in (1, 2):
+    u = jnp.uint8 if dt.itemsize == 1 else jnp.uint16
+    return lax.bitcast_convert_type(collective(lax.bitcast_convert_type(a, u)), dt)
+  return collective(a)
+
+
+def _tree_collective(collective, tree, axis_name):
+  return jax.tree_util.tree_map(lambda a: _bitwise(lambda b: collective(b, axis_name), a), tree)
+
+
 def ordered_psum(x, axis_name, w):
   """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
   under vmap, shard_map and pmap (``lax.psum``'s order differs between them).
 
-  bfloat16 is gathered as its uint16 bit pattern: XLA:CPU otherwise converts bf16 collectives
-  to f32 (4 bytes per element on the wire between processes); the bits are unchanged."""
-  if x.dtype == jnp.bfloat16:
-    g = lax.bitcast_convert_type(_axes.all_gather(lax.bitcast_convert_type(x, jnp.uint16),
-                                                  axis_name), jnp.bfloat16)
-  else:
-    g = _axes.all_gather(x, axis_name)
+  Narrow floats travel as their bit patterns (see :func:`_bitwise`)."""
+  g = _bitwise(lambda a: _axes.all_gather(a, axis_name), x)
   acc = g[0]
   for j in range(1, w):
     acc = acc + g[j]
@@ -173,7 +185,7 @@ def _allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
   else:
     payload, st = comp.encode(x, st, key)
     dec = lambda p: comp.decode(p, (n,))  # noqa: E731
-  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), payload)
+  gathered = _tree_collective(_axes.all_gather, payload, axis_name)
   out = None
   for j in range(w):
     d = dec(jax.tree_util.tree_map(lambda a, j=j: a[j], gathered))
@@ -187,7 +199,7 @@ def _sra_reduce(comp, x, st, key, axis_name, w, me):
   xs = _pad_edge(x, w * c).reshape(w, c)
   wst = _split_state(st["worker"], w, c, n)
   payload, wst = jax.vmap(comp.encode)(xs, wst, jax.random.split(key, w))
-  recv = jax.tree_util.tree_map(lambda a: _axes.all_to_all(a, axis_name), payload)
+  recv = _tree_collective(_axes.all_to_all, payload, axis_name)
   dec = jax.vmap(lambda p: comp.decode(p, (c,)))(recv)
   acc = lax.dynamic_index_in_dim(xs, me, keepdims=False)
   for j in range(w):
@@ -197,7 +209,7 @@ def _sra_reduce(comp, x, st, key, axis_name, w, me):
   p2, mine = comp.encode(acc, mine, jax.random.fold_in(key, 0x5EC0))
   sst = jax.tree_util.tree_map(
       lambda a, b: lax.dynamic_update_index_in_dim(a, b, me, 0), sst, mine)
-  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), p2)
+  gathered = _tree_collective(_axes.all_gather, p2, axis_name)
   out = jax.vmap(lambda p: comp.decode(p, (c,)))(gathered).reshape(-1)[:n]
   return out, {"worker": _join_state(wst, n), "server": _join_state(sst, n)}
 
@@ -219,14 +231,14 @@ def _ring_reduce(comp, x, st, key, axis_name, w, me):
     # send my partial sum of segment (me-1-s) to me+1; receive segment (me-2-s) from me-1
     payload, mine = comp.encode(acc, take(wst, seg), jax.random.fold_in(key, s))
     wst = put(wst, mine, seg)
-    recv = jax.tree_util.tree_map(lambda a: _axes.ring_shift(a, axis_name), payload)
+    recv = _tree_collective(_axes.ring_shift, payload, axis_name)
     seg = (me - 2 - s) % w
     acc = lax.dynamic_index_in_dim(xs, seg, keepdims=False) + comp.decode(recv, (c,))
   # seg == me: the fully reduced segment; its encoding travels the ring unchanged
   sst = _split_state(st["server"], w, c, n)
   p2, mine = comp.encode(acc, take(sst, me), jax.random.fold_in(key, 0x5EC0))
   sst = put(sst, mine, me)
-  gathered = jax.tree_util.tree_map(lambda a: _axes.all_gather(a, axis_name), p2)
+  gathered = _tree_collective(_axes.all_gather, p2, axis_name)
   out = jax.vmap(lambda p: comp.decode(p, (c,)))(gathered).reshape(-1)[:n]
   return out, {"worker": _join_state(wst, n), "server": _join_state(sst, n)}
 

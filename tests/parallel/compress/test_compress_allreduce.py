@@ -347,3 +347,17 @@ def test_errors():
                            algorithm=alg)
   with pytest.raises(ValueError, match="bits"):
     C.cgx(bits=9)
+
+
+@pytest.mark.parametrize("fmt,wire", [("E4M3FN", "u8"), ("bf16", "u16"), ("fp16", "f16")])
+def test_narrow_payloads_are_not_widened_on_the_wire(fmt, wire):
+  """XLA:CPU widens bf16/fp8 collectives (to f32/f16); payloads travel as their bits."""
+  comp = C.cast(fmt)
+  mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  st = init_compression_state(comp, jnp.zeros((64, 32)))
+  f = jax.jit(jax.shard_map(
+      lambda g, s: compressed_allreduce(g[0], s, "i", comp, min_size=0)[0][None], mesh=mesh,
+      in_specs=(P("i"), P()), out_specs=P("i"), check_vma=False))
+  txt = f.lower(jnp.zeros((2, 64, 32)), st).compile().as_text()
+  gathers = [ln.split("=", 1)[1].split()[0] for ln in txt.splitlines() if "all-gather(" in ln]
+  assert gathers and all(g.startswith(wire + "[") for g in gathers), gathers
