@@ -26,7 +26,9 @@ Algorithms (``algorithm=``):
 * ``"allgather"`` -- every worker's payload is all-gathered, decoded and summed (rank order).
   Sparsifiers always use it (GRACE/HiPress). ``"auto"`` = ``"sra"`` for quantizers.
 * PowerSGD uses its two all-reduces (P, then Q); ``cast`` to fp16/bf16 casts, divides by W in
-  the narrow type (PyTorch's order) and sums in that type in rank order; narrower casts and
+  the narrow type (PyTorch's order) and sums in that type with a ring all-reduce
+  (:func:`jaxlp.parallel.psum`, ``order="ring"``: each partial sum rounded to the type, as
+  NCCL's ring in that dtype); narrower casts and
   formats without a native dtype all-gather their codes, sum the decoded values in fp32 in rank
   order and divide by W.
 
@@ -245,10 +247,15 @@ def _ring_reduce(comp, x, st, key, axis_name, w, me):
 
 def _cast_reduce(comp, x, axis_name, w, mean):
   if comp.native_dtype is not None and comp.bits >= 16:
+    # PyTorch's fp16/bf16 hooks: cast, divide in the narrow type, all-reduce in that type
+    # (every partial sum rounded to it). jaxlp.parallel.psum's ring: per-hop rounding,
+    # 16-bit payloads, 2(W-1)/W x 2 bytes per element, the same bits in every mode.
+    from jaxlp.parallel.psum import psum
+
     c = comp.cast(x)
     if mean:
       c = exact_div(c, w)
-    return ordered_psum(c, axis_name, w).astype(jnp.float32)
+    return psum(c, axis_name, fmt=comp.format, order="ring").astype(jnp.float32)
   out, _ = _allgather_reduce(comp, x, (), None, axis_name, w)
   return exact_div(out, w) if mean else out
 
