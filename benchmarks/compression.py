@@ -63,6 +63,12 @@ def bench(comp, shapes, repeats):
   def roundtrip(gs, sts):
     outs, new = [], []
     for i, (g, st) in enumerate(zip(gs, sts, strict=True)):
+      if comp.kind == "lowrank" and comp.matrix_shape(g.shape) is None:
+        # PowerSGD leaves it does not compress (vectors, small) travel as fp32 (wire_bytes
+        # counts them so), as in compressed_allreduce
+        outs.append(g)
+        new.append(st)
+        continue
       p, st = comp.encode(g, st, jax.random.fold_in(key, i))
       outs.append(comp.decode(p, g.shape))
       new.append(st)
@@ -117,7 +123,7 @@ def main(argv=None):
       # all-gather (sparse/quantized payloads) moves (W-1)*wire per worker; bf16/powersgd ring
       factor = ring if name in ("bf16", "powersgd2") else (a.workers - 1) / a.workers * 2
       step = a.compute_ms + 1e3 * factor * wire / bw
-      print(f"| {mname} | {name} | {gbps:.2f} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
+      print(f"| {mname} | {name} | {gbps:.3g} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
             f"{2 * n / wire:.1f}x | {step:.1f} |", flush=True)
 
 
