@@ -2,7 +2,8 @@
 ResNet-18- and VGG-19-sized gradient sets (real layer shapes), plus a bandwidth-model step time
 (step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
 
-Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both]
+Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both] [--only a,b]
+       [--repeats N]
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def bench(comp, shapes, repeats):
   def roundtrip(gs, sts):
     outs, new = [], []
     for i, (g, st) in enumerate(zip(gs, sts, strict=True)):
+      if comp.kind == "lowrank" and comp.matrix_shape(g.shape) is None:
+        # PowerSGD leaves it does not compress (vectors, small) travel as fp32 (wire_bytes
+        # counts them so), as in compressed_allreduce
+        outs.append(g)
+        new.append(st)
+        continue
       p, st = comp.encode(g, st, jax.random.fold_in(key, i))
       outs.append(comp.decode(p, g.shape))
       new.append(st)
@@ -86,11 +93,19 @@ def main(argv=None):
   ap.add_argument("--bandwidth-gbps", type=float, default=10.0)
   ap.add_argument("--workers", type=int, default=8)
   ap.add_argument("--compute-ms", type=float, default=50.0)
+  ap.add_argument("--repeats", type=int, default=None,
+                  help="timed runs per compressor (median; default 3, 1 with --small)")
   a = ap.parse_args(argv)
   models = {"resnet18": resnet18_shapes(), "vgg19": vgg19_shapes()}
   if a.model != "both":
     models = {a.model: models[a.model]}
   names = a.only.split(",") if a.only else list(COMPRESSORS)
+  unknown = [n for n in names if n not in COMPRESSORS]
+  if unknown:
+    ap.error(f"unknown compressor(s) {unknown}; choose from {list(COMPRESSORS)}")
+  repeats = a.repeats if a.repeats is not None else (1 if a.small else 3)
+  if repeats < 1:
+    ap.error(f"--repeats={repeats} must be >= 1")
   print(f"# device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print("| model | compressor | enc+dec GB/s | wire MB | vs fp32 | vs bf16 | model step ms |")
   print("|---|---|---|---|---|---|---|")
@@ -101,14 +116,15 @@ def main(argv=None):
     bw = a.bandwidth_gbps * 1e9 / 8
     ring = 2 * (a.workers - 1) / a.workers
     fp32_ms = a.compute_ms + 1e3 * ring * 4 * n / bw
-    print(f"| {mname} | fp32 | - | {4 * n / 1e6:.2f} | 1.00x | 0.50x | {fp32_ms:.1f} |")
+    print(f"| {mname} | fp32 | - | {4 * n / 1e6:.2f} | 1.00x | 0.50x | {fp32_ms:.1f} |",
+          flush=True)
     for name in names:
-      gbps, wire, _ = bench(COMPRESSORS[name], shapes, 1 if a.small else 3)
+      gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats)
       # all-gather (sparse/quantized payloads) moves (W-1)*wire per worker; bf16/powersgd ring
       factor = ring if name in ("bf16", "powersgd2") else (a.workers - 1) / a.workers * 2
       step = a.compute_ms + 1e3 * factor * wire / bw
-      print(f"| {mname} | {name} | {gbps:.2f} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
-            f"{2 * n / wire:.1f}x | {step:.1f} |")
+      print(f"| {mname} | {name} | {gbps:.3g} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
+            f"{2 * n / wire:.1f}x | {step:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""Worker of test_compress_multiprocess.py, and the case table + computation it shares with
+the in-process reference.
+
+Run as a script it is one process of a loopback ``jax.distributed`` job (gloo CPU collectives,
+2 CPU devices per process): it runs every case of :data:`CASES` (``compressed_allreduce`` under
+``jit(shard_map)`` over all devices of the job, :data:`STEPS` steps carrying the state) and
+saves the rows of its own devices to an npz. Imported (by the test), it only defines the table
+and :func:`run_case`, and touches no environment.
+
+Usage: python _mp_compress_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxlp.parallel.compressors as C  # noqa: E402
+from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state  # noqa: E402
+
+# Gradient pytree (shapes only): "fc" and "conv" are compressed (>= MIN_SIZE elements, ndim > 1),
+# "bias" (a vector) and "tiny" (< MIN_SIZE) go through the fp32 path.
+SHAPES = {"fc": (96, 40), "conv": (8, 4, 3, 3), "bias": (40,), "tiny": (3, 5)}
+MIN_SIZE = 64
+STEPS = 3
+
+COMPRESSORS = {
+    "cgx4": C.cgx(4, 64),
+    "qsgd7": C.qsgd(7, 64),
+    "onebit": C.onebit(),  # error feedback
+    "tbq": C.tbq(0.2),
+    "terngrad": C.terngrad(),
+    "terngrad_hp4": C.terngrad("hipress", 4),
+    "dgc": C.dgc(0.05, sample_rate=0.1),
+    "graddrop": C.graddrop(0.9, sample_rate=0.1),
+    "topk": C.topk(0.05),
+    "randomk": C.randomk(0.05),
+    "powersgd2": C.powersgd(2, start_iter=1),  # step 0 plain mean, steps 1, 2 low rank
+    "bf16": C.cast("bf16"),
+    "fp16": C.cast("fp16"),
+    "e4m3fn": C.cast("E4M3FN"),
+}
+
+# THE case table: (compressor name, algorithm[, extra compressed_allreduce kwargs]).
+# One line per case; e.g. ("cgx4", "ring") once that algorithm exists. Each case costs one XLA
+# compile (~1-7 s of CPU) in each of the 3 processes: keep the table short.
+CASES = (
+    ("cgx4", "sra"),
+    ("cgx4", "allgather"),
+    ("cgx4", "sra", {"bucket_mb": 0.02}),  # fc + conv fused into one 4128-element bucket
+    ("qsgd7", "auto"),
+    ("onebit", "auto"),
+    ("tbq", "auto"),
+    ("terngrad", "auto"),
+    ("terngrad_hp4", "auto"),
+    ("dgc", "auto"),
+    ("graddrop", "auto"),
+    ("topk", "auto"),
+    ("randomk", "auto"),
+    ("powersgd2", "auto"),
+    ("bf16", "auto"),
+    ("fp16", "auto"),
+    ("e4m3fn", "auto"),
+)
+
+
+def case_id(case) -> str:
+  name, algo, *rest = case
+  extra = "".join(f"-{k}={v}" for k, v in sorted((rest[0] if rest else {}).items()))
+  return f"{name}-{algo}{extra}"
+
+
+def grads_np(step: int, w: int):
+  """Per-device gradients of one step, deterministic: {leaf: float32 (w, *shape)}."""
+  rng = np.random.default_rng(1234 + step)
+  out = {}
+  for k, shape in SHAPES.items():
+    g = rng.standard_normal((w,) + shape).astype(np.float32)
+    # per-device scale so that workers differ in magnitude too
+    out[k] = g * np.float32(2.0 ** -step) * (1 + np.arange(w, dtype=np.float32)).reshape(
+        (w,) + (1,) * len(shape))
+  return out
+
+
+def _global(mesh, a):
+  a = np.asarray(a)
+  sharding = NamedSharding(mesh, P("i"))
+  return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+
+def _local_rows(arr):
+  """{global row index: numpy row} of this process's shards of a (w, ...) array."""
+  rows = {}
+  for s in arr.addressable_shards:
+    start = s.index[0].start or 0
+    data = np.asarray(s.data)
+    for j in range(data.shape[0]):
+      rows[start + j] = data[j]
+  return rows
+
+
+def run_case(case, devices):
+  """Runs one case on a 1-D mesh of ``devices``; returns {"stepN/<path>" or "state/<path>":
+  {global row: numpy row}} for the rows this process holds."""
+  name, algo, *rest = case
+  kw = dict(rest[0]) if rest else {}
+  comp = COMPRESSORS[name]
+  w = len(devices)
+  mesh = Mesh(np.asarray(devices), ("i",))
+  params = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in SHAPES.items()}
+  st0 = jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (w,) + a.shape),
+                               init_compression_state(comp, params))
+
+  def body(g, s):
+    g, s = jax.tree_util.tree_map(lambda a: a[0], (g, s))
+    o, s = compressed_allreduce(g, s, "i", comp, min_size=MIN_SIZE, algorithm=algo, **kw)
+    return jax.tree_util.tree_map(lambda a: a[None], (o, s))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"),
+                            check_vma=False))
+  st = jax.tree_util.tree_map(lambda a: _global(mesh, a), st0)
+  res = {}
+  for step in range(STEPS):
+    g = jax.tree_util.tree_map(lambda a: _global(mesh, a), grads_np(step, w))
+    out, st = f(g, st)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+      res[f"step{step}/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(st)[0]:
+    res[f"state/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
+  return res
+
+
+def main():
+  port, nproc, pid, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+  import jaxlp.parallel as jp
+  jp.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
+                initialization_timeout=60)
+  devices = jax.devices()
+  print(f"process {pid}: {len(devices)} devices, {jax.local_device_count()} local", flush=True)
+  arrays = {}
+  for case in CASES:
+    cid = case_id(case)
+    for key, rows in run_case(case, devices).items():
+      for r, a in rows.items():
+        arrays[f"{cid}|{key}|{r}"] = a
+    print(f"process {pid}: {cid} done", flush=True)
+  np.savez(out, **arrays)
+  jp.shutdown()
+
+
+if __name__ == "__main__":
+  main()
