@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxlp.parallel.compressors as C  # noqa: E402
+from jaxlp.formats import FloatFormat  # noqa: E402
 from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state  # noqa: E402
 
 # Gradient pytree (shapes only): "fc" and "conv" are compressed (>= MIN_SIZE elements, ndim > 1),
@@ -46,10 +47,11 @@ COMPRESSORS = {
     "bf16": C.cast("bf16"),
     "fp16": C.cast("fp16"),
     "e4m3fn": C.cast("E4M3FN"),
+    "e3m3": C.cast(FloatFormat(3, 3)),  # no ml_dtypes twin: packed 7-bit codes
 }
 
 # THE case table: (compressor name, algorithm[, extra compressed_allreduce kwargs]).
-# One line per case; e.g. ("cgx4", "ring") once that algorithm exists. Each case costs one XLA
+# One line per case. Each case costs one XLA
 # compile (~1-7 s of CPU) in each of the 3 processes: keep the table short.
 CASES = (
     ("cgx4", "sra"),
@@ -57,6 +59,7 @@ CASES = (
     ("cgx4", "sra", {"bucket_mb": 0.02}),  # fc + conv fused into one 4128-element bucket
     ("qsgd7", "auto"),
     ("onebit", "auto"),
+    ("onebit", "ring"),  # CGX compressed ring with error feedback
     ("tbq", "auto"),
     ("terngrad", "auto"),
     ("terngrad_hp4", "auto"),
@@ -68,6 +71,7 @@ CASES = (
     ("bf16", "auto"),
     ("fp16", "auto"),
     ("e4m3fn", "auto"),
+    ("e3m3", "auto"),
 )
 
 
