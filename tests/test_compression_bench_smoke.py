@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/compression.py --small (< 60 s)."""
+"""Smoke test of benchmarks/compression.py --small (two compressors)."""
 
 import pathlib
 import runpy
@@ -7,8 +7,8 @@ import runpy
 def test_compression_bench_small(capsys):
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
   mod = runpy.run_path(str(path))
-  mod["main"](["--small", "--model", "resnet18", "--only", "cgx4,onebit,topk1%,powersgd2"])
+  mod["main"](["--small", "--model", "resnet18", "--only", "cgx4,powersgd2"])
   out = capsys.readouterr().out
-  assert "| resnet18 | cgx4 |" in out and "| resnet18 | onebit |" in out
+  assert "| resnet18 | cgx4 |" in out
   # PowerSGD leaves vectors uncompressed: the bench must not encode them
   assert "| resnet18 | powersgd2 |" in out

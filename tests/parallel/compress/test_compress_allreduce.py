@@ -139,9 +139,8 @@ def test_cgx_ring_matches_formula(w, n):
     np.testing.assert_array_equal(np.asarray(out[r]), want[:n])
 
 
-@pytest.mark.parametrize("comp,alg", [(C.cgx(4, 64), "ring"), (C.onebit(), "ring"),
-                                      (C.cgx(4, 64), "sra")], ids=["cgx-ring", "onebit-ring",
-                                                                   "cgx-sra"])
+@pytest.mark.parametrize("comp,alg", [(C.onebit(), "ring"), (C.cgx(4, 64), "sra")],
+                         ids=["onebit-ring", "cgx-sra"])
 def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg):
   """The ring (ppermute) and SRA (all_to_all) paths give the same bits under vmap, shard_map
   and a (mesh axis, vmap axis) pair, over two steps with residuals."""
