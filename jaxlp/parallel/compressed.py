@@ -282,7 +282,8 @@ def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
   fused sum, then the Q's in another (and the plain mean before ``start_iter`` in one).
 
   Returns ``(approximations, new_states)``; the approximations are of the mean (or sum)."""
-  hi = lax.Precision.HIGHEST
+  from jaxlp.parallel.compressors.powersgd import outer_sum, thin_matmul
+
   ms = [m + st["error"].reshape(m.shape) if comp.error_feedback else m
         for m, st in zip(mats, sts, strict=True)]
   if comp.warm_start:
@@ -290,16 +291,16 @@ def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
   else:
     qs = [comp_orth(jax.random.normal(k, st["q"].shape, jnp.float32))
           for st, k in zip(sts, keys, strict=True)]
-  ps = _fused_psum([jnp.matmul(m, q, precision=hi) for m, q in zip(ms, qs, strict=True)],
+  ps = _fused_psum([thin_matmul(m, q) for m, q in zip(ms, qs, strict=True)],
                    axis_name, w)
   ps = [comp_orth(p) for p in ps]
-  qsum = _fused_psum([jnp.matmul(m.T, p, precision=hi) for m, p in zip(ms, ps, strict=True)],
+  qsum = _fused_psum([thin_matmul(m.T, p) for m, p in zip(ms, ps, strict=True)],
                      axis_name, w)
   outs, news = [], []
   for m, st, p, q in zip(ms, sts, ps, qsum, strict=True):
     qm = exact_div(q, w)
-    approx_mean = jnp.matmul(p, qm.T, precision=hi)
-    outs.append(approx_mean if mean else jnp.matmul(p, q.T, precision=hi))
+    approx_mean = outer_sum(p, qm)
+    outs.append(approx_mean if mean else outer_sum(p, q))
     new = dict(st, q=qm, iter=st["iter"] + 1)
     if comp.error_feedback:
       new["error"] = (m - approx_mean).reshape(-1)

@@ -41,7 +41,7 @@ from jaxlp.formats.compat import cpd_float
 from jaxlp.formats.quantize import quantize
 from jaxlp.parallel.aps import format_emax
 from jaxlp.parallel.compressors._base import exact_div
-from jaxlp.parallel.compressors.powersgd import orthogonalize
+from jaxlp.parallel.compressors.powersgd import orthogonalize, outer_sum, thin_matmul
 from jaxlp.torch._dlpack import to_jax, to_torch
 
 __all__ = ["CommState", "chain_sum", "comm_hook", "sum_gradients"]
@@ -217,7 +217,6 @@ def _codec(comp, n: int):
 
 @functools.cache
 def _powersgd_fns(comp, n, m):
-  hi = lax.Precision.HIGHEST
 
   def start(x, err, q):
     mat = x.reshape(n, m) if n * m == x.shape[0] else jnp.pad(
@@ -225,15 +224,15 @@ def _powersgd_fns(comp, n, m):
     if err is not None:
       mat = mat + err.reshape(n, m)
     q = orthogonalize(q)
-    return mat, jnp.matmul(mat, q, precision=hi)
+    return mat, thin_matmul(mat, q)
 
   def middle(mat, p_sum):
     p = orthogonalize(p_sum)
-    return p, jnp.matmul(mat.T, p, precision=hi)
+    return p, thin_matmul(mat.T, p)
 
   def finish(mat, p, q_sum, w):
     qm = exact_div(q_sum, w)
-    approx = jnp.matmul(p, qm.T, precision=hi)
+    approx = outer_sum(p, qm)
     return approx.reshape(-1), qm, (mat - approx).reshape(-1)
 
   return jax.jit(start), jax.jit(middle), jax.jit(finish, static_argnums=3)

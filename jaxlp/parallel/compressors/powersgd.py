@@ -8,19 +8,47 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlp.parallel.compressors._base import numel
+from jaxlp.parallel.compressors._base import det_sum, exact_div, no_fma, numel
+
+
+def thin_matmul(a, b):
+  """``a (..., n, k) @ b (..., k, r)`` for a small ``r``, bit-reproducible: each output column
+  is a fixed pairwise sum (:func:`det_sum`) of separately rounded products. XLA's matmul
+  accumulates in an order that differs between batched (``vmap``) and per-device kernels;
+  this does not, so PowerSGD gives the same bits under vmap, shard_map, pmap and multi-host.
+  Memory-bound like the matmul it replaces (``r`` is the PowerSGD rank)."""
+  cols = [det_sum(no_fma(a * b[..., None, :, j]), axis=-1) for j in range(b.shape[-1])]
+  return jnp.stack(cols, axis=-1)
+
+
+def outer_sum(p, q):
+  """``p (..., n, r) @ q (..., m, r).T`` for a small ``r``: the r rank-one terms added in
+  ascending order, each product rounded separately (no FMA)."""
+  out = None
+  for j in range(p.shape[-1]):
+    t = no_fma(p[..., :, j, None] * q[..., None, :, j])
+    out = t if out is None else out + t
+  return out
 
 
 def orthogonalize(x):
-  """Orthonormal columns spanning ``x``: Householder QR (``jnp.linalg.qr``, reduced) with the
-  column signs fixed so that ``R`` has a non-negative diagonal -- mathematically the
-  Gram-Schmidt result PyTorch computes for rank <= 2 and fp16/bf16 (it uses QR otherwise);
-  the bits differ from Gram-Schmidt by rounding only. Unlike Gram-Schmidt with eps = 0 an
-  all-zero matrix gives finite output (no NaN).
+  """Orthonormal columns spanning ``x`` (..., n, r): modified Gram-Schmidt, as PyTorch's
+  ``_orthogonalize_gram_schmidt`` (``col /= ||col||``; then every later column minus its
+  projection), with the dot products as fixed pairwise sums (the same bits in every execution
+  mode). PyTorch (eps = 0) turns an all-zero column into NaN; here it stays zero.
+
+  References:
+    PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``.
   """
-  q, r = jnp.linalg.qr(x)
-  d = jnp.diagonal(r, axis1=-2, axis2=-1)
-  return q * jnp.where(d < 0, -1.0, 1.0).astype(q.dtype)[..., None, :]
+  cols = [x[..., :, i] for i in range(x.shape[-1])]
+  for i in range(len(cols)):
+    c = cols[i]
+    nrm = jnp.sqrt(det_sum(no_fma(c * c), axis=-1))[..., None]
+    cols[i] = c = jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)), 0.0)
+    for j in range(i + 1, len(cols)):
+      d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
+      cols[j] = cols[j] - no_fma(d * c)
+  return jnp.stack(cols, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +123,15 @@ class PowerSGD:
       mat = mat + state["error"].reshape(mat.shape)
     q = orthogonalize(state["q"]) if self.warm_start or key is None else orthogonalize(
         jax.random.normal(key, state["q"].shape))
-    p = orthogonalize(mat @ q)
-    q = mat.T @ p
+    p = orthogonalize(thin_matmul(mat, q))
+    q = thin_matmul(mat.T, p)
     new = dict(state, q=q, iter=state["iter"] + 1)
     if self.error_feedback:
-      new["error"] = (mat - p @ q.T).reshape(-1)
+      new["error"] = (mat - outer_sum(p, q)).reshape(-1)
     return {"p": p, "q": q}, new
 
   def decode(self, payload, shape):
-    return self.from_matrix(payload["p"] @ payload["q"].T, shape)
+    return self.from_matrix(outer_sum(payload["p"], payload["q"]), shape)
 
   def wire_bytes(self, shape, dtype=jnp.float32):
     ms = self.matrix_shape(shape)
