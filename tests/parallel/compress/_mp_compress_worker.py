@@ -30,7 +30,7 @@ from jaxlp.parallel.compressed import compressed_allreduce, init_compression_sta
 # "bias" (a vector) and "tiny" (< MIN_SIZE) go through the fp32 path.
 SHAPES = {"fc": (96, 40), "conv": (8, 4, 3, 3), "bias": (40,), "tiny": (3, 5)}
 MIN_SIZE = 64
-STEPS = 3
+STEPS = 2
 
 COMPRESSORS = {
     "cgx4": C.cgx(4, 64),
@@ -38,14 +38,12 @@ COMPRESSORS = {
     "onebit": C.onebit(),  # error feedback
     "tbq": C.tbq(0.2),
     "terngrad": C.terngrad(),
-    "terngrad_hp4": C.terngrad("hipress", 4),
     "dgc": C.dgc(0.05, sample_rate=0.1),
     "graddrop": C.graddrop(0.9, sample_rate=0.1),
     "topk": C.topk(0.05),
     "randomk": C.randomk(0.05),
-    "powersgd2": C.powersgd(2, start_iter=1),  # step 0 plain mean, steps 1, 2 low rank
+    "powersgd2": C.powersgd(2, start_iter=1),  # step 0 plain mean, step 1 low rank
     "bf16": C.cast("bf16"),
-    "fp16": C.cast("fp16"),
     "e4m3fn": C.cast("E4M3FN"),
     "e3m3": C.cast(FloatFormat(3, 3)),  # no ml_dtypes twin: packed 7-bit codes
 }
@@ -55,21 +53,18 @@ COMPRESSORS = {
 # compile (~1-7 s of CPU) in each of the 3 processes: keep the table short.
 CASES = (
     ("cgx4", "sra"),
-    ("cgx4", "allgather"),
     ("cgx4", "sra", {"bucket_mb": 0.02}),  # fc + conv fused into one 4128-element bucket
     ("qsgd7", "auto"),
     ("onebit", "auto"),
     ("onebit", "ring"),  # CGX compressed ring with error feedback
     ("tbq", "auto"),
     ("terngrad", "auto"),
-    ("terngrad_hp4", "auto"),
     ("dgc", "auto"),
     ("graddrop", "auto"),
     ("topk", "auto"),
     ("randomk", "auto"),
     ("powersgd2", "auto"),
     ("bf16", "auto"),
-    ("fp16", "auto"),
     ("e4m3fn", "auto"),
     ("e3m3", "auto"),
 )
