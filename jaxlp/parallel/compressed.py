@@ -420,8 +420,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
     sizes = [numel(g.shape) for g in leaves]
     groups = _group_buckets([i for i, _ in todo], sizes, bucket_mb if plan is None else None)
     if compressor.batched and bucket_mb and plan is None:
-      want = [(n, m, r) for _, tot in ((g, sum(sizes[i] for i in g)) for g in groups)
-              for n, m, r in [compressor.matrix_shape((tot,))]]
+      want = [compressor.matrix_shape((sum(sizes[i] for i in grp),)) for grp in groups]
       have = [tuple(b["q"].shape) for b in state.buckets]
       if have != [(m, r) for _, m, r in want]:
         raise ValueError(
@@ -437,11 +436,9 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
                                      [jax.random.fold_in(step_key, 2000003 + b)], axis_name, w,
                                      mean)
         new_buckets.append(nb)
-        flat = o.reshape(-1)
-        off = 0
-        for i in grp:
-          out[i] = flat[off:off + sizes[i]].reshape(leaves[i].shape).astype(leaves[i].dtype)
-          off += sizes[i]
+        flat = o.reshape(-1)[:sum(sizes[i] for i in grp)]
+        for i, r in zip(grp, _split_flat(flat, [leaves[i].shape for i in grp]), strict=True):
+          out[i] = r.astype(leaves[i].dtype)
       return treedef.unflatten(out), state._replace(step=state.step + 1,
                                                     leaves=tuple(new_states),
                                                     buckets=tuple(new_buckets))
