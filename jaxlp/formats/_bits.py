@@ -13,6 +13,7 @@ Everything here is elementwise and written with integer ops on ``uint32`` bit pa
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 U32 = jnp.uint32
@@ -36,8 +37,23 @@ def u32(v):
 
 
 def to_bits(x: jnp.ndarray) -> jnp.ndarray:
-  """float32 -> uint32 bit pattern (exact)."""
+  """float32 -> uint32 bit pattern (exact) of a traced array.
+
+  For a constant use :func:`f32_bits`: inside a Pallas kernel the Triton lowering cannot
+  bitcast a trace-time constant.
+  """
   return lax.bitcast_convert_type(x, U32)
+
+
+def f32_bits(v) -> int:
+  """Bit pattern (a Python int) of the float32 nearest to the constant ``v``.
+
+  Computed with numpy at trace time, so kernels see an integer literal: the Pallas->Triton
+  lowering fails on ``bitcast_convert_type`` of a constant ("'TypedNdArray' object has no
+  attribute 'type'", measured on jax 0.10-0.11).
+  """
+  with np.errstate(over="ignore"):  # beyond float32's range: the bits of +-inf
+    return int(np.asarray(v, np.float32).view(np.uint32))
 
 
 def from_bits(b: jnp.ndarray) -> jnp.ndarray:
@@ -61,6 +77,27 @@ def is_nan_mag(mag):
   return mag > u32(INF_BITS)
 
 
+def top_bit(n, *, max_bits: int = 32):
+  """Index of the highest set bit of uint32 ``n`` (= floor(log2 n)), exact; -1 where n == 0.
+
+  Read off the exponent field of the float32 conversion of ``n`` (exact for integers below
+  2**24; wider values are split into 16-bit halves), not with ``lax.clz``: Triton's NVIDIA
+  backend cannot legalize the ``math.ctlz`` that ``clz`` lowers to. ``max_bits`` (static)
+  bounds the width of ``n``; <= 24 needs a single conversion.
+  """
+  n = jnp.asarray(n, U32)
+
+  def exact(v):  # v < 2**24: the conversion is exact, so the field is floor(log2 v) + 127
+    return (to_bits(v.astype(jnp.float32)) >> u32(23)).astype(I32) - 127
+
+  if max_bits <= 24:
+    e = exact(n)
+  else:
+    hi = n >> u32(16)
+    e = jnp.where(hi != 0, exact(hi) + 16, exact(n & u32(0xFFFF)))
+  return jnp.where(n == 0, -1, e)
+
+
 def floor_log2(mag):
   """floor(log2 |x|) of finite, nonzero float32 magnitude bits, exact (subnormals too).
 
@@ -68,9 +105,8 @@ def floor_log2(mag):
   """
   field = (mag >> 23).astype(I32)
   frac = mag & u32(FRAC_MASK)
-  # For subnormals: position of the highest set bit of the fraction.
-  nlz = lax.clz(frac).astype(I32)  # 9..32 for a 23-bit fraction (32 when zero)
-  sub_e = (31 - nlz) - 149  # frac = 2^p * (1.xxx)  => value = 2^(p - 149)
+  # Subnormal: frac = 2^p * (1.xxx) with p its top set bit => value = 2^(p - 149).
+  sub_e = top_bit(frac, max_bits=23) - 149
   return jnp.where(field > 0, field - 127, jnp.where(frac == 0, -150, sub_e))
 
 
@@ -188,7 +224,7 @@ def round_dropped_bits(mag, d, rounding: str, *, big, negative=None, rand=None, 
         if hi > 32:
           thr = jnp.where(d <= 32, thr, rem >> jnp.clip(d - 32, 0, 31).astype(U32))
       if rand_bits is not None and rand_bits < 32:
-        thr = thr & ~((u32(1) << u32(32 - rand_bits)) - u32(1))
+        thr = thr & u32(0xFFFFFFFF ^ ((1 << (32 - rand_bits)) - 1))  # a literal (see f32_bits)
       inc = rand < thr
     else:  # pragma: no cover - validated by callers
       raise ValueError(f"unknown rounding {rounding!r}")
@@ -254,7 +290,7 @@ def ldexp_bits(mag, s):
   e = floor_log2(mag)
   new_e = e + s
   # For normal inputs the fraction is unchanged; for subnormal inputs normalise explicitly.
-  top = 31 - lax.clz(jnp.maximum(sig, u32(1))).astype(I32)  # index of the top set bit
+  top = top_bit(jnp.maximum(sig, u32(1)), max_bits=24)  # index of the top set bit
   norm_frac = jnp.where(top <= 23, sig << jnp.clip(23 - top, 0, 31).astype(U32),
                         sig >> jnp.clip(top - 23, 0, 31).astype(U32)) & u32(FRAC_MASK)
   normal = (((jnp.clip(new_e, -126, 128) + 127).astype(U32)) << 23) | norm_frac

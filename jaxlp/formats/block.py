@@ -230,7 +230,7 @@ class QPyTorchBlock:
     # Rebase add v = fl32(x + 6*2^E) lands in [2^(E+2), 2^(E+3)): x rounded (RNE) to 2^(E-21).
     pre = B.round_to_quantum(mag, E - 21, "nearest", negative=sign)
     q = B.round_to_quantum(pre, E + 2 - wl, mode, negative=sign, rand=rand, rand_bits=rand_bits)
-    clip = B.ldexp_bits(B.u32(np.float32(2 ** (wl - 1) - 1).view(np.uint32)), E + 2 - wl)
+    clip = B.ldexp_bits(B.u32(B.f32_bits(2 ** (wl - 1) - 1)), E + 2 - wl)
     q = jnp.where(q >= B.pow2_bits(jnp.clip(E + 1, -149, 128)), clip, q)
     out = q | jnp.where(sign & (q != 0), B.u32(B.SIGN_MASK), B.u32(0))
     # Degenerate base 0 (block max is zero or a float32 subnormal): the wl-bit rounding is
@@ -241,7 +241,7 @@ class QPyTorchBlock:
       rb = rb + B.u32(1 << (22 - wl))
     else:
       rb = rb + ((rand >> B.u32(32 - (23 - wl))) & B.u32((1 << (23 - wl)) - 1))
-    rb = rb & ~B.u32((1 << (23 - wl)) - 1)
+    rb = rb & B.u32(0xFFFFFFFF ^ ((1 << (23 - wl)) - 1))
     # clip: exponent field 0 | the top wl-2 fraction bits set, with the result's sign.
     clip0 = B.u32(((1 << (wl - 2)) - 1) << (25 - wl)) | (rb & B.u32(B.SIGN_MASK))
     rb = jnp.where((rb & B.u32(B.EXP_MASK)) != 0, clip0, rb)
@@ -301,8 +301,8 @@ class MXFormat:
       sign = (bits & B.u32(B.SIGN_MASK)) != 0
       r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand,
                              rand_bits=rand_bits)
-      lim_pos = B.ldexp_bits(B.u32(np.float32(127.0).view(np.uint32)), s - 6)
-      lim_neg = B.ldexp_bits(B.u32(np.float32(128.0).view(np.uint32)), s - 6)
+      lim_pos = B.ldexp_bits(B.u32(B.f32_bits(127.0)), s - 6)
+      lim_neg = B.ldexp_bits(B.u32(B.f32_bits(128.0)), s - 6)
       r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
       out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
     else:

@@ -157,14 +157,15 @@ class QPyTorchFloat:
     max_exp = 2 ** (E - 1)
     drop = 23 - M
     mask = B.u32((1 << drop) - 1)
+    keep = B.u32(0xFFFFFFFF ^ ((1 << drop) - 1))  # literals: no op on constants in kernels
 
     def round_pattern(b):
       if rounding == "nearest":
         add = B.u32(1 << (drop - 1))
       else:
-        r = rand if rand_bits is None else rand & ~B.u32((1 << (32 - rand_bits)) - 1)
+        r = rand if rand_bits is None else rand & B.u32(0xFFFFFFFF ^ ((1 << (32 - rand_bits)) - 1))
         add = (r >> B.u32(32 - drop)) & mask
-      return (b + add) & ~mask
+      return (b + add) & keep
 
     sign, mag, field = B.split(bits)
     t = field - 127
@@ -172,11 +173,11 @@ class QPyTorchFloat:
     qn = round_pattern(bits)
     qfield = ((qn >> 23) & B.u32(0xFF)).astype(B.I32)
     max_val = (2.0 - 2.0**-M) * 2.0**max_exp
-    sat = B.to_bits(jnp.float32(max_val)) | (bits & B.u32(B.SIGN_MASK))
+    sat = B.u32(B.f32_bits(max_val)) | (bits & B.u32(B.SIGN_MASK))
     qn = jnp.where((qn != 0) & (qfield > 127 + max_exp), sat, qn)
 
     # Subnormal branch: v = fl32(x + s); round v; q = fl32(v' - s), s = copysign(2^min_exp).
-    s_mag = B.to_bits(jnp.float32(2.0**min_exp))
+    s_mag = B.u32(B.f32_bits(2.0**min_exp))
     s_bits = s_mag | (bits & B.u32(B.SIGN_MASK))
     if E == 8:
       # |x| < 2^-126 = s: same-sign add/sub of these patterns is exact integer arithmetic

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxlp.formats import _bits as B
 
@@ -186,7 +185,7 @@ class FloatFormat:
         qe = jnp.where(e < emin, emin, e - m)
       r = B.round_to_quantum(mag, qe, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
 
-    max_bits = B.to_bits(jnp.float32(self.max_normal))
+    max_bits = B.u32(B.f32_bits(self.max_normal))
     if scale_exp is not None:
       max_bits = B.ldexp_bits(max_bits, scale_exp)
     finite = B.is_finite_mag(mag)
@@ -242,6 +241,6 @@ class FloatFormat:
       d = jnp.where(field < emin + 127, (emin + 150) - f1, 23 - m)
       d_range = (min(23 - m, 24), max(23 - m, emin + 149))
       q_small = emin
-    big = B.u32(int(np.float32(2.0**q_small).view(np.uint32)))
+    big = B.u32(B.f32_bits(2.0**q_small))
     return B.round_dropped_bits(mag, d, rounding, big=big, negative=sign, rand=rand,
                                 rand_bits=rand_bits, d_range=d_range)

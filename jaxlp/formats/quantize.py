@@ -128,6 +128,20 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
   Raises:
     TypeError/ValueError naming the problem: bad dtype, format, rounding, missing key.
   """
+  x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
+  return quantize_words(x, kw, fmt, rounding, rand_bits)
+
+
+def prepare(x, fmt, rounding: str = "nearest", *, key=None, rand_bits=None):
+  """Validate :func:`quantize`'s arguments once for the spec and every kernel.
+
+  Returns ``(x, kw)``: ``x`` as a float32/float16/bfloat16 ``jax.Array`` and ``kw`` the
+  (2,) uint32 words of ``key`` (zeros unless ``rounding="stochastic"``).
+
+  Raises:
+    TypeError/ValueError naming the problem: bad dtype, format, rounding, ``rand_bits``,
+    missing key, too many elements for the 32-bit noise index.
+  """
   check_format(fmt, rounding)
   # The caller's dtype, before jnp.asarray (which would narrow a numpy float64 array to
   # float32 silently when x64 is off). Python scalars and lists have no dtype and are fine.
@@ -144,11 +158,20 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
     if (not isinstance(rand_bits, int) or isinstance(rand_bits, bool)
         or not 1 <= rand_bits <= 32):
       raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
+  if rounding != "stochastic":
+    return x, jnp.zeros((2,), jnp.uint32)
+  if key is None:
+    raise ValueError(
+        "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+  if x.size >= 2**32:
+    raise ValueError(f"quantize: stochastic rounding supports < 2**32 elements, got {x.size}")
+  return x, jnp.stack(key_words(key))
+
+
+def quantize_words(x, kw, fmt, rounding: str, rand_bits=None):
+  """The spec on validated arguments (see :func:`prepare`): ``kw`` are the key words."""
   if rounding == "stochastic":
-    if key is None:
-      raise ValueError(
-          "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    rand = random_bits(key, x.shape)
+    rand = B.hash_bits(kw[0], kw[1], element_index(x.shape))
   else:
     rand = jnp.zeros((), jnp.uint32)
   return _quantize_ste(x, rand, fmt, rounding, rand_bits)

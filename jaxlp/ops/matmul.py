@@ -4,16 +4,21 @@
 index k runs strictly ascending; the loop over k is a ``lax.scan`` vectorised over the whole
 (batch, M, N) output. The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical
 bits (same step functions from :mod:`jaxlp.pallas._gemm`). :func:`matmul` (= ``jaxlp.matmul``)
-runs the kernel where :func:`jaxlp.pallas.can_use_pallas_matmul` says so (GPU, large
-enough) and the reference elsewhere.
+runs the kernel on a GPU where :func:`jaxlp.pallas.matmul.kernel_applies` says so and the
+reference elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.pallas import _gemm as G
+from jaxlp.pallas.matmul import kernel_applies
+from jaxlp.pallas.matmul import matmul as _kernel_matmul
 
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
@@ -21,23 +26,40 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
            preferred_element_type=None, bias=None):
   """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
 
-  Same arguments and bits as :func:`matmul_reference` (documented there); runs the Pallas
-  kernel :func:`jaxlp.pallas.matmul` when :func:`jaxlp.pallas.can_use_pallas_matmul` is true
-  (a GPU backend and at least ``MIN_PALLAS_MACS`` multiply-adds), else the reference. On GPU,
-  ``"chunked"`` sums inside a chunk in the matrix unit's order (naive/kahan: same bits
-  everywhere).
+  Same arguments and bits as :func:`matmul_reference` (documented there). On a GPU it runs
+  the Pallas kernel :func:`jaxlp.pallas.matmul` where
+  :func:`jaxlp.pallas.matmul.kernel_applies` (the algorithm's kernel was measured faster
+  than the reference, enough multiply-adds); the choice follows the platform the
+  computation is compiled for (``lax.platform_dependent``), so arrays on a CPU device
+  always take the reference. On a GPU, a ``"chunked"`` kernel sums inside a chunk in the
+  matrix unit's order (naive/kahan: same bits everywhere).
   """
-  import importlib
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding,
+            dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type)
+  G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
+  if not kernel_applies(a.shape, b.shape, algorithm=algorithm, chunk=chunk):
+    return matmul_reference(a, b, key=key, bias=bias, **kw)
+  if dimension_numbers is not None:  # hashable (a static argument of the dispatch)
+    kw["dimension_numbers"] = tuple(tuple(tuple(d) for d in pair) for pair in dimension_numbers)
+  return _dispatch(a, b, key, bias, tuple(kw.items()))
 
-  PM = importlib.import_module("jaxlp.pallas.matmul")  # the module (the package re-exports
-  # a function of the same name)
-  kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding, key=key,
-            dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
-            bias=bias)
-  if PM.can_use_pallas_matmul(jnp.asarray(a), jnp.asarray(b), algorithm=algorithm,
-                              chunk=chunk):
-    return PM.matmul(a, b, **kw)
-  return matmul_reference(a, b, **kw)
+
+#: Platforms whose compiled code runs the Pallas kernel (Triton on NVIDIA GPUs); every other
+#: platform runs the pure-jnp version.
+_KERNEL_PLATFORMS = ("cuda",)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _dispatch(a, b, key, bias, static):
+  def reference(a, b, key, bias):
+    return matmul_reference(a, b, key=key, bias=bias, **dict(static))
+
+  def kernel(a, b, key, bias):
+    return _kernel_matmul(a, b, key=key, bias=bias, **dict(static))
+
+  branches = dict.fromkeys(_KERNEL_PLATFORMS, kernel)
+  return lax.platform_dependent(a, b, key, bias, **branches, default=reference)
 
 
 def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",

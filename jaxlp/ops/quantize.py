@@ -1,20 +1,61 @@
-"""Public `jaxlp.quantize`: the spec in `jaxlp.formats`, or a Pallas kernel where it applies."""
+"""Public `jaxlp.quantize`: the spec in `jaxlp.formats`, or a Pallas kernel where it is faster.
+
+Dispatch follows the platform the computation is compiled for, not the default backend:
+both implementations are staged with ``lax.platform_dependent`` inside a ``jax.jit``, and
+lowering keeps only the one for the platform of the inputs' devices (the CUDA branch runs
+the kernel, every other platform the spec). So an array on the CPU device of a GPU host
+takes the spec, and a ``jit`` compiled for the GPU takes the kernel. The kernel is staged
+only where :func:`jaxlp.pallas.quantize.kernel_applies` (its family was measured faster
+than the XLA-fused spec, and the array is large enough). Both give identical bits.
+"""
 
 from __future__ import annotations
 
-from jaxlp.formats import quantize as _spec
-from jaxlp.pallas.quantize import can_use_pallas_quantize
-from jaxlp.pallas.quantize import quantize as _pallas_quantize
+import functools
+
+import jax
+from jax import lax
+
+from jaxlp.formats.quantize import prepare
+from jaxlp.formats.quantize import quantize_words as _spec_words
+from jaxlp.pallas.quantize import kernel_applies
+from jaxlp.pallas.quantize import quantize_words as _kernel_words
 
 
 def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | None = None):
   """Round ``x`` to ``fmt``; same semantics and bits as :func:`jaxlp.formats.quantize`.
 
-  Dispatch: when :func:`jaxlp.pallas.quantize.can_use_pallas_quantize` is true (GPU backend,
-  at least ``MIN_PALLAS_SIZE`` elements, a format/layout the kernels implement) the Pallas
-  kernel runs; otherwise the pure-jnp spec (XLA-fused). Both give identical bits and the
-  same straight-through gradient. See :func:`jaxlp.formats.quantize` for the arguments.
+  Runs the Pallas kernel on a GPU where :func:`jaxlp.pallas.quantize.kernel_applies` (a
+  format family whose kernel was measured faster than the spec, at least
+  ``MIN_PALLAS_SIZE`` elements), else the pure-jnp spec (XLA-fused). Both give identical
+  bits and the same straight-through gradient. See :func:`jaxlp.formats.quantize` for the
+  arguments.
   """
-  if can_use_pallas_quantize(x, fmt, rounding):
-    return _pallas_quantize(x, fmt, rounding, key=key, rand_bits=rand_bits)
-  return _spec(x, fmt, rounding, key=key, rand_bits=rand_bits)
+  x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
+  return quantize_words(x, kw, fmt, rounding, rand_bits)
+
+
+def quantize_words(x, kw, fmt, rounding: str, rand_bits=None):
+  """:func:`quantize` on validated arguments: ``kw`` = the (2,) uint32 key words
+  (:func:`jaxlp.formats.quantize.prepare`). For callers that derive the words themselves
+  (e.g. the torch bridge)."""
+  if x.size == 0 or not kernel_applies(fmt, x.shape, x.dtype, rounding):
+    return _spec_words(x, kw, fmt, rounding, rand_bits)
+  return _dispatch(x, kw, fmt, rounding, rand_bits)
+
+
+#: Platforms whose compiled code runs the Pallas kernel (Triton on NVIDIA GPUs); every other
+#: platform runs the pure-jnp version.
+_KERNEL_PLATFORMS = ("cuda",)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _dispatch(x, kw, fmt, rounding, rand_bits):
+  def spec(x, kw):
+    return _spec_words(x, kw, fmt, rounding, rand_bits)
+
+  def kernel(x, kw):
+    return _kernel_words(x, kw, fmt, rounding, rand_bits)
+
+  branches = dict.fromkeys(_KERNEL_PLATFORMS, kernel)
+  return lax.platform_dependent(x, kw, **branches, default=spec)

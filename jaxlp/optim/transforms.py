@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlp.formats.quantize import check_format
-from jaxlp.formats.quantize import quantize as _quantize
+from jaxlp.ops.quantize import quantize as _quantize  # kernel on a GPU where faster
 
 
 def _check(fmt, rounding, name):

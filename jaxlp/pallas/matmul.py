@@ -21,29 +21,55 @@ bit-identical on every backend).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxlp.pallas import _gemm as G
+from jaxlp.pallas.quantize import on_gpu
 
 #: Arrays with fewer output MACs than this are left to the reference.
 MIN_PALLAS_MACS = 1 << 20
 
 
-def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
-  """Whether the kernel should run (GPU backend, >= MIN_PALLAS_MACS multiply-adds, and for
-  "chunked" ``chunk`` a power of two >= 16). Either way the naive/kahan bits are the same."""
-  try:
-    if jax.default_backend() != "gpu":
-      return False
-  except RuntimeError:
+#: Whether, on a GPU, the kernel of an algorithm is faster than the XLA reference (then
+#: :func:`jaxlp.matmul` runs the kernel there). Measured on one H100 (jax 0.11.2;
+#: shared/reference/gpu-findings.md, 2026-11-23). Re-measure with
+#: ``python benchmarks/kernels.py --check`` and update.
+KERNEL_IS_FASTER = {
+    # kernel not measured (it did not compile); reference 0.19-0.27 TFLOP/s at 1024^3
+    "naive": False,
+    # cpd_float(5, 2) at 1024^3: reference 0.092 TFLOP/s, kernel 0.063 (0.065 at 2048^3)
+    "kahan": False,
+    # kernel not measured; reference 3.6 / 7.1 TFLOP/s at 1024^3 / 2048^3 (acc=BF16, chunk
+    # 32). On a GPU the kernel's within-chunk order is the tensor core's, so its bits differ.
+    "chunked": False,
+}
+
+
+def kernel_applies(a_shape, b_shape, *, algorithm="naive", chunk=None) -> bool:
+  """Whether :func:`jaxlp.matmul` runs the kernel for operands of these shapes on a GPU:
+  at least ``MIN_PALLAS_MACS`` multiply-adds (estimated as ``a.size * b.shape[-1]``), for
+  "chunked" ``chunk`` a power of two >= 16, and the algorithm's kernel measured faster than
+  the reference (:data:`KERNEL_IS_FASTER`). Static: shapes only."""
+  if not KERNEL_IS_FASTER.get(algorithm, False):
     return False
-  macs = a.size * (b.shape[-1] if b.ndim else 1)
   if algorithm == "chunked" and (not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
     return False
+  macs = math.prod(a_shape) * (b_shape[-1] if len(b_shape) else 1)
   return macs >= MIN_PALLAS_MACS
+
+
+def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
+  """Whether ``jaxlp.matmul(a, b, ...)`` runs the kernel: both operands live on a GPU
+  device (see :func:`jaxlp.pallas.quantize.on_gpu`; False for tracers, whose platform is
+  chosen at lowering) and :func:`kernel_applies`. Either way the naive/kahan bits are the
+  same."""
+  return (on_gpu(a) and on_gpu(b)
+          and kernel_applies(jnp.shape(a), jnp.shape(b), algorithm=algorithm, chunk=chunk))
 
 
 def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn, interpret):
@@ -136,4 +162,4 @@ def _next_pow2(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-__all__ = ["can_use_pallas_matmul", "matmul"]
+__all__ = ["can_use_pallas_matmul", "kernel_applies", "matmul"]

@@ -32,7 +32,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -41,7 +40,7 @@ from jaxlp.formats.block import BlockFormat, MXFormat
 from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
 from jaxlp.formats.fixed_point import FixedPoint
 from jaxlp.formats.float_format import FloatFormat
-from jaxlp.formats.quantize import _INPUT_DTYPES, DTypeError, check_format, key_words
+from jaxlp.formats.quantize import _INPUT_DTYPES, check_format, prepare
 
 #: Elements per program of the elementwise kernel (power of two).
 DEFAULT_BLOCK_SIZE = 4096
@@ -97,32 +96,93 @@ def block_geometry(fmt, shape):
 
 def supports(fmt, shape) -> bool:
   """True if a Pallas kernel here implements ``fmt`` for arrays of ``shape``."""
+  return family(fmt, shape) is not None
+
+
+def family(fmt, shape) -> str | None:
+  """The kernel family of ``fmt`` on arrays of ``shape`` (a key of :data:`KERNEL_IS_FASTER`),
+  or None where no kernel implements it.
+
+  ``"elementwise"``: FloatFormat, cpd_float, qpytorch_float, FixedPoint. ``"axis_blocks"``:
+  ``BlockFormat(axis=last, block_size=b)``. ``"mx"``: ``mx(...)`` along the last axis.
+  ``"tiles"``: ``BlockFormat(tile=(tr, tc))``/``hbfp(m, T)`` with finite tiles. Blocks of
+  more than ``MAX_BLOCK_ELEMENTS`` elements have no kernel.
+  """
   if isinstance(fmt, _ELEMENTWISE_TYPES):
-    return True
+    return "elementwise"
   g = block_geometry(fmt, tuple(shape))
-  return g is not None and g[2] * g[3] <= MAX_BLOCK_ELEMENTS
+  if g is None or g[2] * g[3] > MAX_BLOCK_ELEMENTS:
+    return None
+  if isinstance(fmt, MXFormat):
+    return "mx"
+  return "axis_blocks" if fmt.axis is not None else "tiles"
+
+
+#: Whether, on a GPU, the kernel of a family is faster than the XLA-fused spec (then
+#: :func:`jaxlp.quantize` runs the kernel there). Measured on one H100 (jax 0.11.2, float32,
+#: n = 2**28, GB/s as a fraction of torch ``clone``; shared/reference/gpu-findings.md,
+#: 2026-11-23). Re-measure with ``python benchmarks/kernels.py --check`` and update.
+KERNEL_IS_FASTER = {
+    # spec 0.76-0.85 x clone (E4M3, BF16, cpd_float(5, 2)); kernel 0.74 (cpd_float(5, 2))
+    "elementwise": False,
+    # BlockFormat(7, blocks of 16 along the last axis): kernel 0.81, spec 0.33
+    "axis_blocks": True,
+    # hbfp(7, 16): kernel 0.21, spec 0.54
+    "tiles": False,
+    # kernel not measured (it did not compile before the constant-bitcast fix); spec 0.45-0.52
+    "mx": False,
+}
+
+
+def kernel_applies(fmt, shape, dtype, rounding: str = "nearest") -> bool:
+  """Whether ``jaxlp.quantize`` runs the kernel for arrays of this shape/dtype on a GPU.
+
+  True iff ``fmt`` supports ``rounding``, the dtype is float32/float16/bfloat16,
+  ``MIN_PALLAS_SIZE <= size < 2**32`` (below that the launch overhead dominates; the noise
+  index is 32-bit), a kernel implements the layout (:func:`family`) and that family's kernel
+  was measured faster than the spec (:data:`KERNEL_IS_FASTER`). Static: shapes only.
+  """
+  try:
+    check_format(fmt, rounding)
+    dt = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    return False
+  size = math.prod(shape)
+  fam = family(fmt, shape)
+  return (dt in _INPUT_DTYPES and MIN_PALLAS_SIZE <= size < 2**32 and fam is not None
+          and KERNEL_IS_FASTER[fam])
+
+
+def on_gpu(x) -> bool:
+  """True if a computation on ``x`` runs on a GPU: a concrete ``jax.Array`` on GPU devices,
+  or a non-JAX array (numpy, lists) where JAX's default device is a GPU. A tracer has no
+  device (its platform is known only when the enclosing computation is lowered): False."""
+  if isinstance(x, jax.Array):
+    try:
+      devices = x.devices()
+    except jax.errors.ConcretizationTypeError:  # a tracer
+      return False
+  else:
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+      devices = jax.devices(default)[:1]
+    elif default is not None:
+      devices = [default]
+    else:
+      devices = jax.devices()[:1]
+  return bool(devices) and all(d.platform == "gpu" for d in devices)
 
 
 def can_use_pallas_quantize(x, fmt, rounding: str = "nearest") -> bool:
-  """Whether ``jaxlp.quantize`` should run the Pallas kernel for ``x`` (else the jnp spec).
+  """Whether ``jaxlp.quantize(x, fmt, rounding)`` runs the Pallas kernel for the array ``x``.
 
-  True iff all of: the default backend is GPU (the kernels target Triton; on CPU/TPU the
-  XLA-fused spec is as fast and needs no interpreter), ``x.size >= MIN_PALLAS_SIZE`` (below
-  that the launch overhead dominates), ``x.size < 2**32`` (the noise index is 32-bit), the
-  dtype is float32/float16/bfloat16, ``fmt`` supports ``rounding``, and :func:`supports`
-  (every elementwise format; mx/BlockFormat blocks along the last axis; finite BFP tiles;
-  blocks of at most ``MAX_BLOCK_ELEMENTS``). Either way the bits are the same.
+  True iff ``x`` lives on a GPU device (not merely on a host whose default backend is a GPU)
+  and :func:`kernel_applies`. Under ``jit`` (``x`` a tracer) the device is decided when the
+  computation is lowered: ``jaxlp.quantize`` stages both the kernel and the spec with
+  ``lax.platform_dependent`` and the platform the computation is compiled for picks one,
+  so this returns False for tracers. Either way the bits are the same.
   """
-  try:
-    if jax.default_backend() != "gpu":
-      return False
-    x_dtype = jnp.dtype(x.dtype)
-    size = int(np.prod(x.shape, dtype=np.int64))
-    check_format(fmt, rounding)
-  except (TypeError, ValueError, AttributeError, RuntimeError):
-    return False
-  return (x_dtype in _INPUT_DTYPES and MIN_PALLAS_SIZE <= size < 2**32
-          and supports(fmt, x.shape))
+  return on_gpu(x) and kernel_applies(fmt, x.shape, x.dtype, rounding)
 
 
 # ---------------------------------------------------------------------------------------
@@ -251,28 +311,18 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
     ValueError: ``fmt`` is a block layout the kernels do not implement (see
       :func:`supports`), plus every error :func:`jaxlp.formats.quantize` raises.
   """
-  check_format(fmt, rounding)
-  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-  if x.dtype not in _INPUT_DTYPES:
-    raise DTypeError(
-        f"quantize: x must be float32, float16 or bfloat16, got dtype={x.dtype}")
+  x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
   if not supports(fmt, x.shape):
     raise ValueError(f"pallas.quantize: no kernel for fmt={fmt!r} on shape {x.shape}; use "
                      "jaxlp.quantize (which falls back to the spec)")
-  if rand_bits is not None:
-    if rounding != "stochastic":
-      raise ValueError("quantize: rand_bits applies only to rounding='stochastic'")
-    if not isinstance(rand_bits, int) or not 1 <= rand_bits <= 32:
-      raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
-  if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+  if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                 or block_size < 1):
     raise ValueError(f"pallas.quantize: block_size must be a positive int, got {block_size!r}")
-  if rounding == "stochastic":
-    if key is None:
-      raise ValueError(
-          "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    if x.size >= 2**32:
-      raise ValueError(f"quantize: stochastic rounding supports < 2**32 elements, got {x.size}")
-    kw = jnp.stack(key_words(key))
-  else:
-    kw = jnp.zeros((2,), jnp.uint32)
+  return quantize_words(x, kw, fmt, rounding, rand_bits, interpret=interpret,
+                        block_size=block_size)
+
+
+def quantize_words(x, kw, fmt, rounding: str, rand_bits=None, *, interpret=False,
+                   block_size=None):
+  """The kernel on validated arguments (see :func:`jaxlp.formats.quantize.prepare`)."""
   return _quantize_ste(x, kw, fmt, rounding, rand_bits, interpret, block_size)

@@ -9,7 +9,6 @@ References:
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlp.formats import _bits as B
 from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
@@ -39,10 +38,6 @@ def format_emax(fmt) -> int:
                   "cpd_float, qpytorch_float or FixedPoint)")
 
 
-def _clz(v):
-  return lax.clz(v).astype(B.I32)
-
-
 def ceil_log2_times(mag, w: int):
   """Exact ``ceil(log2(|x| * w))`` for finite nonzero float32 magnitude bits and int w >= 1.
 
@@ -67,8 +62,8 @@ def ceil_log2_times(mag, w: int):
   lo = ((a & B.u32(0xFFFF)) << 16) + b
   carry = (lo < b).astype(B.U32)
   hi = (a >> 16) + carry
-  fl_hi = 31 - _clz(hi)
-  fl_lo = 31 - _clz(lo)
+  fl_hi = B.top_bit(hi)
+  fl_lo = B.top_bit(lo)
   fl = jnp.where(hi != 0, 32 + fl_hi, fl_lo)
   pow2 = jnp.where(hi != 0, ((hi & (hi - B.u32(1))) == 0) & (lo == 0),
                    (lo & (lo - B.u32(1))) == 0)

@@ -9,11 +9,7 @@ import numpy as np
 
 from jaxlp.formats import _bits as B
 
-
-def _f32(v: float) -> int:
-  """Bits of float32(v), v a Python float (round to nearest even, as a C double->float)."""
-  with np.errstate(over="ignore"):
-    return int(np.asarray(np.float32(v)).view(np.uint32))
+_f32 = B.f32_bits  # bits of float32(v): round to nearest even, as a C double->float cast
 
 
 def _order_key(bits):

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxlp.formats.quantize import FORMAT_TYPES, ROUNDINGS, quantize_f32, random_bits
+from jaxlp.formats.quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
+from jaxlp.ops.quantize import quantize_words
 from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
@@ -78,14 +79,13 @@ def resolve_key(rounding, generator, seed):
 
 def _kernel(fmt, rounding, with_mask, x, key):
   xf = x.astype(jnp.float32)
-  if rounding == "stochastic":
-    rand = random_bits(key, x.shape)
-  else:
-    rand = jnp.zeros((), jnp.uint32)
   if with_mask:
+    rand = random_bits(key, x.shape) if rounding == "stochastic" else jnp.zeros((), jnp.uint32)
     q, mask = fmt.quantize_with_mask(xf, rounding, rand)
     return q.astype(x.dtype), mask
-  return quantize_f32(xf, fmt, rounding, rand, None).astype(x.dtype)
+  kw = jnp.stack(key_words(key)) if rounding == "stochastic" else jnp.zeros((2,), jnp.uint32)
+  # jaxlp.quantize's dispatch: the Pallas kernel on a GPU where it is faster, else the spec
+  return quantize_words(xf, kw, fmt, rounding).astype(x.dtype)
 
 
 @functools.cache

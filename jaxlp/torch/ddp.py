@@ -38,7 +38,7 @@ import torch.distributed as dist
 from jax import lax
 
 from jaxlp.formats.compat import cpd_float
-from jaxlp.formats.quantize import quantize
+from jaxlp.ops.quantize import quantize
 from jaxlp.parallel.aps import format_emax
 from jaxlp.parallel.compressors._base import exact_div
 from jaxlp.parallel.compressors.powersgd import orthogonalize, outer_sum, thin_matmul

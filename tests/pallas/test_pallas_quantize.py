@@ -154,9 +154,10 @@ def test_unsupported_and_errors():
     pq(x, F.cpd_float(4, 3), "stochastic", key=KEY, interpret=True)
 
 
-def test_can_use_is_false_on_cpu():
-  assert jax.default_backend() == "cpu"
-  assert not can_use_pallas_quantize(jnp.zeros((1 << 20,)), F.E4M3, "nearest")
+def test_can_use_is_false_for_cpu_arrays():
+  x = jax.device_put(jnp.zeros((1 << 20,)), jax.devices("cpu")[0])
+  assert not can_use_pallas_quantize(x, F.E4M3, "nearest")
+  assert not can_use_pallas_quantize(x, F.BlockFormat(7, axis=-1, block_size=16), "nearest")
 
 
 def test_straight_through_gradient():

@@ -1,0 +1,95 @@
+"""Lower jaxlp's Pallas kernels for CUDA on a CPU-only machine and inspect the Triton IR.
+
+Two failure classes broke every kernel on the first H100 (shared/reference/gpu-findings.md)
+and both are visible without a GPU:
+
+* errors raised by the Pallas->Triton lowering itself (a bitcast of a trace-time constant:
+  ``'TypedNdArray' object has no attribute 'type'``): :func:`lower_for_cuda` runs the
+  lowering for platform ``cuda`` and lets them raise;
+* ops in the emitted Triton IR that the NVIDIA backend cannot legalize (``lax.clz`` ->
+  ``math.ctlz``): :func:`lower_for_cuda` records the Triton module of every ``pallas_call``
+  and :func:`illegal_ops` lists the ops it contains that are not on :data:`ALLOWED_OPS`.
+
+The Triton modules are recorded by wrapping ``jax._src.pallas.triton.lowering.
+lower_jaxpr_to_triton_module`` for the duration of one lowering (a private JAX function:
+if it moves, :func:`lower_for_cuda` fails loudly rather than checking nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from unittest import mock
+
+import jax
+
+#: Every Triton-IR op the kernels may use. Ops outside this set fail the check: a new op
+#: must first be compiled on a GPU (``benchmarks/kernels.py --check``) and then added here.
+#: ``math.ctlz`` (from ``lax.clz``) is deliberately absent: the NVIDIA backend rejects it
+#: ("failed to legalize operation 'math.ctlz' that was explicitly marked illegal").
+ALLOWED_OPS = frozenset({
+    # integer/float arithmetic, compares, selects and conversions
+    "arith.addf", "arith.addi", "arith.andi", "arith.bitcast", "arith.cmpf", "arith.cmpi",
+    "arith.constant", "arith.divsi", "arith.divui", "arith.extf", "arith.extsi", "arith.extui",
+    "arith.fptosi", "arith.fptoui", "arith.maximumf", "arith.maxnumf", "arith.maxsi",
+    "arith.maxui", "arith.minimumf", "arith.minnumf", "arith.minsi", "arith.minui",
+    "arith.mulf", "arith.muli", "arith.negf", "arith.ori", "arith.remsi", "arith.remui",
+    "arith.select", "arith.shli", "arith.shrsi", "arith.shrui", "arith.sitofp", "arith.subf",
+    "arith.subi", "arith.truncf", "arith.trunci", "arith.uitofp", "arith.xori",
+    # structured control flow (fori_loop, cond)
+    "scf.for", "scf.if", "scf.yield", "scf.while", "scf.condition",
+    # Triton memory, layout and program ops
+    "tt.addptr", "tt.bitcast", "tt.broadcast", "tt.dot", "tt.expand_dims", "tt.func",
+    "tt.get_num_programs", "tt.get_program_id", "tt.load", "tt.make_range", "tt.reduce",
+    "tt.reduce.return", "tt.reshape", "tt.return", "tt.splat", "tt.store", "tt.trans",
+})
+
+_OP_RE = re.compile(
+    r"(?:^|[\s=(])\"?((?:arith|math|scf|cf|tt|ttg|llvm|gpu)\.[A-Za-z_.]+)\"?[\s(<{]", re.M)
+
+
+@contextlib.contextmanager
+def _record_triton_modules():
+  from jax._src.pallas.triton import lowering as triton_lowering
+
+  modules: list[str] = []
+  original = triton_lowering.lower_jaxpr_to_triton_module
+
+  def recording(*args, **kwargs):
+    result = original(*args, **kwargs)
+    modules.append(result.module.operation.get_asm())
+    return result
+
+  with mock.patch.object(triton_lowering, "lower_jaxpr_to_triton_module", recording):
+    yield modules
+
+
+def lower_for_cuda(fn, *args, **kwargs):
+  """Lower ``jax.jit(fn)(*args, **kwargs)`` for platform ``cuda``.
+
+  ``args`` may be arrays or ``jax.ShapeDtypeStruct``. Returns ``(stablehlo_text,
+  triton_modules)``: the lowered module's text and the Triton IR (text) of every
+  ``pallas_call`` that was lowered for the GPU. Lowering errors propagate.
+  """
+  with _record_triton_modules() as modules:
+    lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+  return text, list(modules)
+
+
+def ops_in(triton_ir: str) -> set[str]:
+  """Names of the dialect ops in a Triton module's text."""
+  return set(_OP_RE.findall(triton_ir))
+
+
+def illegal_ops(triton_ir: str) -> set[str]:
+  """Ops in ``triton_ir`` outside :data:`ALLOWED_OPS` (e.g. ``math.ctlz``)."""
+  return ops_in(triton_ir) - ALLOWED_OPS
+
+
+def kernel_names(triton_modules) -> list[str]:
+  """The ``tt.func`` names of the recorded Triton modules (the ``pallas_call`` names)."""
+  names = []
+  for m in triton_modules:
+    names += re.findall(r"tt\.func (?:public )?@([\w$.]+)", m)
+  return names

@@ -1,0 +1,129 @@
+"""jaxlp's Pallas kernels compile for an H100 (sm_90) with PyPI Triton, no GPU needed.
+
+Lowers each kernel for CUDA (:mod:`cuda_lowering`), then runs its Triton IR through Triton's
+NVIDIA backend down to a cubin (:mod:`triton_compile`). ``triton`` is in the test extras
+(Linux x86_64, the only platform PyPI ships it for; elsewhere the module is skipped).
+"""
+
+import importlib
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+
+if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
+  pytest.skip("PyPI ships triton only for Linux x86_64", allow_module_level=True)
+
+import cuda_lowering as CL  # noqa: E402
+import triton_compile as TC  # noqa: E402
+
+assert TC.available(), "triton is missing: pip install -e '.[test]' (it is in the test extras)"
+
+import jaxlp  # noqa: E402
+from jaxlp import formats as F  # noqa: E402
+
+PQ = importlib.import_module("jaxlp.pallas.quantize")
+PM = importlib.import_module("jaxlp.pallas.matmul")
+
+KEY = jax.random.key(0)
+SQUARE = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+# rows and columns are multiples of the hbfp tile (24) and of the MX block (32)
+BLOCKY = jax.ShapeDtypeStruct((96, 192), jnp.float32)
+
+# (id, function, args, num_warps, num_stages as jaxlp passes them: the Triton IR text does
+# not carry them; they are taken from the lowered module when jaxlib records them there)
+KERNELS = [
+    ("quantize-E4M3-nearest", lambda x: PQ.quantize(x, F.E4M3, "nearest"), (SQUARE,), 4, 3),
+    ("quantize-E4M3-stochastic",
+     lambda x: PQ.quantize(x, F.E4M3, "stochastic", key=KEY), (SQUARE,), 4, 3),
+    ("quantize-cpd_float(5,2)", lambda x: PQ.quantize(x, F.cpd_float(5, 2)), (SQUARE,), 4, 3),
+    ("quantize-hbfp(8,24)", lambda x: PQ.quantize(x, F.hbfp(8, 24)), (BLOCKY,), 4, 3),
+    ("quantize-mx(E4M3FN,32)", lambda x: PQ.quantize(x, F.mx(F.E4M3FN, 32)), (BLOCKY,), 4, 3),
+    ("quantize-qpytorch_float(5,2)-stochastic-rand_bits",
+     lambda x: PQ.quantize(x, F.qpytorch_float(5, 2), "stochastic", key=KEY, rand_bits=9),
+     (SQUARE,), 4, 3),
+    ("quantize-FixedPoint(8,4)-down", lambda x: PQ.quantize(x, jaxlp.FixedPoint(8, 4), "down"),
+     (SQUARE,), 4, 3),
+    ("quantize-BF16-bf16-input", lambda x: PQ.quantize(x.astype(jnp.bfloat16), F.BF16),
+     (SQUARE,), 4, 3),
+    # the layout jaxlp.quantize dispatches to on a GPU (KERNEL_IS_FASTER["axis_blocks"])
+    ("quantize-BlockFormat(7,axis blocks 16)-stochastic",
+     lambda x: PQ.quantize(x, jaxlp.BlockFormat(7, axis=-1, block_size=16), "stochastic",
+                           key=KEY), (BLOCKY,), 4, 3),
+    ("quantize-mx(int8,32)-up", lambda x: PQ.quantize(x, F.mx("int8", 32), "up"), (BLOCKY,),
+     4, 3),
+    ("quantize-mx(E2M1FN,32)-stochastic",
+     lambda x: PQ.quantize(x, F.mx(F.E2M1FN, 32), "stochastic", key=KEY), (BLOCKY,), 4, 3),
+    ("matmul-naive-accBF16",
+     lambda a, b: PM.matmul(a, b, acc=F.BF16, algorithm="naive"), (SQUARE, SQUARE), 4, 1),
+    ("matmul-kahan-cpd_float(5,2)",
+     lambda a, b: PM.matmul(a, b, mul=F.cpd_float(5, 2), acc=F.cpd_float(5, 2),
+                            algorithm="kahan"), (SQUARE, SQUARE), 4, 1),
+    ("matmul-stochastic-mulE5M2-accFP16",
+     lambda a, b: PM.matmul(a, b, mul=F.E5M2, acc=F.FP16, rounding="stochastic", key=KEY),
+     (SQUARE, SQUARE), 4, 1),
+    ("matmul-naive-accFixedPoint(24,12)",
+     lambda a, b: PM.matmul(a, b, acc=jaxlp.FixedPoint(24, 12)), (SQUARE, SQUARE), 4, 1),
+    ("matmul-chunked-accBF16-chunk32",
+     lambda a, b: PM.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=32),
+     (SQUARE, SQUARE), 4, 1),
+]
+
+
+def _lower(fn, args, num_warps, num_stages):
+  """[(triton_ir, num_warps, num_stages)] of every pallas_call in ``jit(fn)(*args)``."""
+  text, modules = CL.lower_for_cuda(fn, *args)
+  assert modules, "no pallas_call was lowered"
+  recorded = {p["name"]: p for p in TC.launch_params(text)}
+  out = []
+  for name, module in zip(CL.kernel_names(modules), modules):
+    p = recorded.get(name, dict(num_warps=num_warps, num_stages=num_stages))
+    out.append((module, p["num_warps"], p["num_stages"]))
+  return out
+
+
+@pytest.mark.parametrize("fn,args,num_warps,num_stages",
+                         [k[1:] for k in KERNELS], ids=[k[0] for k in KERNELS])
+def test_kernel_compiles_for_sm90(fn, args, num_warps, num_stages):
+  for module, w, s in _lower(fn, args, num_warps, num_stages):
+    ptx = TC.compile_ttir_sm90(module, num_warps=w, num_stages=s)
+    assert ".target sm_90" in ptx and ".entry" in ptx
+
+
+def test_launch_params_match_jaxlp():
+  """The fallback num_warps/num_stages above are what jaxlp passes (where recorded)."""
+  for _, fn, args, num_warps, num_stages in KERNELS:
+    text, _ = CL.lower_for_cuda(fn, *args)
+    recorded = TC.launch_params(text)
+    if "xla.gpu.triton" in text:  # jaxlib <= 0.10.2 records them in the custom call
+      assert recorded, "launch parameters not found in the lowered text"
+    for p in recorded:
+      assert (p["num_warps"], p["num_stages"]) == (num_warps, num_stages), p
+
+
+def _clz_kernel(x_ref, o_ref):
+  o_ref[...] = lax.clz(x_ref[...])
+
+
+def test_clz_kernel_fails_to_compile():
+  """``lax.clz`` -> ``math.ctlz``, which the NVIDIA backend refuses (as it did on an H100)."""
+  from jax.experimental.pallas import triton as plt
+
+  def f(x):
+    return pl.pallas_call(_clz_kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.uint32),
+                          compiler_params=plt.CompilerParams())(x)
+
+  _, modules = CL.lower_for_cuda(f, jax.ShapeDtypeStruct((16,), jnp.uint32))
+  assert len(modules) == 1 and "math.ctlz" in modules[0]
+  with pytest.raises(TC.TritonCompileError, match="failed to legalize operation 'math.ctlz'"):
+    TC.compile_ttir_sm90(modules[0])
+
+
+def test_parse_error_is_reported():
+  """A module that does not even parse fails at the 'parse' stage, with MLIR's message."""
+  with pytest.raises(TC.TritonCompileError, match="stage 'parse'"):
+    TC.compile_ttir_sm90("module {\n  tt.func public @k() {\n    tt.bogus\n  }\n}\n")
