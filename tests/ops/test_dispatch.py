@@ -48,6 +48,10 @@ def _x(shape=(256, 256), seed=0):
   return jnp.asarray(x)
 
 
+def _on_cpu(x):
+  return jax.device_put(x, jax.devices("cpu")[0])
+
+
 def _bits(a):
   return np.asarray(a, np.float32).view(np.uint32)
 
@@ -105,7 +109,7 @@ def test_kernel_branch_same_bits_gradient_and_vmap(monkeypatch, fresh_dispatch):
   _kernel_everywhere(monkeypatch)
   monkeypatch.setattr(OQ, "_KERNEL_PLATFORMS", ("cpu",))
   monkeypatch.setattr(OQ, "_kernel_words", interpreted)
-  x = _x((16, 64))
+  x = _on_cpu(_x((16, 64)))  # compiled for the CPU on any host (the re-pointed platform)
   for fmt in FAMILY_FORMATS.values():
     for r in ("nearest", "stochastic", "down"):
       got = jaxlp.quantize(x, fmt, r, key=KEY)
@@ -116,7 +120,7 @@ def test_kernel_branch_same_bits_gradient_and_vmap(monkeypatch, fresh_dispatch):
   v, g = jax.value_and_grad(lambda x: jnp.sum(jaxlp.quantize(x, fmt) * 2.0))(x)
   np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 2.0, np.float32))
   assert v == jnp.sum(F.quantize(x, fmt) * 2.0)
-  xs = jnp.stack([x, -x])
+  xs = _on_cpu(jnp.stack([x, -x]))
   got = jax.vmap(lambda x: jaxlp.quantize(x, fmt))(xs)
   np.testing.assert_array_equal(_bits(got), _bits(F.quantize(xs, fmt)))
 
@@ -161,12 +165,13 @@ def test_matmul_kernel_branch_same_bits(monkeypatch, fresh_dispatch):
   monkeypatch.setattr(PM, "MIN_PALLAS_MACS", 1)
   monkeypatch.setattr(OM, "_KERNEL_PLATFORMS", ("cpu",))
   monkeypatch.setattr(OM, "_kernel_matmul", interpreted)
-  a, b, bias = _x((6, 10), 1), _x((10, 5), 2), _x((5,), 3)
+  a, b, bias = (_on_cpu(_x(s, i)) for i, s in enumerate(((6, 10), (10, 5), (5,))))
   for kw in (dict(acc=F.E4M3, algorithm="kahan", bias=bias),
              dict(mul=F.BF16, acc=F.FP16, rounding="stochastic", key=KEY),
              dict(acc=F.E5M2, algorithm="naive",
                   dimension_numbers=[[[0], [0]], [[], []]])):
-    got = jaxlp.matmul(a if "dimension_numbers" not in kw else a.T, b, **kw)
-    want = OM.matmul_reference(a if "dimension_numbers" not in kw else a.T, b, **kw)
+    lhs = a if "dimension_numbers" not in kw else _on_cpu(a.T)
+    got = jaxlp.matmul(lhs, b, **kw)
+    want = OM.matmul_reference(lhs, b, **kw)
     np.testing.assert_array_equal(_bits(got), _bits(want))
   assert calls == ["kahan", "naive", "naive"]
