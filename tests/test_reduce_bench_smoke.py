@@ -13,6 +13,9 @@ def test_reduce_benchmark_small(tmp_path):
   env = dict(os.environ)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
+  # reduce.py forces 8 host devices but only *defaults* JAX_PLATFORMS to cpu: under an
+  # inherited JAX_PLATFORMS=cuda,cpu its 8-device mesh would be made of the single GPU
+  env["JAX_PLATFORMS"] = "cpu"
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "reduce.py"), "--small",
                         "--reps", "1", "--json", str(tmp_path / "r.json")],
                        env=env, capture_output=True, text=True, timeout=240)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -109,14 +110,36 @@ def test_formats_demo(capsys):
   assert "E4M3FN" in out and "448" in out
 
 
+def _train_on_4_cpu_devices(args):
+  """``jaxlp train ARGS`` where JAX's default backend has (at least) 4 CPU devices.
+
+  ``jaxlp train --devices`` takes its devices from JAX's default backend. In this process
+  that is the 8 forced CPU devices of tests/conftest.py on a CPU-only run (CI: run in process,
+  sharing compiled functions between runs), but a single GPU under ``JAX_PLATFORMS=cuda,cpu``:
+  then the run is a child process whose JAX has only 4 forced CPU devices.
+  """
+  if jax.default_backend() == "cpu" and jax.device_count() >= 4:
+    assert main(args) == 0
+    return
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, "-m", "jaxlp"] + args, capture_output=True, text=True,
+                     env=env, timeout=300)
+  assert r.returncode == 0, f"{args}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"],
                                    ["--compress", "onebit:algorithm=ring,min_size=512"]])
 def test_real_devices_equal_emulation(tmp_path, flags):
-  """Workers spread over 4 (forced CPU) devices x 2 emulated = the same run on one device."""
+  """Workers spread over 4 (forced CPU) devices x 2 emulated = the same run on one device
+  (both runs on the CPU backend, see _train_on_4_cpu_devices)."""
   runs = []
   for d in ("1", "4"):
     out = str(tmp_path / d)
-    assert main(["train", "--nodes", "8", "--devices", d, "--out", out] + FAST + flags) == 0
+    _train_on_4_cpu_devices(["train", "--nodes", "8", "--devices", d, "--out", out] + FAST
+                            + flags)
     runs.append([(m["train_loss"], m["test_accuracy"]) for m in _metrics(out)])
   if "--aps" in flags:  # jaxlp.parallel.psum: order-faithful, so identical bits
     assert runs[0] == runs[1]

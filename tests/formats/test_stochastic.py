@@ -179,17 +179,17 @@ def test_jit_equals_eager_and_noise_depends_on_index_only():
   assert len(np.unique(np.asarray(r2))) == 1000
 
 
-def _mesh(explicit=False):
-  if jax.device_count() < 8:
-    pytest.fail("tests/conftest.py should force 8 CPU devices")
+def _mesh(devices, explicit=False):
+  """A 1-D mesh over the 8 forced CPU devices (``cpu_devices`` fixture of tests/conftest.py,
+  which also pins the default device to CPU so the unsharded reference runs on XLA:CPU)."""
   t = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
-  return jax.make_mesh((8,), ("x",), axis_types=(t,))
+  return jax.make_mesh((8,), ("x",), axis_types=(t,), devices=devices[:8])
 
 
 @pytest.mark.parametrize(
     "fmt", [F.E4M3, F.FixedPoint(8, 3), F.BlockFormat(4, axis=1, block_size=4)], ids=repr)
-def test_sharded_sr_equals_unsharded(fmt):
-  mesh = _mesh()
+def test_sharded_sr_equals_unsharded(fmt, cpu_devices):
+  mesh = _mesh(cpu_devices)
   x = jax.random.normal(jax.random.key(2), (64, 24))
   key = jax.random.key(9)
   f = jax.jit(lambda v, k: F.quantize(v, fmt, "stochastic", key=k))
@@ -202,8 +202,8 @@ def test_sharded_sr_equals_unsharded(fmt):
   _ref.assert_same_bits(f(xs2, key), want, msg=repr(fmt) + " cols")
 
 
-def test_shard_map_local_index_semantics():
-  mesh = _mesh()
+def test_shard_map_local_index_semantics(cpu_devices):
+  mesh = _mesh(cpu_devices)
   x = jax.random.normal(jax.random.key(3), (64, 16))
   key = jax.random.key(11)
 
@@ -219,8 +219,8 @@ def test_shard_map_local_index_semantics():
     _ref.assert_same_bits(got[i * 8:(i + 1) * 8], want, msg=f"shard {i}")
 
 
-def test_explicit_mesh_elementwise_sr_equals_unsharded():
-  mesh = _mesh(explicit=True)
+def test_explicit_mesh_elementwise_sr_equals_unsharded(cpu_devices):
+  mesh = _mesh(cpu_devices, explicit=True)
   x = jax.random.normal(jax.random.key(2), (64, 24))
   key = jax.random.key(9)
   f = jax.jit(lambda v, k: F.quantize(v, F.E4M3, "stochastic", key=k))

@@ -57,8 +57,11 @@ def test_jvp_and_value_and_grad(x):
   np.testing.assert_array_equal(np.asarray(t), 1.0)
 
 
-def test_shard_map_nearest_equals_global(x):
-  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+def test_shard_map_nearest_equals_global(x, cpu_devices):
+  # mesh over the 8 forced CPU devices (not jax.devices(): one GPU on a GPU machine); the
+  # cpu_devices fixture pins the default device, so the global reference runs on XLA:CPU too
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=cpu_devices[:8])
   for fmt in (F.E4M3, F.FixedPoint(8, 4), F.BlockFormat(4, axis=1, block_size=8)):
     f = jax.shard_map(lambda v, f=fmt: F.quantize(v, f), mesh=mesh, in_specs=P("x"),
                       out_specs=P("x"))
@@ -88,11 +91,17 @@ def test_half_inputs_exact(dt):
 
 @pytest.mark.parametrize("fmt", [F.BF16, F.E4M3], ids=repr)
 def test_hlo_keeps_integer_rounding(fmt):
-  x = jnp.ones((1024,), jnp.float32)
+  # A check of XLA:CPU's optimized HLO (op names as the CPU compiler leaves them; other
+  # backends fuse differently): the input is committed to the CPU device so the graph is
+  # compiled for the CPU whatever the default backend is.
+  cpu = jax.devices("cpu")[0]
+  x = jax.device_put(jnp.ones((1024,), jnp.float32), cpu)
+  with jax.default_device(cpu):
+    key = jax.random.key(0)
   txt = jax.jit(lambda v: F.quantize(v, fmt)).lower(x).compile().as_text()
   assert "shift-right-logical" in txt or " and(" in txt, txt[:2000]
   assert "bitcast-convert" in txt or "bitcast" in txt
   for mode in ("toward_zero", "stochastic"):
-    f = functools.partial(F.quantize, fmt=fmt, rounding=mode, key=jax.random.key(0))
+    f = functools.partial(F.quantize, fmt=fmt, rounding=mode, key=key)
     txt = jax.jit(f).lower(x).compile().as_text()
     assert "and(" in txt or "shift-right-logical" in txt

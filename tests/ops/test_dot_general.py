@@ -186,6 +186,14 @@ def test_grads_finite_on_random_data(i):
 
 
 def _hlo_has_quantize(fn, *args):
+  """Whether XLA:CPU's compiled HLO of ``jit(fn)(*args)`` contains a quantization.
+
+  A check of CPU HLO text (on XLA:CPU the quantizer's ``bitcast-convert`` survives into the
+  optimized module; a GPU backend fuses it into kernels whose text differs), so the inputs
+  are committed to the CPU device: the graph is compiled for the CPU whatever the default
+  backend is (``JAX_PLATFORMS=cuda,cpu`` included).
+  """
+  args = jax.device_put(args, jax.devices("cpu")[0])
   txt = jax.jit(fn).lower(*args).compile().as_text()
   return "bitcast-convert" in txt
 

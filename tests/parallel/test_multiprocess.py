@@ -29,6 +29,7 @@ def test_two_processes_loopback(tmp_path):
   env = dict(os.environ)
   env["PYTHONPATH"] = str(HERE.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"  # CPU devices + gloo (the worker sets it too), even on a GPU host
   procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_worker.py"), str(port), str(nproc),
                              str(i), str(tmp_path / f"out{i}.npz")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

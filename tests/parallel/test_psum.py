@@ -38,8 +38,20 @@ def vmapped(fn, w):
   return jax.jit(jax.vmap(fn, axis_name="i"))
 
 
+def cpu_mesh(ndev, name):
+  """A 1-D mesh over the first ``ndev`` forced CPU devices (tests/conftest.py forces 8).
+
+  Not ``jax.make_mesh((ndev,), ...)``: that takes the default backend's devices, which is a
+  single GPU under ``JAX_PLATFORMS=cuda,cpu`` on a one-GPU machine.
+  """
+  devs = jax.devices("cpu")
+  if len(devs) < ndev:
+    pytest.fail(f"need {ndev} CPU devices (tests/conftest.py forces 8), found {len(devs)}")
+  return jax.make_mesh((ndev,), (name,), devices=devs[:ndev])
+
+
 def sharded(fn, ndev=8, name="dev"):
-  mesh = jax.make_mesh((ndev,), (name,))
+  mesh = cpu_mesh(ndev, name)
 
   def body(x):
     return fn(x[0])[None]
@@ -55,7 +67,7 @@ def _put(g, mesh, name):
 
 def two_level(fn, ndev, nemu):
   """devices x emulated nodes: shard_map over 'dev', vmap over 'emu' inside."""
-  mesh = jax.make_mesh((ndev,), ("dev",))
+  mesh = cpu_mesh(ndev, "dev")
 
   def body(x):  # x: [1, nemu, n]
     return jax.vmap(fn, axis_name="emu")(x[0])[None]
@@ -126,7 +138,9 @@ def test_devices_times_emulated_nodes(order, kahan):
 
 def test_pmap():
   gs = data(8, 10, seed=5)
-  f = jax.pmap(lambda x: psum(x, "p", fmt=F.E4M3, order="ring"), axis_name="p")
+  # over the 8 forced CPU devices (jax.pmap's default is the default backend's devices)
+  f = jax.pmap(lambda x: psum(x, "p", fmt=F.E4M3, order="ring"), axis_name="p",
+               devices=jax.devices("cpu")[:8])
   assert_rows_equal(f(gs), ref_of("ring", gs, F.E4M3))
 
 
@@ -211,8 +225,10 @@ def test_add_f32_is_ieee_with_subnormals():
     ref = a + b
   got = np.asarray(jax.jit(_arith.add_f32)(a, b))
   np.testing.assert_array_equal(bits(got), bits(ref))
-  # The plain XLA add really does flush here (the reason add_f32 exists).
-  plain = np.asarray(jax.jit(jnp.add)(a, b))
+  # The plain XLA:CPU add really does flush subnormals (the reason add_f32 exists). A fact
+  # about XLA:CPU, so it is checked on the CPU device whatever the default backend is.
+  cpu = jax.devices("cpu")[0]
+  plain = np.asarray(jax.jit(jnp.add)(jax.device_put(a, cpu), jax.device_put(b, cpu)))
   assert not np.array_equal(bits(plain), bits(ref))
 
 
@@ -264,7 +280,8 @@ def test_codec_roundtrip(fmt, dtype):
 
 
 def test_ring_hlo_sends_bytes():
-  mesh = jax.make_mesh((8,), ("dev",))
+  # XLA:CPU HLO of a mesh of the 8 forced CPU devices (inputs committed to them)
+  mesh = cpu_mesh(8, "dev")
   hlo = jax.jit(jax.shard_map(lambda x: psum(x[0], "dev", fmt=F.E4M3, order="ring")[None],
                               mesh=mesh, in_specs=P("dev"), out_specs=P("dev"),
                               check_vma=False))

@@ -2,6 +2,8 @@
 
 import numpy as np
 
+import jaxlp.torch as jt
+
 
 def special_data(n, seed=0, max_exp=30):
   """float32 values: random magnitudes over a wide range plus ±0, ±inf, NaN, subnormals."""
@@ -15,10 +17,33 @@ def special_data(n, seed=0, max_exp=30):
   return x
 
 
+def to_numpy(a):
+  """``a`` as a numpy array; torch tensors (CUDA ones included) are detached and copied to
+  the host first (``Tensor.numpy()`` refuses CUDA tensors)."""
+  if hasattr(a, "detach") and hasattr(a, "cpu"):  # a torch.Tensor
+    return a.detach().cpu().numpy()
+  return np.asarray(a)
+
+
+def jax_device_of(t):
+  """The JAX device where ``jaxlp.torch`` runs its jitted JAX for torch tensor ``t`` (the
+  device of ``jaxlp.torch.to_jax(t)``: JAX's CPU device for a CPU tensor, the matching GPU
+  for a CUDA tensor).
+
+  A JAX reference computed for a bit-for-bit comparison with a ``jaxlp.torch`` result must
+  run there too: left on JAX's default device it runs on the GPU under
+  ``JAX_PLATFORMS=cuda,cpu`` while the layer (CPU tensors) runs on XLA:CPU, and the two
+  backends' GEMMs/convolutions sum in different orders (last-bit differences).
+  """
+  (dev,) = jt.to_jax(t).devices()
+  return dev
+
+
 def assert_same_bits(a, b, what=""):
-  """Bit equality, NaN-aware (any NaN equals any NaN)."""
-  a = np.ascontiguousarray(np.asarray(a, np.float32))
-  b = np.ascontiguousarray(np.asarray(b, np.float32))
+  """Bit equality, NaN-aware (any NaN equals any NaN). Accepts numpy/JAX arrays and torch
+  tensors on any device."""
+  a = np.ascontiguousarray(np.asarray(to_numpy(a), np.float32))
+  b = np.ascontiguousarray(np.asarray(to_numpy(b), np.float32))
   assert a.shape == b.shape, (a.shape, b.shape)
   same = (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
   if not same.all():

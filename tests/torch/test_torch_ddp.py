@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import jaxlp  # noqa: E402
 from tests.torch._torch_testutil import assert_same_bits  # noqa: E402
@@ -28,6 +27,7 @@ from tests.torch._torch_testutil import assert_same_bits  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORLD = 2
+CPU = jax.devices("cpu")[0]  # the workers' JAX backend; references run there too
 VARIANTS = ("fp32", "e4m3_aps", "e5m2_kahan_bucket_aps", "cgx4", "powersgd2", "onebit", "topk")
 TOLERANCE = {"fp32": 0.0, "e4m3_aps": 0.01, "e5m2_kahan_bucket_aps": 0.02, "cgx4": 0.01,
              "powersgd2": 0.02, "onebit": 0.05, "topk": 0.02}
@@ -43,8 +43,10 @@ def _free_port():
 def runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("ddp")
   port = str(_free_port())
+  # JAX_PLATFORMS=cpu: gloo DDP of CPU tensors, so the hooks' JAX runs on XLA:CPU (and two
+  # workers do not both initialise a GPU) even where the test process sees one
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS="", OMP_NUM_THREADS="1")
+             XLA_FLAGS="", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_ddp_worker.py"), str(r),
                              str(WORLD), port, str(out)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
@@ -153,8 +155,8 @@ def test_low_precision_bucket_is_cpd_chain_sum(runs, name, dtype, emax, kahan, p
 def test_sum_gradients_is_cpd(runs):
   fmt = jaxlp.formats.cpd_float(4, 3)
 
-  def q(v):
-    return np.asarray(jaxlp.formats.quantize(jnp.asarray(np.asarray(v, np.float32)), fmt))
+  def q(v):  # on the CPU device, as in the (JAX_PLATFORMS=cpu) workers
+    return np.asarray(jaxlp.formats.quantize(jax.device_put(np.asarray(v, np.float32), CPU), fmt))
 
   for i in range(6):
     gs = [r[f"sumgrad/in{i}"].ravel() for r in runs]
@@ -202,9 +204,10 @@ def test_cgx_bucket_is_decode_sum_of_rank_encodings(runs):
     cat = [np.concatenate([x[s:e] for s, e in big]) for x in xs]
     dec = []
     for c in cat:
-      # jitted as in the hook (XLA:CPU may contract decode's multiply-add into an FMA)
+      # jitted as in the hook (XLA:CPU may contract decode's multiply-add into an FMA), and on
+      # the CPU device as in the (JAX_PLATFORMS=cpu) workers whatever the default backend is
       f = jax.jit(lambda v: comp.decode(comp.encode(v, comp.init(v.shape), None)[0], v.shape))
-      dec.append(np.asarray(f(jnp.asarray(c))))
+      dec.append(np.asarray(f(jax.device_put(c, CPU))))
     want = dec[0] + dec[1]
     got = np.concatenate([out0[s:e] for s, e in big])
     assert_same_bits(got, want, "cgx part")

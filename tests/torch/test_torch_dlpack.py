@@ -25,10 +25,13 @@ def test_round_trip_dtypes_zero_copy(dtype):
 
 
 def test_jax_result_to_torch_is_zero_copy():
+  # on JAX's default device: a CUDA tensor where that is a GPU (JAX_PLATFORMS=cuda,cpu)
   a = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * 2
   t = jt.to_torch(a)
+  (dev,) = a.devices()
+  assert t.device.type == ("cpu" if dev.platform == "cpu" else "cuda")
   assert t.data_ptr() == a.unsafe_buffer_pointer()
-  np.testing.assert_array_equal(t.numpy(), np.asarray(a))
+  np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(a))
 
 
 def test_non_contiguous_made_contiguous():
@@ -69,9 +72,9 @@ def test_errors():
 
 
 def test_sharded_array_rejected():
-  devs = jax.devices()
-  if len(devs) < 2:
-    pytest.skip("needs >= 2 JAX devices (tests/conftest.py forces 8 CPU devices)")
+  # the forced CPU devices (tests/conftest.py: 8); jax.devices() may be a single GPU
+  devs = jax.devices("cpu")
+  assert len(devs) >= 2, "tests/conftest.py forces 8 CPU devices"
   mesh = jax.make_mesh((2,), ("x",), devices=devs[:2])
   a = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh,
                                                                  jax.sharding.PartitionSpec("x")))

@@ -1,7 +1,6 @@
 """jaxlp.torch.nn layers and CPD's quant_gemm / Quant_Linear / Quant_Conv."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,7 +10,13 @@ import jaxlp  # noqa: E402
 from jaxlp.formats import E4M3, E5M2, cpd_float  # noqa: E402
 from jaxlp.torch import cpd  # noqa: E402
 from jaxlp.torch import nn as jnn  # noqa: E402
-from tests.torch._torch_testutil import assert_same_bits  # noqa: E402
+from tests.torch._torch_testutil import assert_same_bits, jax_device_of  # noqa: E402
+
+# Every JAX reference below runs on the JAX device of the layer's tensors (jax_device_of: the
+# CPU device for these CPU tensors), which is where jaxlp.torch runs the layer, so layer and
+# reference are the same XLA GEMM/convolution and agree bit for bit on any machine. On JAX's
+# default device instead (the GPU under JAX_PLATFORMS=cuda,cpu) the reference would be a
+# different backend's GEMM, which sums in another order (last-bit differences).
 
 POLICIES = {
     "hbfp_tiled": jaxlp.hbfp_policy(5, tile=4, activations="tiled"),
@@ -26,13 +31,13 @@ def _data(seed, *shapes):
   return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
-def _jax_vjp(f, args, g):
+def _jax_vjp(f, args, g, device):
   @jax.jit
   def run(args, g):
     y, vjp = jax.vjp(f, *args)
     return y, vjp(g)
 
-  return run(tuple(jnp.asarray(a) for a in args), jnp.asarray(g))
+  return run(jax.device_put(tuple(args), device), jax.device_put(g, device))
 
 
 def _torch_run(layer, x, g):
@@ -56,11 +61,11 @@ def test_linear_matches_jax_dot_general(name):
   def f(x_, w_, b_):
     return dg(x_, w_, (((1,), (1,)), ((), ()))) + b_[None, :]
 
-  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g)
+  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g, jax_device_of(layer.weight))
   for a, bb, what in ((y, yj, "y"), (dx, dxj, "dx"), (dw, dwj, "dw"), (db, dbj, "db")):
-    assert_same_bits(a.numpy(), np.asarray(bb), f"{name} {what}")
+    assert_same_bits(a, bb, f"{name} {what}")
   # quantization really happened
-  assert not np.array_equal(y.numpy(), x @ w.T + b)
+  assert not np.array_equal(y.cpu().numpy(), x @ w.T + b)
 
 
 def test_linear_3d_input_and_no_bias():
@@ -70,9 +75,10 @@ def test_linear_3d_input_and_no_bias():
   with torch.no_grad():
     layer.weight.copy_(torch.tensor(w))
   y = layer(torch.tensor(x))
+  dev = jax_device_of(layer.weight)
   yj = jax.jit(lambda a, b: jaxlp.dot_general(policy)(a, b, (((2,), (1,)), ((), ()))))(
-      jnp.asarray(x), jnp.asarray(w))
-  assert_same_bits(y.detach().numpy(), np.asarray(yj), "y")
+      jax.device_put(x, dev), jax.device_put(w, dev))
+  assert_same_bits(y, yj, "y")
 
 
 @pytest.mark.parametrize("name,stride,padding,dilation,groups", [
@@ -96,9 +102,9 @@ def test_conv2d_matches_jax_conv(name, stride, padding, dilation, groups):
               rhs_dilation=(dilation, dilation), dimension_numbers=("NCHW", "OIHW", "NCHW"),
               feature_group_count=groups) + b_.reshape(1, -1, 1, 1)
 
-  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g)
+  yj, (dxj, dwj, dbj) = _jax_vjp(f, (x, w, b), g, jax_device_of(layer.weight))
   for a, bb, what in ((y, yj, "y"), (dx, dxj, "dx"), (dw, dwj, "dw"), (db, dbj, "db")):
-    assert_same_bits(a.numpy(), np.asarray(bb), f"{name} {what}")
+    assert_same_bits(a, bb, f"{name} {what}")
   ref = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), torch.tensor(b), stride,
                                    padding, dilation, groups)
   assert y.shape == ref.shape
@@ -115,10 +121,11 @@ def test_conv2d_hbfp_tiles_weights_on_o_by_ikk_view():
   with torch.no_grad():
     layer.weight.copy_(torch.tensor(w))
   y = layer(torch.tensor(x)).detach()
-  wq = np.asarray(jaxlp.quantize(jnp.asarray(w.reshape(6, 27)), fmt)).reshape(w.shape)
-  ref = jax.lax.conv_general_dilated(jnp.asarray(x), jnp.asarray(wq), (1, 1), "VALID",
+  dev = jax_device_of(layer.weight)
+  wq = jaxlp.quantize(jax.device_put(w.reshape(6, 27), dev), fmt).reshape(w.shape)
+  ref = jax.lax.conv_general_dilated(jax.device_put(x, dev), wq, (1, 1), "VALID",
                                      dimension_numbers=("NCHW", "OIHW", "NCHW"))
-  assert_same_bits(y.numpy(), np.asarray(ref), "hbfp conv y")
+  assert_same_bits(y, ref, "hbfp conv y")
 
 
 def test_stochastic_policy_reproducible_and_matches_jax():
@@ -133,11 +140,12 @@ def test_stochastic_policy_reproducible_and_matches_jax():
   key = jaxlp.torch.draw_key()
   torch.manual_seed(7)
   y2 = layer(torch.tensor(x)).detach()
-  assert_same_bits(y1.numpy(), y2.numpy(), "reproducible")
+  assert_same_bits(y1, y2, "reproducible")
+  dev = jax_device_of(layer.weight)
   yj = jax.jit(lambda a, b, k: jaxlp.dot_general(policy)(a, b, (((1,), (1,)), ((), ())),
                                                          key=k))(
-      jnp.asarray(x), jnp.asarray(w), jnp.asarray(key))
-  assert_same_bits(y1.numpy(), np.asarray(yj), "stochastic y")
+      jax.device_put(x, dev), jax.device_put(w, dev), jax.device_put(key, dev))
+  assert_same_bits(y1, yj, "stochastic y")
 
 
 def test_quantize_model_swaps_layers_and_keeps_parameters():
@@ -165,9 +173,10 @@ def test_quantize_model_swaps_layers_and_keeps_parameters():
     jnn.Linear(2, 2, policy="hbfp")
 
 
-def _kahan_gemm_ref(a, b, fmt):
+def _kahan_gemm_ref(a, b, fmt, device):
   def q(v):
-    return np.asarray(jaxlp.formats.quantize(jnp.asarray(np.float32(v)).reshape(1), fmt))[0]
+    x = jax.device_put(np.float32(v).reshape(1), device)
+    return np.asarray(jaxlp.formats.quantize(x, fmt))[0]
   out = np.zeros((a.shape[0], b.shape[1]), np.float32)
   for i in range(a.shape[0]):
     for j in range(b.shape[1]):
@@ -185,9 +194,10 @@ def _kahan_gemm_ref(a, b, fmt):
 def test_quant_gemm_is_cpd_kahan():
   a, b = _data(8, (3, 7), (7, 2))
   out = cpd.quant_gemm(torch.tensor(a), torch.tensor(b), man=2, exp=5)
-  assert_same_bits(out.numpy(), _kahan_gemm_ref(a, b, cpd_float(5, 2)), "quant_gemm")
+  assert_same_bits(out, _kahan_gemm_ref(a, b, cpd_float(5, 2), jax_device_of(out)),
+                   "quant_gemm")
   full = cpd.quant_gemm(torch.tensor(a), torch.tensor(b))
-  np.testing.assert_allclose(full.numpy(), a @ b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(full.cpu().numpy(), a @ b, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="inner"):
     cpd.quant_gemm(torch.tensor(a), torch.tensor(a))
 

@@ -1,5 +1,11 @@
 """compressed_allreduce: CGX SRA formula, filters, fusion, identical bits on all workers and
-under vmap / shard_map (8 forced CPU devices)."""
+under vmap / shard_map (8 forced CPU devices).
+
+Meshes and pmaps use ``jax.devices("cpu")`` (tests/conftest.py forces 8), never
+``jax.devices()``: under ``JAX_PLATFORMS=cuda,cpu`` that is a single GPU. Tests comparing a
+mesh/pmap run with a vmap run bit for bit take the ``cpu_devices`` fixture, which pins the
+default device to CPU so that the vmap run is XLA:CPU too.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +39,12 @@ def _run_vmap(comp, g=None, st=None, **kw):
   return fn if g is None else fn(g, st)
 
 
+def _cpu_mesh(n, name, **kw):
+  return jax.make_mesh((n,), (name,), devices=jax.devices("cpu")[:n], **kw)
+
+
 def _run_shard_map(comp, g=None, st=None, **kw):
-  mesh = jax.make_mesh((W,), ("i",))
+  mesh = _cpu_mesh(W, "i")
   def f(g, s):
     g = jax.tree_util.tree_map(lambda a: a[0], g)
     s = jax.tree_util.tree_map(lambda a: a[0], s)
@@ -55,7 +65,7 @@ COMPS = [C.cgx(4, 128), C.cgx(2, 64, stochastic=True), C.qsgd(7, 128), C.onebit(
 
 
 @pytest.mark.parametrize("comp", COMPS, ids=lambda c: type(c).__name__)
-def test_identical_on_workers_and_vmap_equals_shard_map(comp):
+def test_identical_on_workers_and_vmap_equals_shard_map(comp, cpu_devices):
   g = _grads()
   st = _state(comp)
   kw = dict(min_size=100)
@@ -135,7 +145,7 @@ def test_cgx_ring_matches_formula(w, n):
 
 @pytest.mark.parametrize("comp,alg", [(C.onebit(), "ring"), (C.cgx(4, 64), "sra")],
                          ids=["onebit-ring", "cgx-sra"])
-def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg):
+def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg, cpu_devices):
   """The ring (ppermute) and SRA (all_to_all) paths give the same bits under vmap, shard_map
   and a (mesh axis, vmap axis) pair, over two steps with residuals."""
   g = _grads(4)
@@ -158,20 +168,21 @@ def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg):
 
 @pytest.mark.parametrize("comp,alg", [(C.cgx(4, 64), "sra"), (C.topk(0.05), "auto"),
                                       (C.cast("bf16"), "auto")], ids=["cgx", "topk", "bf16"])
-def test_pmap_equals_vmap(comp, alg):
+def test_pmap_equals_vmap(comp, alg, cpu_devices):
   """The same code under jax.pmap over 8 CPU devices gives vmap's bits."""
   g = _grads(6)
   st = _state(comp)
   kw = dict(min_size=100, algorithm=alg)
   ov = _run_vmap(comp, g, st, **kw)
-  op = jax.pmap(lambda g, s: compressed_allreduce(g, s, "i", comp, **kw), axis_name="i")(g, st)
+  op = jax.pmap(lambda g, s: compressed_allreduce(g, s, "i", comp, **kw), axis_name="i",
+                devices=cpu_devices[:W])(g, st)
   for a, b in zip(jax.tree_util.tree_leaves(ov), jax.tree_util.tree_leaves(op), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _run_mixed(comp, **kw):
   """2 real devices ("dev") x 4 vmapped workers ("emu") = 8 workers, axis ("dev", "emu")."""
-  mesh = jax.make_mesh((2,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _cpu_mesh(2, "dev", axis_types=(jax.sharding.AxisType.Auto,))
   split = lambda t: jax.tree_util.tree_map(lambda a: a.reshape((2, 4) + a.shape[1:]), t)  # noqa
   def f(g, s):
     inner = jax.vmap(lambda g, s: compressed_allreduce(g, s, ("dev", "emu"), comp, **kw),
@@ -250,7 +261,7 @@ def test_powersgd_bucket_fusion_same_bits_fewer_collectives(comp):
   one = jax.tree_util.tree_map(lambda a: a[0], g)
   st1 = init_compression_state(comp, PSGD_PARAMS)
   def n_gathers(bmb):
-    mesh = jax.make_mesh((w,), ("i",))
+    mesh = _cpu_mesh(w, "i")
     sm = jax.shard_map(lambda g, s: compressed_allreduce(g, s, "i", comp, min_size=100,
                                                          bucket_mb=bmb),
                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
@@ -348,10 +359,13 @@ def test_errors():
 
 
 @pytest.mark.parametrize("fmt,wire", [("E4M3FN", "u8"), ("bf16", "u16"), ("fp16", "u16")])
-def test_narrow_payloads_are_not_widened_on_the_wire(fmt, wire):
-  """XLA:CPU widens bf16/fp8 collectives (to f32/f16); payloads travel as their bits."""
+def test_narrow_payloads_are_not_widened_on_the_wire(fmt, wire, cpu_devices):
+  """XLA:CPU widens bf16/fp8 collectives (to f32/f16); payloads travel as their bits.
+
+  A check of XLA:CPU's compiled HLO: the mesh is of CPU devices, so the module is compiled
+  for the CPU whatever the default backend is."""
   comp = C.cast(fmt)
-  mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _cpu_mesh(2, "i", axis_types=(jax.sharding.AxisType.Auto,))
   st = init_compression_state(comp, jnp.zeros((64, 32)))
   f = jax.jit(jax.shard_map(
       lambda g, s: compressed_allreduce(g[0], s, "i", comp, min_size=0)[0][None], mesh=mesh,

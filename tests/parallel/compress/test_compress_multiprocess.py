@@ -49,6 +49,7 @@ def results(tmp_path_factory):
   env = dict(os.environ)
   env["PYTHONPATH"] = str(HERE.parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"  # CPU devices + gloo, even where this process sees a GPU
   logs = [tmp / f"log{i}.txt" for i in range(NPROC)]
   procs = []
   for i in range(NPROC):
@@ -57,9 +58,13 @@ def results(tmp_path_factory):
           [sys.executable, str(HERE / "_mp_compress_worker.py"), str(port), str(NPROC), str(i),
            str(tmp / f"out{i}.npz")], env=env, stdout=fh, stderr=subprocess.STDOUT))
   try:
-    devices = jax.devices()[:W]
+    # The forced CPU devices (jax.devices() is one GPU under JAX_PLATFORMS=cuda,cpu), and
+    # the default device pinned to the CPU so the reference is XLA:CPU end to end, as in the
+    # workers (initial compressor state included).
+    devices = jax.devices("cpu")[:W]
     assert len(devices) == W, f"need {W} CPU devices (tests/conftest.py forces 8)"
-    ref = {mpw.case_id(c): mpw.run_case(c, devices) for c in mpw.CASES}
+    with jax.default_device(devices[0]):
+      ref = {mpw.case_id(c): mpw.run_case(c, devices) for c in mpw.CASES}
     deadline = time.monotonic() + 240
     for p in procs:
       try:
