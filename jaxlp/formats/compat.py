@@ -56,71 +56,30 @@ class CPDFloat:
     return 2 ** (self.exp_bits - 1) - 1
 
   def _round_bits(self, bits, rounding, rand, rand_bits):
+    """CPD's cast as one exact rounding of the fp32 pattern (few integer ops per element).
+
+    With ``k = max(1 - ne, 0)`` (``ne`` = the target's biased exponent), CPD's truncating
+    shift ``sig >> k`` followed by round-to-nearest-even of ``d0 = 23 - M`` retained bits is
+    the same as clearing the ``k`` low bits of the pattern and rounding off ``d0 + k`` bits to
+    nearest even: the tie is decided by the retained bits alone. The quantum is then
+    ``2**(t - 23 + d0)`` for normal targets and the constant ``2**(1 - bias - M)`` for
+    subnormal ones.
+    """
     del rounding, rand, rand_bits
-    E, M = self.exp_bits, self.man_bits
-    bias = self.bias
+    E, M, bias = self.exp_bits, self.man_bits, self.bias
     sign, mag, field = B.split(bits)
-    frac = mag & B.u32(B.FRAC_MASK)
-    passthrough = (field == 255) | (mag == 0)
-    fp32_sub = (field == 0) & (frac != 0)
-    sig = frac | B.u32(0x800000)
-    t = field - 127
-    ne = t + bias
-    overflow = ne >= 2**E - 1
-    d = 23 - M
-
-    def rne(s, drop):
-      """Drop ``drop`` (static) low bits of integer s with round-to-nearest-even."""
-      if drop == 0:
-        return s
-      half = B.u32(1 << (drop - 1))
-      low = s & B.u32((1 << drop) - 1)
-      kept = s >> drop
-      up = (low > half) | ((low == half) & ((kept & B.u32(1)) == 1))
-      return (kept + up.astype(B.U32)) << drop
-
-    # Normal target: value = sig' * 2^(t-23); a carry gives 2^(t+1), still finite here.
-    sig_n = rne(sig, d)
-    carry = sig_n >> 24  # 0 or 1
-    mant_n = jnp.where(carry == 1, B.u32(0), sig_n & B.u32(B.FRAC_MASK))
-    exp_n = (field + carry.astype(B.I32)).astype(B.U32)
-    normal_bits = jnp.where(exp_n >= 255, B.u32(B.INF_BITS), (exp_n << 23) | mant_n)
-
-    # Subnormal target: truncating shift by k = 1 - ne, then RNE on the retained bits
-    # (M = 23: the rounding constant is 1 << -1 == 0 on the GPU => pure truncation).
-    k = jnp.clip(1 - ne, 0, 31).astype(B.U32)
-    sig_t = jnp.where(1 - ne >= 32, B.u32(0), sig >> k)
-    sig_s = sig_t if M == 23 else rne(sig_t, d)
-    # value = sig_s * 2^(1-bias-23); build the float32 pattern exactly.
-    sub_val_exp = 1 - bias - 23  # exponent of sig_s's LSB
-    sub_bits = _int_times_pow2_bits(sig_s, sub_val_exp)
-
-    mag_out = jnp.where(ne > 0, normal_bits, sub_bits)
-    mag_out = jnp.where(overflow, B.u32(B.INF_BITS), mag_out)
-    out = mag_out | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
-    out = jnp.where(fp32_sub, B.u32(0), out)
-    return jnp.where(passthrough, bits, out)
-
-
-def _int_times_pow2_bits(n, e: int):
-  """Float32 bits of n * 2^e for uint32 n < 2^25 and static e, when the value is exact."""
-  nf = n.astype(jnp.float32)  # exact: n < 2^24 (+ carry 2^24), no subnormals involved
-  nb = B.to_bits(nf)
-  # Multiply by 2^e by moving the exponent; the results here are normal float32 numbers or
-  # exact subnormals, which we build with integer shifts to dodge flush-to-zero.
-  fl = B.floor_log2(nb)  # floor(log2 n) (n > 0)
-  res_e = fl + e
-  # Normal result.
-  normal = nb + (jnp.asarray(e, B.I32) << 23).astype(B.U32)
-  # Subnormal result: n * 2^e = n * 2^(e+149) * 2^-149 -> bits = n << (e + 149) (e+149 >= 0)
-  # or n >> -(e+149) (exact only when those bits are zero, which holds for CPD's grid).
-  sh = e + 149
-  if sh >= 0:
-    sub = n << B.u32(min(sh, 31))
-  else:
-    sub = n >> B.u32(min(-sh, 31))
-  out = jnp.where(res_e >= -126, normal, sub)
-  return jnp.where(n == 0, B.u32(0), out)
+    d0 = 23 - M
+    ne = field - (127 - bias)
+    k = jnp.maximum(1 - ne, 0)  # bits shifted out (truncated) for a subnormal target
+    keep = ~((B.u32(1) << jnp.minimum(k, 31).astype(B.U32)) - B.u32(1))
+    mag_t = jnp.where(k >= 24, B.u32(0), mag & keep)
+    big = B.u32(B.f32_bits(2.0 ** (1 - bias - M)))  # the subnormal quantum (used for d >= 24)
+    r = B.round_dropped_bits(mag_t, d0 + k, "nearest", big=big, d_range=(d0, None))
+    # A carry out of the top binade gives 2**(bias + 1) (finite; inf bits for E = 8).
+    r = jnp.where(ne >= 2**E - 1, B.u32(B.INF_BITS), r)  # overflow tested BEFORE rounding
+    out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
+    out = jnp.where(field == 0, B.u32(0), out)  # fp32 subnormal inputs give +0 (sign dropped)
+    return jnp.where((field == 255) | (mag == 0), bits, out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,3 +171,34 @@ def probe_points(ref: RefFormat):
   pts = pts[np.isfinite(pts) | np.isinf(pts) | np.isnan(pts)]
   pts = np.concatenate([pts, -pts])
   return np.unique(pts.view(np.uint32)).view(np.float32)
+
+
+def cpd_float_reference(x, E, M):
+  """CPD's ``float_kernel_nearest`` cast, step by step as seeds-spec §1.1 states it: integer
+  significand arithmetic on the fp32 fields, result value built in float64 (exact)."""
+  b = np.asarray(x, np.float32).view(np.uint32).astype(np.int64)
+  s, f, m = b >> 31, (b >> 23) & 0xFF, b & 0x7FFFFF
+  bias = 2 ** (E - 1) - 1
+  sig, t = m | (1 << 23), f - 127
+  ne = t + bias
+  d = 23 - M
+
+  def rne(v, drop):
+    if drop == 0:
+      return v
+    half, low, kept = 1 << (drop - 1), v & ((1 << drop) - 1), v >> drop
+    up = (low > half) | ((low == half) & ((kept & 1) == 1))
+    return (kept + up) << drop
+
+  val_n = rne(sig, d).astype(np.float64) * np.exp2((t - 23).astype(np.float64))
+  k = 1 - ne
+  sig_t = np.where(k >= 32, 0, sig >> np.clip(k, 0, 63))
+  sig_s = sig_t if M == 23 else rne(sig_t, d)
+  val_s = sig_s.astype(np.float64) * 2.0 ** (1 - bias - 23)
+  val = np.where(ne > 0, val_n, val_s)
+  val = np.where(ne >= 2**E - 1, np.inf, val)
+  with np.errstate(over="ignore"):
+    res = val.astype(np.float32)  # exact, except 2**128 -> inf (E = 8), as on the GPU
+  res = np.where(s == 1, -res, res)
+  res = np.where((f == 0) & (m != 0), np.float32(0.0), res)
+  return np.where((f == 255) | ((f == 0) & (m == 0)), np.asarray(x, np.float32), res)

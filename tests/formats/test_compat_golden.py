@@ -245,3 +245,26 @@ def test_fixed_point_rounding_modes_on_ties():
   np.testing.assert_array_equal(_q(x, f, "toward_zero"), [0.0, 0.5, 0.0, -0.5, 0.0, 0.0])
   np.testing.assert_array_equal(_q(x, f, "up"), [0.5, 1.0, 0.0, -0.5, 0.5, 0.0])
   np.testing.assert_array_equal(_q(x, f, "down"), [0.0, 0.5, -0.5, -1.0, 0.0, -0.5])
+
+
+def _crafted_patterns(n_random=20000, seed=0):
+  fr = {0, 1, 0x7FFFFF, 0x400000}
+  for d in range(1, 24):
+    t = 1 << (d - 1)
+    fr |= {t, t - 1, t + 1, t | (1 << d), (t | (1 << d)) + 1}
+  fr = np.array(sorted(v & 0x7FFFFF for v in fr), np.uint32)
+  mags = ((np.arange(256, dtype=np.uint32)[:, None] << 23) | fr[None, :]).reshape(-1)
+  rand = np.random.default_rng(seed).integers(0, 2**32, n_random, dtype=np.uint64)
+  return np.concatenate([mags, mags | np.uint32(0x80000000),
+                         rand.astype(np.uint32)]).view(np.float32)
+
+
+@pytest.mark.parametrize("E", range(1, 9))
+def test_cpd_every_exp_man_against_the_stepwise_reference(E):
+  """Every (E, M) against an independent transliteration of CPD's kernel, on every exponent
+  field x tie/neighbour fractions x both signs, specials and random bit patterns."""
+  x = _crafted_patterns()
+  xj = jnp.asarray(x)
+  for M in range(24):
+    got = np.asarray(jax.jit(lambda v, M=M: F.quantize(v, F.cpd_float(E, M)))(xj))
+    _ref.assert_same_bits(got, _ref.cpd_float_reference(x, E, M), x, f"cpd({E},{M})")
