@@ -165,3 +165,27 @@ def test_straight_through_gradient():
   x = jnp.where(jnp.isfinite(x), x, 0.0)
   g = jax.grad(lambda x: jnp.sum(pq(x, F.E4M3, interpret=True) * 3.0))(x)
   np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0, np.float32))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(rounding="stochastic", rand_bits=True), "rand_bits must be an int"),
+    (dict(rounding="stochastic", rand_bits=0), "rand_bits must be an int"),
+    (dict(rounding="nearest", rand_bits=8), "applies only to rounding='stochastic'"),
+    (dict(rounding="stochastic"), "needs a PRNG key"),
+    (dict(rounding="sideways"), "unknown rounding"),
+])
+def test_kernel_spec_and_dispatch_refuse_bad_input_alike(bad, match):
+  """One validation (formats.quantize.prepare) serves the spec, the kernel and jaxlp.quantize:
+  the same bad input gets the same error from each (the kernel used to accept
+  rand_bits=True)."""
+  import jaxlp
+
+  x = jnp.ones((8,), jnp.float32)
+  bad = dict(bad)
+  rounding = bad.pop("rounding")
+  for fn in (F.quantize, jaxlp.quantize, functools.partial(pq, interpret=True)):
+    with pytest.raises((TypeError, ValueError), match=match):
+      fn(x, F.E4M3, rounding, **bad)
+  for fn in (F.quantize, jaxlp.quantize, functools.partial(pq, interpret=True)):
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+      fn(np.ones(8), F.E4M3)
