@@ -127,3 +127,42 @@ def test_parse_error_is_reported():
   """A module that does not even parse fails at the 'parse' stage, with MLIR's message."""
   with pytest.raises(TC.TritonCompileError, match="stage 'parse'"):
     TC.compile_ttir_sm90("module {\n  tt.func public @k() {\n    tt.bogus\n  }\n}\n")
+
+
+def _every_format_case():
+  """One kernel per format of test_cuda_lowering.ALL_FORMATS (its first rounding; stochastic
+  with rand_bits too where supported)."""
+  from test_cuda_lowering import ALL_FORMATS, SHAPE
+
+  for name, fmt in ALL_FORMATS.items():
+    if not PQ.supports(fmt, SHAPE):
+      continue
+    rs = [fmt.supported_roundings[0]]
+    if "stochastic" in fmt.supported_roundings and rs[0] != "stochastic":
+      rs.append("stochastic")
+    for r in rs:
+      yield pytest.param(fmt, r, SHAPE, id=f"{name}-{r}")
+
+
+@pytest.mark.parametrize("fmt,rounding,shape", list(_every_format_case()))
+def test_every_format_kernel_compiles_for_sm90(fmt, rounding, shape):
+  """Beyond the op allow-list of test_cuda_lowering: Triton's NVIDIA backend compiles the
+  kernel of every format (types, layouts and conversions included) down to a cubin."""
+  key = KEY if rounding == "stochastic" else None
+  rb = 7 if rounding == "stochastic" else None
+
+  def fn(x):
+    return PQ.quantize(x, fmt, rounding, key=key, rand_bits=rb)
+
+  for module, w, s in _lower(fn, (jax.ShapeDtypeStruct(shape, jnp.float32),), 4, 3):
+    assert ".entry" in TC.compile_ttir_sm90(module, num_warps=w, num_stages=s)
+
+
+@pytest.mark.parametrize("acc", [F.E5M2, F.E4M3FN, F.E2M1FN, F.FP16, F.TF32, F.qpytorch_float(5, 2),
+                                 jaxlp.FixedPoint(16, 8)], ids=str)
+def test_every_accumulator_kahan_kernel_compiles_for_sm90(acc):
+  def fn(a, b):
+    return PM.matmul(a, b, acc=acc, algorithm="kahan")
+
+  for module, w, s in _lower(fn, (SQUARE, SQUARE), 4, 1):
+    assert ".entry" in TC.compile_ttir_sm90(module, num_warps=w, num_stages=s)
