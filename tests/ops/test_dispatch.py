@@ -175,3 +175,15 @@ def test_matmul_kernel_branch_same_bits(monkeypatch, fresh_dispatch):
     want = OM.matmul_reference(lhs, b, **kw)
     np.testing.assert_array_equal(_bits(got), _bits(want))
   assert calls == ["kahan", "naive", "naive"]
+
+
+def test_cuda_lowering_under_grad_and_vmap(fresh_dispatch):
+  """The kernel branch lowers for CUDA inside value_and_grad and vmap as well."""
+  fmt = FAMILY_FORMATS["axis_blocks"]
+  assert PQ.KERNEL_IS_FASTER["axis_blocks"]
+  f = jax.value_and_grad(lambda x: jnp.sum(jaxlp.quantize(x, fmt, "stochastic", key=KEY) ** 2))
+  _, mods = CL.lower_for_cuda(f, jax.ShapeDtypeStruct((512, 256), jnp.float32))
+  assert CL.kernel_names(mods) == ["jaxlp_quantize_block"]
+  g = jax.vmap(lambda x: jaxlp.quantize(x, fmt))
+  _, mods = CL.lower_for_cuda(g, jax.ShapeDtypeStruct((4, 512, 256), jnp.float32))
+  assert CL.kernel_names(mods) == ["jaxlp_quantize_block"]
