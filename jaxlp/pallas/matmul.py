@@ -22,6 +22,7 @@ bit-identical on every backend).
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ MIN_PALLAS_MACS = 1 << 20
 #: :func:`jaxlp.matmul` runs the kernel there). Measured on one H100 (jax 0.11.2;
 #: shared/reference/gpu-findings.md, 2026-11-23). Re-measure with
 #: ``python benchmarks/kernels.py --check`` and update.
-KERNEL_IS_FASTER = {
+KERNEL_IS_FASTER = types.MappingProxyType({
     # kernel not measured (it did not compile); reference 0.19-0.27 TFLOP/s at 1024^3
     "naive": False,
     # cpd_float(5, 2) at 1024^3: reference 0.092 TFLOP/s, kernel 0.063 (0.065 at 2048^3)
@@ -47,7 +48,7 @@ KERNEL_IS_FASTER = {
     # kernel not measured; reference 3.6 / 7.1 TFLOP/s at 1024^3 / 2048^3 (acc=BF16, chunk
     # 32). On a GPU the kernel's within-chunk order is the tensor core's, so its bits differ.
     "chunked": False,
-}
+})
 
 
 def kernel_applies(a_shape, b_shape, *, algorithm="naive", chunk=None) -> bool:

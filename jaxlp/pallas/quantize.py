@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ def family(fmt, shape) -> str | None:
 #: :func:`jaxlp.quantize` runs the kernel there). Measured on one H100 (jax 0.11.2, float32,
 #: n = 2**28, GB/s as a fraction of torch ``clone``; shared/reference/gpu-findings.md,
 #: 2026-11-23). Re-measure with ``python benchmarks/kernels.py --check`` and update.
-KERNEL_IS_FASTER = {
+KERNEL_IS_FASTER = types.MappingProxyType({
     # spec 0.76-0.85 x clone (E4M3, BF16, cpd_float(5, 2)); kernel 0.74 (cpd_float(5, 2))
     "elementwise": False,
     # BlockFormat(7, blocks of 16 along the last axis): kernel 0.81, spec 0.33
@@ -131,7 +132,7 @@ KERNEL_IS_FASTER = {
     "tiles": False,
     # kernel not measured (it did not compile before the constant-bitcast fix); spec 0.45-0.52
     "mx": False,
-}
+})
 
 
 def kernel_applies(fmt, shape, dtype, rounding: str = "nearest") -> bool:
