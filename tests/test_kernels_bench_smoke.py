@@ -51,3 +51,14 @@ def test_check_reports_a_mismatch():
                         timeout=600, env=env, cwd=ROOT)
   assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "DIFFER" in proc.stdout
+
+
+def test_ptx_per_mac_benchmark_runs():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ptx_per_mac.py"), "--small"],
+                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("  ") and "MAC" not in line]
+  assert len(rows) == 5, proc.stdout
+  per_mac = [float(r.split()[-1]) for r in rows]
+  assert all(5 < v < 1000 for v in per_mac), proc.stdout
