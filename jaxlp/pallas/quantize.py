@@ -183,7 +183,7 @@ def can_use_pallas_quantize(x, fmt, rounding: str = "nearest") -> bool:
   ``lax.platform_dependent`` and the platform the computation is compiled for picks one,
   so this returns False for tracers. Either way the bits are the same.
   """
-  return on_gpu(x) and kernel_applies(fmt, x.shape, x.dtype, rounding)
+  return on_gpu(x) and kernel_applies(fmt, jnp.shape(x), jnp.result_type(x), rounding)
 
 
 # ---------------------------------------------------------------------------------------
