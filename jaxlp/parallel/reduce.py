@@ -37,7 +37,9 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     fmt: format of the partial sums; ``None`` = plain float32 ``lax.psum``.
     order, kahan, aps, rounding: as in :func:`jaxlp.parallel.psum`.
     compressor: a compressor of ``jaxlp.parallel.compressors``; the reduction is then
-      ``jaxlp.parallel.compressed.compressed_allreduce(..., **compressor_opts)``.
+      ``jaxlp.parallel.compressed.compressed_allreduce(..., mean=mean, **compressor_opts)``
+      (which takes the mean itself, as each compressor family defines it) and the state holds
+      its :class:`~jaxlp.parallel.compressed.CompressionState` (error feedback).
     mean: return the mean instead of the sum.
     key: base PRNG key for stochastic rounding (default ``jax.random.key(0)``); step t
       uses ``fold_in(key, t)``.
@@ -47,6 +49,16 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
   """
   import optax
 
+  allowed = ("min_size", "skip_vectors", "algorithm", "bucket_mb", "plan")
+  unknown = sorted(set(compressor_opts) - set(allowed))
+  if unknown:
+    raise TypeError(f"reduce_gradients: unknown option(s) {unknown}; with a compressor the "
+                    f"options are {allowed}")
+  if compressor_opts and compressor is None:
+    raise ValueError(f"reduce_gradients: {sorted(compressor_opts)} apply only with compressor=")
+  if compressor is not None and fmt is not None:
+    raise ValueError("reduce_gradients: give either fmt= (low-precision sum) or compressor=, "
+                     "not both")
   if fmt is None and (kahan or aps or rounding != "nearest"):
     raise ValueError("reduce_gradients: kahan/aps/rounding need a low-precision fmt (fmt=None "
                      "is a plain float32 psum)")
@@ -54,21 +66,25 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
   def init_fn(params):
     k = jax.random.key(0) if key is None else key
     cstate = None
-    if compressor is not None and hasattr(compressor, "init"):
-      cstate = compressor.init(params)
+    if compressor is not None:
+      from jaxlp.parallel.compressed import init_compression_state
+      init_opts = {n: v for n, v in compressor_opts.items()
+                   if n in ("min_size", "skip_vectors", "bucket_mb", "plan")}
+      cstate = init_compression_state(compressor, params, **init_opts)
     return ReduceGradientsState(jnp.zeros((), jnp.int32), k, cstate)
 
   def update_fn(updates, state, params=None):
     del params
+    cstate = state.compressor_state
+    if compressor is not None:  # the mean is taken once, inside (per compressor family)
+      from jaxlp.parallel.compressed import compressed_allreduce
+      updates, cstate = compressed_allreduce(updates, cstate, axis_name, compressor,
+                                             mean=mean, **compressor_opts)
+      return updates, ReduceGradientsState(state.count + 1, state.key, cstate)
     w = _axes.axis_size(axis_name)
     if mean:
       updates = jax.tree_util.tree_map(lambda g: _div(g, w), updates)
-    cstate = state.compressor_state
-    if compressor is not None:
-      from jaxlp.parallel.compressed import compressed_allreduce
-      updates, cstate = compressed_allreduce(updates, cstate, axis_name, compressor,
-                                             **compressor_opts)
-    elif fmt is None:
+    if fmt is None:
       updates = lax.psum(updates, _axes.as_tuple(axis_name))
     else:
       step_key = jax.random.fold_in(state.key, state.count)
