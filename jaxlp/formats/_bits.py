@@ -36,6 +36,15 @@ def u32(v):
   return jnp.asarray(v, U32)
 
 
+def high_mask(n: int):
+  """uint32 literal with every bit set except the ``n`` (static) lowest.
+
+  Built in Python: inside a Pallas kernel, ``~`` of a constant array fails the Triton
+  lowering like a constant bitcast does (see :func:`f32_bits`).
+  """
+  return u32(0xFFFFFFFF ^ ((1 << n) - 1))
+
+
 def to_bits(x: jnp.ndarray) -> jnp.ndarray:
   """float32 -> uint32 bit pattern (exact) of a traced array.
 
@@ -224,7 +233,7 @@ def round_dropped_bits(mag, d, rounding: str, *, big, negative=None, rand=None, 
         if hi > 32:
           thr = jnp.where(d <= 32, thr, rem >> jnp.clip(d - 32, 0, 31).astype(U32))
       if rand_bits is not None and rand_bits < 32:
-        thr = thr & u32(0xFFFFFFFF ^ ((1 << (32 - rand_bits)) - 1))  # a literal (see f32_bits)
+        thr = thr & high_mask(32 - rand_bits)
       inc = rand < thr
     else:  # pragma: no cover - validated by callers
       raise ValueError(f"unknown rounding {rounding!r}")

@@ -241,7 +241,7 @@ class QPyTorchBlock:
       rb = rb + B.u32(1 << (22 - wl))
     else:
       rb = rb + ((rand >> B.u32(32 - (23 - wl))) & B.u32((1 << (23 - wl)) - 1))
-    rb = rb & B.u32(0xFFFFFFFF ^ ((1 << (23 - wl)) - 1))
+    rb = rb & B.high_mask(23 - wl)
     # clip: exponent field 0 | the top wl-2 fraction bits set, with the result's sign.
     clip0 = B.u32(((1 << (wl - 2)) - 1) << (25 - wl)) | (rb & B.u32(B.SIGN_MASK))
     rb = jnp.where((rb & B.u32(B.EXP_MASK)) != 0, clip0, rb)

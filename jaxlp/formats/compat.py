@@ -116,13 +116,13 @@ class QPyTorchFloat:
     max_exp = 2 ** (E - 1)
     drop = 23 - M
     mask = B.u32((1 << drop) - 1)
-    keep = B.u32(0xFFFFFFFF ^ ((1 << drop) - 1))  # literals: no op on constants in kernels
+    keep = B.high_mask(drop)
 
     def round_pattern(b):
       if rounding == "nearest":
         add = B.u32(1 << (drop - 1))
       else:
-        r = rand if rand_bits is None else rand & B.u32(0xFFFFFFFF ^ ((1 << (32 - rand_bits)) - 1))
+        r = rand if rand_bits is None else rand & B.high_mask(32 - rand_bits)
         add = (r >> B.u32(32 - drop)) & mask
       return (b + add) & keep
 

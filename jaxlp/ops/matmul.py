@@ -4,7 +4,7 @@
 index k runs strictly ascending; the loop over k is a ``lax.scan`` vectorised over the whole
 (batch, M, N) output. The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical
 bits (same step functions from :mod:`jaxlp.pallas._gemm`). :func:`matmul` (= ``jaxlp.matmul``)
-runs the kernel on a GPU where :func:`jaxlp.pallas.matmul.kernel_applies` says so and the
+runs the kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/matmul.py``) says so and the
 reference elsewhere.
 """
 
@@ -28,7 +28,7 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
 
   Same arguments and bits as :func:`matmul_reference` (documented there). On a GPU it runs
   the Pallas kernel :func:`jaxlp.pallas.matmul` where
-  :func:`jaxlp.pallas.matmul.kernel_applies` (the algorithm's kernel was measured faster
+  ``kernel_applies`` in ``jaxlp/pallas/matmul.py`` (the algorithm's kernel was measured faster
   than the reference, enough multiply-adds); the choice follows the platform the
   computation is compiled for (``lax.platform_dependent``), so arrays on a CPU device
   always take the reference. On a GPU, a ``"chunked"`` kernel sums inside a chunk in the

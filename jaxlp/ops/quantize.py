@@ -5,7 +5,7 @@ both implementations are staged with ``lax.platform_dependent`` inside a ``jax.j
 lowering keeps only the one for the platform of the inputs' devices (the CUDA branch runs
 the kernel, every other platform the spec). So an array on the CPU device of a GPU host
 takes the spec, and a ``jit`` compiled for the GPU takes the kernel. The kernel is staged
-only where :func:`jaxlp.pallas.quantize.kernel_applies` (its family was measured faster
+only where ``kernel_applies`` (``jaxlp/pallas/quantize.py``) holds (its family was measured faster
 than the XLA-fused spec, and the array is large enough). Both give identical bits.
 """
 
@@ -25,7 +25,7 @@ from jaxlp.pallas.quantize import quantize_words as _kernel_words
 def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | None = None):
   """Round ``x`` to ``fmt``; same semantics and bits as :func:`jaxlp.formats.quantize`.
 
-  Runs the Pallas kernel on a GPU where :func:`jaxlp.pallas.quantize.kernel_applies` (a
+  Runs the Pallas kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/quantize.py``; a
   format family whose kernel was measured faster than the spec, at least
   ``MIN_PALLAS_SIZE`` elements), else the pure-jnp spec (XLA-fused). Both give identical
   bits and the same straight-through gradient. See :func:`jaxlp.formats.quantize` for the

@@ -66,7 +66,7 @@ def kernel_applies(a_shape, b_shape, *, algorithm="naive", chunk=None) -> bool:
 
 def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
   """Whether ``jaxlp.matmul(a, b, ...)`` runs the kernel: both operands live on a GPU
-  device (see :func:`jaxlp.pallas.quantize.on_gpu`; False for tracers, whose platform is
+  device (see ``on_gpu`` in ``jaxlp/pallas/quantize.py``; False for tracers, whose platform is
   chosen at lowering) and :func:`kernel_applies`. Either way the naive/kahan bits are the
   same."""
   return (on_gpu(a) and on_gpu(b)

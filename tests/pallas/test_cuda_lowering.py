@@ -71,12 +71,9 @@ def _assert_clean(mods, what):
 
 
 def test_every_format_type_is_covered():
-  covered = {type(f) for f in ALL_FORMATS.values() if supports(f, SHAPE)}
   for t in FORMAT_TYPES:
     example = next((f for f in ALL_FORMATS.values() if isinstance(f, t)), None)
     assert example is not None, f"no lowering case for format type {t.__name__}"
-    if supports(example, SHAPE):
-      assert t in covered
 
 
 @pytest.mark.parametrize("fmt,rounding,rand_bits", list(_cases()))
@@ -162,11 +159,10 @@ def test_the_guard_catches_both_gpu_failure_classes():
 
   spec = jax.ShapeDtypeStruct((16,), jnp.uint32)
   for kernel in (clz_kernel, const_bitcast_kernel):
-    f = functools.partial(pl.pallas_call(kernel, out_shape=spec,
-                                         compiler_params=plt.CompilerParams()))
+    f = pl.pallas_call(kernel, out_shape=spec, compiler_params=plt.CompilerParams())
     if kernel is clz_kernel:
       _, mods = lower_for_cuda(f, spec)
       assert "math.ctlz" in illegal_ops(mods[0])
     else:
-      with pytest.raises(Exception, match="TypedNdArray|type"):
+      with pytest.raises(AttributeError, match="TypedNdArray"):
         lower_for_cuda(f, spec)
