@@ -37,16 +37,17 @@ MIN_PALLAS_MACS = 1 << 20
 
 
 #: Whether, on a GPU, the kernel of an algorithm is faster than the XLA reference (then
-#: :func:`jaxlp.matmul` runs the kernel there). Measured on one H100 (jax 0.11.2;
-#: shared/reference/gpu-findings.md, 2026-11-23). Re-measure with
+#: :func:`jaxlp.matmul` runs the kernel there). Measured on one H100 80GB HBM3 (jax 0.11.2,
+#: 4096^3, TFLOP/s; ``benchmarks/RESULTS.md``, 2026-11-23). Re-measure with
 #: ``python benchmarks/kernels.py --check`` and update.
 KERNEL_IS_FASTER = types.MappingProxyType({
-    # kernel not measured (it did not compile); reference 0.19-0.27 TFLOP/s at 1024^3
-    "naive": False,
-    # cpd_float(5, 2) at 1024^3: reference 0.092 TFLOP/s, kernel 0.063 (0.065 at 2048^3)
+    # reference / kernel: acc=BF16 0.64 / 2.14, mul=acc=BF16 0.64 / 1.19,
+    # stochastic acc=FP16 0.44 / 0.69 (the same bits: checked at 2048^3)
+    "naive": True,
+    # mul=acc=cpd_float(5, 2): reference 0.201, kernel 0.173
     "kahan": False,
-    # kernel not measured; reference 3.6 / 7.1 TFLOP/s at 1024^3 / 2048^3 (acc=BF16, chunk
-    # 32). On a GPU the kernel's within-chunk order is the tensor core's, so its bits differ.
+    # acc=BF16, chunk 32: reference 9.05, kernel 26.3 -- but within a chunk the kernel sums
+    # in the tensor core's order, so its bits may differ from the reference: not dispatched
     "chunked": False,
 })
 

@@ -120,18 +120,19 @@ def family(fmt, shape) -> str | None:
 
 
 #: Whether, on a GPU, the kernel of a family is faster than the XLA-fused spec (then
-#: :func:`jaxlp.quantize` runs the kernel there). Measured on one H100 (jax 0.11.2, float32,
-#: n = 2**28, GB/s as a fraction of torch ``clone``; shared/reference/gpu-findings.md,
-#: 2026-11-23). Re-measure with ``python benchmarks/kernels.py --check`` and update.
+#: :func:`jaxlp.quantize` runs the kernel there). Measured on one H100 80GB HBM3 (jax 0.11.2,
+#: float32, n = 2**26, time in ms; ``benchmarks/RESULTS.md``, 2026-11-23). Re-measure with
+#: ``python benchmarks/kernels.py --check`` and update.
 KERNEL_IS_FASTER = types.MappingProxyType({
-    # spec 0.76-0.85 x clone (E4M3, BF16, cpd_float(5, 2)); kernel 0.74 (cpd_float(5, 2))
+    # spec / kernel: E4M3 RN 0.274 / 0.300, E4M3 SR 0.327 / 0.318, BF16 SR 0.321 / 0.293,
+    # cpd_float(5, 2) RN 0.283 / 0.300: within 10% either way; the spec is kept
     "elementwise": False,
-    # BlockFormat(7, blocks of 16 along the last axis): kernel 0.81, spec 0.33
+    # BlockFormat(7, blocks of 16 along the last axis): spec 0.448, kernel 0.279
     "axis_blocks": True,
-    # hbfp(7, 16): kernel 0.21, spec 0.54
+    # hbfp(7, 16): spec 0.435, kernel 1.059
     "tiles": False,
-    # kernel not measured (it did not compile before the constant-bitcast fix); spec 0.45-0.52
-    "mx": False,
+    # mx(E4M3FN) RN: spec 0.482, kernel 0.301; mx(E2M1FN) SR: spec 0.533, kernel 0.389
+    "mx": True,
 })
 
 

@@ -71,10 +71,32 @@ def lower_for_cuda(fn, *args, **kwargs):
   triton_modules)``: the lowered module's text and the Triton IR (text) of every
   ``pallas_call`` that was lowered for the GPU. Lowering errors propagate.
   """
-  with _record_triton_modules() as modules:
+  with _gpu_target(), _record_triton_modules() as modules:
     lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
   return text, list(modules)
+
+
+#: The GPU the kernels are lowered for where no GPU is attached (Triton targets sm_90).
+TARGET_DEVICE_KIND = "NVIDIA H100"
+
+
+def _gpu_target():
+  """A context naming an H100 as the lowering target when no GPU device is attached.
+
+  From jax 0.11 the Pallas Triton lowering reads the GPU's compute capability from the
+  default device and, on a CPU-only machine, raises "No supported GPU devices found, please
+  specify an abstract GPU device using AbstractDevice". An abstract mesh whose abstract
+  device is an H100 supplies it; with a GPU attached (or on older jax, which did not ask)
+  nothing is set.
+  """
+  if any(d.platform == "gpu" for d in jax.devices()) or not hasattr(
+      jax.sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(
+      device_kind=TARGET_DEVICE_KIND, num_cores=None, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("_lowering",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 def ops_in(triton_ir: str) -> set[str]:
