@@ -252,9 +252,9 @@ def _cast_reduce(comp, x, axis_name, w, mean):
     # 16-bit payloads, 2(W-1)/W x 2 bytes per element, the same bits in every mode.
     from jaxlp.parallel.psum import psum
 
-    c = comp.cast(x)
+    c = comp.round(x)  # float32 on the narrow grid (see Cast.round)
     if mean:
-      c = exact_div(c, w)
+      c = comp.round(exact_div(c, w))
     return psum(c, axis_name, fmt=comp.format, order="ring").astype(jnp.float32)
   out, _ = _allgather_reduce(comp, x, (), None, axis_name, w)
   return exact_div(out, w) if mean else out

@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats._bits import fma_guard
+from jaxlp.parallel._arith import div_f32
 
 
 def numel(shape) -> int:
@@ -82,17 +83,16 @@ def no_fma(x):
 
 
 def exact_div(a, d):
-  """``a / d`` correctly rounded (IEEE division), also under ``vmap``.
+  """``a / d`` correctly rounded (IEEE 754 float32 division, round to nearest even, gradual
+  underflow) on every backend, also under ``vmap``; float32 result, broadcast as ``a / d``.
 
-  XLA:CPU rewrites ``a / broadcast(b)`` into ``a * broadcast(1/b)`` -- even for a non-constant
-  scalar ``b`` -- which is not IEEE division (about 60% of quotients by 3 or 15 are off by one
-  ulp). The divisor is therefore rebuilt as a full array that depends on ``a``
-  (``where(isfinite(a), a - a, 0) + d``, exactly ``d``), which no simplification can turn back
-  into a broadcast, even when ``vmap`` adds a batch dimension to ``a`` only.
+  Computed by :func:`jaxlp.parallel._arith.div_f32` on the bit patterns with integer ops, not
+  with the hardware division: XLA:GPU lowers float32 ``/`` to an approximate division (about a
+  quarter of quotients off by one ulp on an H100), and XLA:CPU rewrites ``a / broadcast(b)``
+  into ``a * broadcast(1/b)`` -- even for a non-constant scalar ``b`` -- (about 60% of quotients
+  by 3 or 15 off by one ulp) and flushes subnormals.
   """
-  a = jnp.asarray(a)
-  zero = jnp.where(jnp.isfinite(a), a - a, jnp.zeros((), a.dtype))
-  return a / (zero + jnp.asarray(d, a.dtype))
+  return div_f32(a, d)
 
 
 def det_sum(x, axis=-1):
@@ -161,7 +161,13 @@ def select_sparse(values, mag, thr, k_cap: int, k_now=None):
 
 
 def sparse_decode(payload, n: int):
-  return jnp.zeros((n,), jnp.float32).at[payload["idx"]].add(payload["val"], mode="drop")
+  """Dense ``float32[n]`` with ``payload["val"]`` at ``payload["idx"]`` (indices ``>= n`` dropped).
+
+  The selected indices are distinct, so a scatter *set* gives the sum a scatter-add would, and
+  it is deterministic on every backend: XLA:GPU may merge scatter-adds into one with repeated
+  indices and sum them with atomics in a run-dependent order (measured on an H100).
+  """
+  return jnp.zeros((n,), jnp.float32).at[payload["idx"]].set(payload["val"], mode="drop")
 
 
 def sparse_wire_bytes(k_cap: int) -> int:

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import det_sum, exact_div, no_fma, numel
 
 
@@ -43,7 +44,7 @@ def orthogonalize(x):
   cols = [x[..., :, i] for i in range(x.shape[-1])]
   for i in range(len(cols)):
     c = cols[i]
-    nrm = jnp.sqrt(det_sum(no_fma(c * c), axis=-1))[..., None]
+    nrm = sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None]
     cols[i] = c = jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)), 0.0)
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]

@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
   exact_div,
@@ -157,7 +158,7 @@ class QSGD:
     n = x.shape[0]
     nb = -(-n // self.bucket_size)
     xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    norm = jnp.sqrt(det_sum(xb * xb))[:, None]
+    norm = sqrt_f32(det_sum(no_fma(xb * xb)))[:, None]
     safe = jnp.where(norm > 0, norm, 1.0)
     u = uniform01(key, xb.shape)
     lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
@@ -332,7 +333,7 @@ class TernGrad:
         raise ValueError("terngrad(variant='paper') needs key")
       if self.clip is not None:
         mu = exact_div(det_sum(x), x.shape[0])
-        std = jnp.sqrt(exact_div(det_sum(jnp.square(x - mu)), x.shape[0]))
+        std = sqrt_f32(exact_div(det_sum(no_fma(jnp.square(x - mu))), x.shape[0]))
         c = jnp.float32(self.clip) * std
         x = jnp.clip(x, -c, c)
       s = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)

@@ -7,8 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
+  no_fma,
   numel,
   sample_threshold,
   select_sparse,
@@ -77,7 +79,7 @@ class DGC(_Sparse):
     x = _flat(g)
     n = x.shape[0]
     if self.clip is not None:
-      norm = jnp.sqrt(det_sum(x * x))
+      norm = sqrt_f32(det_sum(no_fma(x * x)))
       x = x * jnp.minimum(1.0, jnp.float32(self.clip) / jnp.maximum(norm, 1e-30))
     u = jnp.float32(self.momentum) * state["u"] + x
     v = state["v"] + u
