@@ -15,7 +15,7 @@ elementwise negation (same bytes; a plain copy may be elided by XLA) and, where 
 CUDA is installed, torch ``x.clone()`` (the baseline of the speed goals). Each format is
 timed three ways: the XLA-fused jnp spec, the Pallas kernel and ``jaxlp.quantize`` (what
 the dispatch picks), and the faster of spec/kernel is printed per family next to the
-dispatch table ``jaxlp.pallas.quantize.KERNEL_IS_FASTER``. A GEMM (M, K) @ (K, N) does
+dispatch table ``jaxlp.pallas._quantize.KERNEL_IS_FASTER``. A GEMM (M, K) @ (K, N) does
 2*M*N*K flops; the baseline is XLA's fp32 matmul (``precision=HIGHEST``, no TF32).
 
 ``--check`` compares, NaN-aware (any NaN equals any NaN; every other bit pattern must be
@@ -61,9 +61,9 @@ import numpy as np  # noqa: E402
 import jaxlp  # noqa: E402
 from jaxlp import formats as F  # noqa: E402
 
-PQ = importlib.import_module("jaxlp.pallas.quantize")
-PM = importlib.import_module("jaxlp.pallas.matmul")
-OM = importlib.import_module("jaxlp.ops.matmul")
+PQ = importlib.import_module("jaxlp.pallas._quantize")
+PM = importlib.import_module("jaxlp.pallas._matmul")
+OM = importlib.import_module("jaxlp.ops._matmul")
 
 
 _ONLY = None  # --only filter (set by main)
@@ -151,7 +151,7 @@ def bench_quantize(n, iters, use_kernel, interpret):
     _row(f"{name} / jaxlp.quantize (dispatch)", _time(disp, x, iters=iters), nbytes, "GB/s",
          base)
   if best and not interpret:
-    print("\n  family: kernel faster here? (KERNEL_IS_FASTER in jaxlp/pallas/quantize.py)")
+    print("\n  family: kernel faster here? (KERNEL_IS_FASTER in jaxlp/pallas/_quantize.py)")
     for fam, v in best.items():
       print(f"    {fam:<12s} measured {all(v)!s:<5s} (per case {v}); table "
             f"{PQ.KERNEL_IS_FASTER[fam]}")

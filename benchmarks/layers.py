@@ -32,7 +32,7 @@ import optax
 import jaxlp.flax as jf
 from jaxlp.flax.models import MLP, ResNet18
 from jaxlp.formats import E4M3, E4M3FN, E5M2
-from jaxlp.ops.policy import DotPolicy, float_policy, hbfp_policy, mx_policy
+from jaxlp.ops._policy import DotPolicy, float_policy, hbfp_policy, mx_policy
 
 POLICIES = {
     "fp32": DotPolicy(),

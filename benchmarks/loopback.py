@@ -10,7 +10,7 @@ random, different on every worker):
 
 * ``fp32``: the baseline -- the gradient leaves fused into buckets of ``--bucket-mb`` MB (as
   PyTorch DDP does), ``lax.psum`` (gloo's all-reduce) and a division by W;
-* every other method: :func:`jaxlp.parallel.compressed.compressed_allreduce` with the same
+* every other method: :func:`jaxlp.parallel.compressed_allreduce` with the same
   ``bucket_mb`` (default filters: leaves under 1024 elements and vectors go in fp32), the
   compression state carried from step to step.
 
@@ -141,7 +141,7 @@ def _reduce_fn(name, w, bucket_mb):
   import jax.numpy as jnp
   from jax import lax
 
-  from jaxlp.parallel.compressed import compressed_allreduce
+  from jaxlp.parallel._compressed import compressed_allreduce
   comp = _compressor(name)
 
   def fp32(grads, state):
@@ -191,7 +191,7 @@ def worker(port, w, pid, out_path, a):
   from jax.sharding import PartitionSpec as P
 
   import jaxlp.parallel as jp
-  from jaxlp.parallel.compressed import init_compression_state
+  from jaxlp.parallel._compressed import init_compression_state
 
   if a.fast_compile:
     jax.config.update("jax_disable_most_optimizations", True)

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxlp import formats as F  # noqa: E402
 
-PM = importlib.import_module("jaxlp.pallas.matmul")
+PM = importlib.import_module("jaxlp.pallas._matmul")
 
 CASES = [
     ("naive, acc=BF16", dict(acc=F.BF16)),

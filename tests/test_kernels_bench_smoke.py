@@ -40,7 +40,7 @@ def test_check_reports_a_mismatch():
   output is reported (exit status 1)."""
   code = (
       "import sys, runpy, importlib\n"
-      "PQ = importlib.import_module('jaxlp.pallas.quantize')\n"
+      "PQ = importlib.import_module('jaxlp.pallas._quantize')\n"
       "real = PQ.quantize\n"
       "PQ.quantize = lambda *a, **k: real(*a, **k) * 1.0000001\n"
       f"sys.argv = ['kernels.py', '--small', '--check', '--interpret', '--iters', '1',"

@@ -16,7 +16,17 @@ import sys
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxlp
+from jaxlp import formats as F
+from jaxlp.parallel import compressors as C
+from jaxlp.parallel import payload_bytes, psum
+from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
 
 ORDERS = ("chain", "ring", "tree", "native")
 
@@ -57,7 +67,6 @@ class TrainConfig:
 
 def grad_format(cfg: TrainConfig):
   """The gradient-communication format of a config, or None for fp32."""
-  from jaxlp import formats as F
 
   if cfg.grad_format is not None and (cfg.grad_exp is not None or cfg.grad_man is not None):
     raise ValueError("give either --grad-format or --grad-exp/--grad-man, not both")
@@ -80,7 +89,6 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
   Low-precision sums use :func:`jaxlp.parallel.payload_bytes` per gradient leaf (the bytes
   the implemented collectives move); fp32 is a ring all-reduce (2(W-1)/W * 4 bytes/element).
   """
-  import jax
 
   W = cfg.nodes
   if W <= 1:
@@ -108,7 +116,6 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
   fmt = grad_format(cfg)
   if fmt is None:
     return int(sum(fp32_ring(leaf.size) for leaf in leaves))
-  from jaxlp.parallel import payload_bytes
 
   return int(sum(payload_bytes(leaf.size, W, fmt, cfg.order, kahan=cfg.kahan, aps=cfg.aps)
                  for leaf in leaves))
@@ -119,7 +126,6 @@ def _policy(cfg: TrainConfig):
     raise ValueError("give either --hbfp or --policy, not both")
   if cfg.hbfp is None and cfg.policy is None:
     return None
-  import jaxlp
 
   if cfg.hbfp is not None:
     return jaxlp.hbfp_policy(man_bits=cfg.hbfp, tile=cfg.tile)
@@ -140,7 +146,6 @@ _REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size")
 def _parse_compress(spec: str):
   """``name:key=value,key=value`` -> (compressor from jaxlp.parallel.compressors, options of
   ``compressed_allreduce``: ``algorithm``, ``bucket_mb``, ``min_size``)."""
-  from jaxlp.parallel import compressors as C
 
   name, _, rest = spec.partition(":")
   kwargs: dict[str, Any] = {}
@@ -173,8 +178,6 @@ class Trainer:
   """Builds the model, the jitted data-parallel step and runs epochs."""
 
   def __init__(self, cfg: TrainConfig):
-    import jax
-    import jax.numpy as jnp
     import optax
 
     from jaxlp.cli import data as D
@@ -187,15 +190,14 @@ class Trainer:
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
     if cfg.order not in ORDERS:
       raise ValueError(f"--order must be one of {ORDERS}, got {cfg.order!r}")
-    import jax as _jax
 
     if cfg.devices > 0:
       ndev = cfg.devices
     else:  # auto: as many real devices as divide the number of workers
-      ndev = max(d for d in range(1, _jax.device_count() + 1) if cfg.nodes % d == 0)
-    if ndev > _jax.device_count() or cfg.nodes % ndev:
+      ndev = max(d for d in range(1, jax.device_count() + 1) if cfg.nodes % d == 0)
+    if ndev > jax.device_count() or cfg.nodes % ndev:
       raise ValueError(f"--devices {cfg.devices}: need a divisor of --nodes {cfg.nodes} that is "
-                       f"at most the {_jax.device_count()} available device(s)")
+                       f"at most the {jax.device_count()} available device(s)")
     self.ndev = ndev
     self.axis = ("dev", "nodes") if ndev > 1 else "nodes"
     self.fmt = grad_format(cfg)
@@ -210,8 +212,6 @@ class Trainer:
     policy = _policy(cfg)
     kw = {}
     if policy is not None:
-      import jaxlp
-
       kw = dict(dot_general=jaxlp.dot_general(policy),
                 conv_general_dilated=jaxlp.conv_general_dilated(policy))
     self.model = M.build(cfg.model, self.ds.num_classes, width=cfg.width, **kw)
@@ -233,7 +233,7 @@ class Trainer:
       lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, up),
                                  optax.linear_schedule(cfg.lr, 0.0, down)], [up])
     if cfg.lars:
-      from jaxlp.parallel import lars
+      from jaxlp.optim import lars
 
       self.tx = lars(lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     else:
@@ -243,17 +243,14 @@ class Trainer:
     if cfg.weight_man is not None:
       if cfg.hbfp is None:
         raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
-      import jaxlp.optim
-      from jaxlp import formats as F
+      from jaxlp.optim import master_weights
 
       # HBFPEmulator's shell optimizer: FP32 update of a wide copy, narrow params to the model.
-      self.tx = jaxlp.optim.master_weights(self.tx, narrow=F.hbfp(cfg.hbfp, cfg.tile),
-                                           wide=F.hbfp(cfg.weight_man, cfg.tile))
+      self.tx = master_weights(self.tx, fmt=F.hbfp(cfg.hbfp, cfg.tile),
+                                wide_fmt=F.hbfp(cfg.weight_man, cfg.tile))
     self.opt_state = self.tx.init(self.params)
     self.comp_state = None
     if self.compressor is not None:
-      from jaxlp.parallel.compressed import init_compression_state
-
       one = init_compression_state(self.compressor, self.params)
       self.comp_state = jax.tree_util.tree_map(
           lambda a: jnp.broadcast_to(a, (cfg.nodes,) + a.shape), one)
@@ -265,29 +262,20 @@ class Trainer:
 
   # -- the jitted step ---------------------------------------------------------------------
   def _reduce(self, g, key, comp_state):
-    import jax
-    from jax import lax
-
     cfg = self.cfg
     W = cfg.nodes
     if self.compressor is not None:
-      from jaxlp.parallel.compressed import compressed_allreduce
-
       # compressed_allreduce with mean=False: the loss is already pre-scaled by 1/W.
       return compressed_allreduce(g, comp_state, self.axis, self.compressor, mean=False, key=key,
                                   **self.reduce_opts)
     if self.fmt is None or W == 1:
       return jax.tree_util.tree_map(lambda a: lax.psum(a, self.axis), g), comp_state
-    from jaxlp.parallel import psum
 
     return psum(g, self.axis, fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
                 rounding="nearest"), comp_state
 
   def _build_step(self):
-    import jax
-    import jax.numpy as jnp
     import optax
-    from jax import lax
 
     model, W = self.model, self.cfg.nodes
     has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
@@ -314,7 +302,6 @@ class Trainer:
     if self.ndev > 1:
       # Real devices x emulated nodes: shard the worker axis over a device mesh and vmap the
       # workers of each device; reductions run over ("dev", "nodes"), worker-major.
-      from jax.sharding import PartitionSpec as P
 
       mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
       vstep = jax.shard_map(vstep, mesh=mesh,
@@ -346,8 +333,6 @@ class Trainer:
 
   # -- epochs ----------------------------------------------------------------------------
   def evaluate(self) -> float:
-    import jax.numpy as jnp
-
     ds, correct = self.ds, 0
     bs = 512
     for i in range(0, len(ds.x_test), bs):
@@ -356,9 +341,6 @@ class Trainer:
     return correct / len(ds.x_test)
 
   def run_epoch(self, progress=None) -> dict:
-    import jax
-    import jax.numpy as jnp
-
     cfg, ds = self.cfg, self.ds
     t0 = time.perf_counter()
     rng = np.random.default_rng([cfg.seed, self.epoch])
@@ -388,16 +370,11 @@ class Trainer:
 
   # -- checkpoints -----------------------------------------------------------------------
   def state_dict(self):
-    import jax
-
     return jax.device_get({"params": self.params, "batch_stats": self.batch_stats,
                            "opt_state": self.opt_state, "comp_state": self.comp_state,
                            "epoch": self.epoch, "step": self.step})
 
   def load_state_dict(self, st):
-    import jax
-    import jax.numpy as jnp
-
     as_jnp = lambda t: jax.tree_util.tree_map(jnp.asarray, t)
     self.params = as_jnp(st["params"])
     self.batch_stats = as_jnp(st["batch_stats"])

@@ -7,9 +7,11 @@ from typing import Any
 import flax.linen as nn
 
 from jaxlp.flax._select import normalize_patterns, selected
-from jaxlp.ops.conv import conv_general_dilated
-from jaxlp.ops.dot_general import dot_general
-from jaxlp.ops.policy import DotPolicy
+from jaxlp.ops._conv import conv_general_dilated
+from jaxlp.ops._dot_general import dot_general
+from jaxlp.ops._policy import DotPolicy
+
+__all__ = ["QuantizedModel", "quantize_model"]
 
 #: linen layer types rewired, and the attribute (+ its ``_cls`` twin) each one calls.
 LINEN_LAYERS = (

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+__all__ = ["BasicBlock", "MLP", "ResNet18"]
+
 
 class BasicBlock(nn.Module):
   """ResNet basic block: two 3x3 convs + BN, identity or 1x1-conv shortcut."""

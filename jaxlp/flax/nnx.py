@@ -8,9 +8,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlp.flax._select import normalize_patterns, selected
-from jaxlp.ops.conv import conv_general_dilated
-from jaxlp.ops.dot_general import dot_general
-from jaxlp.ops.policy import DotPolicy
+from jaxlp.ops._conv import conv_general_dilated
+from jaxlp.ops._dot_general import dot_general
+from jaxlp.ops._policy import DotPolicy
+
+__all__ = ["StochasticOp", "quantize_model"]
 
 
 class StochasticOp(nnx.Module):

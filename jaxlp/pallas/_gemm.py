@@ -1,7 +1,7 @@
 """Shared pieces of the low-precision GEMM: argument handling and the per-step arithmetic.
 
-Both the pure-jnp reference (:func:`jaxlp.ops.matmul.matmul`) and the Pallas kernel
-(:func:`jaxlp.pallas.matmul.matmul`) call the step functions below on (tiles of) the output,
+Both the pure-jnp reference (:func:`jaxlp.ops.matmul`) and the Pallas kernel
+(:func:`jaxlp.pallas.matmul`) call the step functions below on (tiles of) the output,
 so their arithmetic is the same expression by construction; they differ only in how the
 output is tiled and how the loop over k is expressed.
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.quantize import check_format, is_elementwise
+from jaxlp.formats._quantize import check_format, is_elementwise
 
 ALGORITHMS = ("naive", "kahan", "chunked")
 ROUNDINGS_PER_STEP = {"naive": 2, "kahan": 5, "chunked": 1}
@@ -126,7 +126,7 @@ def key_array(key, rounding):
   """(2,) uint32 key words for stochastic rounding, zeros otherwise."""
   if rounding != "stochastic":
     return jnp.zeros((2,), jnp.uint32)
-  from jaxlp.formats.quantize import key_words
+  from jaxlp.formats._quantize import key_words
   return jnp.stack(key_words(key))
 
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
+from jaxlp.formats._float_format import FloatFormat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from jaxlp.formats.block import qpytorch_block
-from jaxlp.formats.compat import qpytorch_float
-from jaxlp.formats.fixed_point import FixedPoint
+from jaxlp.formats._block import qpytorch_block
+from jaxlp.formats._compat import qpytorch_float
+from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.torch._dlpack import check_quantize_dtype
 from jaxlp.torch._formats import QPyTorchFixedPoint
 from jaxlp.torch._quantize import (

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxlp.formats.quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
-from jaxlp.ops.quantize import quantize_words
+from jaxlp.formats._quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
+from jaxlp.ops._quantize import quantize_words
 from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
 from jaxlp.torch._formats import QPyTorchFixedPoint
 

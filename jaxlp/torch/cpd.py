@@ -13,8 +13,8 @@ import functools
 import jax
 import torch
 
-from jaxlp.formats.compat import cpd_float
-from jaxlp.ops.matmul import matmul
+from jaxlp.formats._compat import cpd_float
+from jaxlp.ops._matmul import matmul
 from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
 from jaxlp.torch._quantize import quantize_raw
 

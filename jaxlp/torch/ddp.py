@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from jax import lax
 
-from jaxlp.formats.compat import cpd_float
-from jaxlp.ops.quantize import quantize
-from jaxlp.parallel.aps import format_emax
+from jaxlp.formats._compat import cpd_float
+from jaxlp.ops._quantize import quantize
+from jaxlp.parallel._aps import format_emax
 from jaxlp.parallel.compressors._base import exact_div
-from jaxlp.parallel.compressors.powersgd import orthogonalize, outer_sum, thin_matmul
+from jaxlp.parallel.compressors._powersgd import orthogonalize, outer_sum, thin_matmul
 from jaxlp.torch._dlpack import to_jax, to_torch
 
 __all__ = ["CommState", "chain_sum", "comm_hook", "sum_gradients"]

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxlp.ops.conv import conv_general_dilated
-from jaxlp.ops.dot_general import dot_general
-from jaxlp.ops.policy import DotPolicy
+from jaxlp.ops._conv import conv_general_dilated
+from jaxlp.ops._dot_general import dot_general
+from jaxlp.ops._policy import DotPolicy
 from jaxlp.torch._dlpack import to_jax, to_torch
 from jaxlp.torch._quantize import draw_key
 

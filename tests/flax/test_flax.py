@@ -10,9 +10,9 @@ from flax import nnx
 
 import jaxlp.flax as jf
 from jaxlp.flax.models import ResNet18
-from jaxlp.ops.conv import conv_general_dilated
-from jaxlp.ops.dot_general import dot_general
-from jaxlp.ops.policy import DotPolicy, hbfp_policy, mx_policy
+from jaxlp.ops._conv import conv_general_dilated
+from jaxlp.ops._dot_general import dot_general
+from jaxlp.ops._policy import DotPolicy, hbfp_policy, mx_policy
 
 POL = hbfp_policy(7, 4, weight_man_bits=7)
 

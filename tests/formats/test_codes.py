@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxlp.formats import PRESETS, FloatFormat, quantize
-from jaxlp.formats.codes import from_codes, to_codes
-from jaxlp.formats.presets import ML_DTYPES_NAMES
+from jaxlp.formats._codes import from_codes, to_codes
+from jaxlp.formats._presets import ML_DTYPES_NAMES
 
 CUSTOM = [
     FloatFormat(3, 3), FloatFormat(4, 2, specials="finite"), FloatFormat(2, 2, specials="fn"),

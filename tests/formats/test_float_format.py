@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxlp import formats as F
-from jaxlp.formats.presets import ML_DTYPES_NAMES
-from jaxlp.formats.quantize import quantize_f32
+from jaxlp.formats._presets import ML_DTYPES_NAMES
+from jaxlp.formats._quantize import quantize_f32
 
 from . import _ref
 

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 from jaxlp import formats as F
-from jaxlp.formats.presets import ML_DTYPES_NAMES
+from jaxlp.formats._presets import ML_DTYPES_NAMES
 
 from . import _ref
 

@@ -12,7 +12,7 @@ import pytest
 
 from jaxlp import formats as F
 from jaxlp.formats import _bits as B
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._float_format import FloatFormat
 
 FORMATS = [F.FP32, F.TF32, F.BF16, F.FP16, F.E5M2, F.E4M3, F.E4M3FNUZ, F.E2M1FN,
            FloatFormat(8, 0), FloatFormat(8, 22), FloatFormat(4, 3, subnormals=False),

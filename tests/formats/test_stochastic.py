@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlp import formats as F
-from jaxlp.formats.quantize import quantize_f32, random_bits
+from jaxlp.formats._quantize import quantize_f32, random_bits
 
 from . import _ref
 

@@ -7,9 +7,9 @@ import pytest
 from jax import lax
 
 from jaxlp.formats import E4M3FN, E5M2, hbfp, hbfp_batched, mx
-from jaxlp.formats.quantize import quantize
-from jaxlp.ops.conv import conv_general_dilated
-from jaxlp.ops.policy import Accum, DotPolicy, float_policy, hbfp_policy, mx_policy
+from jaxlp.formats._quantize import quantize
+from jaxlp.ops._conv import conv_general_dilated
+from jaxlp.ops._policy import Accum, DotPolicy, float_policy, hbfp_policy, mx_policy
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 VALUES = np.array([-7, -6, -5, -3, 0, 3, 5, 6, 7], np.float32)

@@ -22,13 +22,13 @@ from jaxlp import formats as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
 import cuda_lowering as CL  # noqa: E402
 
-OQ = sys.modules["jaxlp.ops.quantize"]
-OM = sys.modules["jaxlp.ops.matmul"]
-PQ = sys.modules["jaxlp.pallas.quantize"]
-PM = sys.modules["jaxlp.pallas.matmul"]
+OQ = sys.modules["jaxlp.ops._quantize"]
+OM = sys.modules["jaxlp.ops._matmul"]
+PQ = sys.modules["jaxlp.pallas._quantize"]
+PM = sys.modules["jaxlp.pallas._matmul"]
 KEY = jax.random.key(5)
 
-#: One format of every kernel family (jaxlp.pallas.quantize.family).
+#: One format of every kernel family (jaxlp.pallas._quantize.family).
 FAMILY_FORMATS = {
     "elementwise": F.E4M3,
     "axis_blocks": F.BlockFormat(7, axis=-1, block_size=16),

@@ -7,9 +7,9 @@ import pytest
 from jax import lax
 
 from jaxlp.formats import E4M3FN, E5M2, hbfp, hbfp_batched, mx
-from jaxlp.formats.quantize import quantize
-from jaxlp.ops.dot_general import dot_general
-from jaxlp.ops.policy import (
+from jaxlp.formats._quantize import quantize
+from jaxlp.ops._dot_general import dot_general
+from jaxlp.ops._policy import (
     Accum,
     DotPolicy,
     Quant,
@@ -108,7 +108,7 @@ def test_mx_blocks_along_contraction_axis_in_every_gemm():
   x = jax.random.normal(jax.random.key(0), (8, 16))
   w = jax.random.normal(jax.random.key(1), (16, 12))
   dy = jax.random.normal(jax.random.key(2), (8, 12))
-  dg = dot_general(mx_policy(E4M3FN, block_size=4, grad_elem=E5M2))
+  dg = dot_general(mx_policy(E4M3FN, block_size=4, grad_fmt=E5M2))
   got = vjp_all(lambda a, b: dg(a, b, DN), x, w, dy)
   q = lambda t, elem, axis: quantize(t, mx(elem, 4, axis))
 

@@ -8,7 +8,7 @@ from jax import lax
 
 import jaxlp
 from jaxlp import formats as F
-from jaxlp.ops.policy import Accum, DotPolicy
+from jaxlp.ops._policy import Accum, DotPolicy
 
 DN = (((1,), (0,)), ((), ()))
 

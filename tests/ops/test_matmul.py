@@ -1,4 +1,4 @@
-"""`jaxlp.ops.matmul.matmul` (the reference) against independent numpy loops."""
+"""`jaxlp.ops.matmul` (the reference) against independent numpy loops."""
 
 import functools
 
@@ -9,8 +9,8 @@ import pytest
 
 from jaxlp import formats as F
 from jaxlp.formats import _bits as B
-from jaxlp.formats.quantize import key_words, quantize_f32
-from jaxlp.ops.matmul import matmul
+from jaxlp.formats._quantize import key_words, quantize_f32
+from jaxlp.ops._matmul import matmul
 
 
 def _rand(shape, seed, scale=1.0):

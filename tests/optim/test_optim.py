@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from jaxlp.formats import BF16, E4M3, E5M2, hbfp
-from jaxlp.formats.quantize import quantize
+from jaxlp.formats._quantize import quantize
 from jaxlp.optim import master_weights, quantize_updates, scale_by_adam, trace
 
 PARAMS = {"w": jax.random.normal(jax.random.key(0), (30, 20)),
@@ -18,7 +18,7 @@ NARROW, WIDE = hbfp(7, 24), hbfp(15, 24)
 
 def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
   inner = optax.sgd(0.1, momentum=0.9)
-  tx = master_weights(inner, narrow=NARROW, wide=WIDE)
+  tx = master_weights(inner, fmt=NARROW, wide_fmt=WIDE)
   q = lambda t, f: jax.tree.map(lambda a: quantize(a, f), t)
   p0 = q(PARAMS, NARROW)
   s = jax.jit(tx.init)(p0)
@@ -35,7 +35,7 @@ def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
 
 
 def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
-  tx = master_weights(optax.lars(0.1, momentum=0.9), narrow=NARROW, wide=WIDE,
+  tx = master_weights(optax.lars(0.1, momentum=0.9), fmt=NARROW, wide_fmt=WIDE,
                       rounding="stochastic", key=jax.random.key(0))
   s = tx.init(PARAMS)
   p = PARAMS
@@ -46,9 +46,9 @@ def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
   for leaf in jax.tree.leaves(p):
     assert np.isfinite(leaf).all()
   with pytest.raises(ValueError, match="key"):
-    master_weights(optax.sgd(0.1), narrow=NARROW, rounding="stochastic")
+    master_weights(optax.sgd(0.1), fmt=NARROW, rounding="stochastic")
   with pytest.raises(ValueError, match="params"):
-    master_weights(optax.sgd(0.1), narrow=NARROW).update(GRADS, s, None)
+    master_weights(optax.sgd(0.1), fmt=NARROW).update(GRADS, s, None)
 
 
 def test_fp32_formats_equal_optax():
@@ -63,7 +63,7 @@ def test_fp32_formats_equal_optax():
 
 
 def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
-  tx = scale_by_adam(mu_format=E4M3, nu_format=E5M2, key=jax.random.key(3))
+  tx = scale_by_adam(mu_fmt=E4M3, nu_fmt=E5M2, key=jax.random.key(3))
   s = tx.init(PARAMS)
   step = jax.jit(tx.update)
   u1, s1 = step(GRADS, s)
@@ -72,7 +72,7 @@ def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
     np.testing.assert_array_equal(quantize(mu, E4M3), mu)
     np.testing.assert_array_equal(quantize(nu, E5M2), nu)
   assert not np.array_equal(jax.random.key_data(s1.key), jax.random.key_data(s2.key))
-  tr = trace(0.9, format=BF16, key=jax.random.key(0))
+  tr = trace(0.9, fmt=BF16, key=jax.random.key(0))
   _, st = tr.update(GRADS, tr.init(PARAMS))
   for m in jax.tree.leaves(st.trace):
     np.testing.assert_array_equal(quantize(m, BF16), m)
@@ -84,20 +84,20 @@ def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
 
 def test_stochastic_moments_unbiased_on_average():
   g = {"w": jnp.full((20000,), 0.1)}  # 0.1 is not representable in E4M3
-  tr = trace(0.0, format=E4M3, key=jax.random.key(0))
+  tr = trace(0.0, fmt=E4M3, key=jax.random.key(0))
   _, st = tr.update(g, tr.init(g))
   m = st.trace["w"]
   assert len(np.unique(m)) == 2 and abs(float(m.mean()) - 0.1) < 2e-3
 
 
 TRANSFORMS = {
-    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), narrow=NARROW, wide=WIDE,
+    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), fmt=NARROW, wide_fmt=WIDE,
                                              rounding="stochastic", key=jax.random.key(0)),
-    "master_lars": lambda: master_weights(optax.lars(0.1), narrow=NARROW, wide=WIDE),
+    "master_lars": lambda: master_weights(optax.lars(0.1), fmt=NARROW, wide_fmt=WIDE),
     "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
-    "adam": lambda: optax.chain(scale_by_adam(mu_format=BF16, nu_format=E5M2,
+    "adam": lambda: optax.chain(scale_by_adam(mu_fmt=BF16, nu_fmt=E5M2,
                                               key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
-    "trace": lambda: trace(0.9, format=E4M3, key=jax.random.key(1)),
+    "trace": lambda: trace(0.9, fmt=E4M3, key=jax.random.key(1)),
 }
 
 

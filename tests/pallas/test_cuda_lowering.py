@@ -19,11 +19,11 @@ from cuda_lowering import illegal_ops, kernel_names, lower_for_cuda
 
 import jaxlp
 from jaxlp import formats as F
-from jaxlp.formats.quantize import FORMAT_TYPES
+from jaxlp.formats._quantize import FORMAT_TYPES
 from jaxlp.pallas import _gemm as G
-from jaxlp.pallas.matmul import matmul as kernel_matmul
-from jaxlp.pallas.quantize import quantize as kernel_quantize
-from jaxlp.pallas.quantize import supports
+from jaxlp.pallas._matmul import matmul as kernel_matmul
+from jaxlp.pallas._quantize import quantize as kernel_quantize
+from jaxlp.pallas._quantize import supports
 
 KEY = jax.random.key(0)
 PRESETS = {name: v for name, v in vars(F).items() if isinstance(v, F.FloatFormat)}

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxlp import formats as F
-from jaxlp.ops.matmul import matmul as ref
-from jaxlp.pallas.matmul import can_use_pallas_matmul
-from jaxlp.pallas.matmul import matmul as ker
+from jaxlp.ops._matmul import matmul as ref
+from jaxlp.pallas._matmul import can_use_pallas_matmul
+from jaxlp.pallas._matmul import matmul as ker
 
 KEY = jax.random.key(99)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxlp import formats as F
-from jaxlp.pallas.quantize import can_use_pallas_quantize, supports
-from jaxlp.pallas.quantize import quantize as pq
+from jaxlp.pallas._quantize import can_use_pallas_quantize, supports
+from jaxlp.pallas._quantize import quantize as pq
 
 ROUNDINGS = F.ROUNDINGS
 KEY = jax.random.key(1234)

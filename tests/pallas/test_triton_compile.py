@@ -26,8 +26,8 @@ assert TC.available(), "triton is missing: pip install -e '.[test]' (it is in th
 import jaxlp  # noqa: E402
 from jaxlp import formats as F  # noqa: E402
 
-PQ = importlib.import_module("jaxlp.pallas.quantize")
-PM = importlib.import_module("jaxlp.pallas.matmul")
+PQ = importlib.import_module("jaxlp.pallas._quantize")
+PM = importlib.import_module("jaxlp.pallas._matmul")
 
 KEY = jax.random.key(0)
 SQUARE = jax.ShapeDtypeStruct((256, 256), jnp.float32)

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.quantize import key_words, quantize_f32
-from jaxlp.parallel.aps import format_emax
+from jaxlp.formats._quantize import key_words, quantize_f32
+from jaxlp.parallel._aps import format_emax
 
 F32 = np.float32
 

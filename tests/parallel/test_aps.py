@@ -11,8 +11,9 @@ import optax
 import pytest
 
 from jaxlp import formats as F
-from jaxlp.parallel import emulate, lars, psum, psum_two_level, reduce_gradients
-from jaxlp.parallel.aps import ceil_log2_times, format_emax
+from jaxlp.optim import lars
+from jaxlp.parallel import emulate, psum, psum_two_level, reduce_gradients
+from jaxlp.parallel._aps import ceil_log2_times, format_emax
 
 sys.path.insert(0, str(Path(__file__).parent))
 import oracle  # noqa: E402

@@ -21,7 +21,7 @@ from tests.torch._torch_testutil import assert_same_bits, jax_device_of  # noqa:
 POLICIES = {
     "hbfp_tiled": jaxlp.hbfp_policy(5, tile=4, activations="tiled"),
     "hbfp_per_sample": jaxlp.hbfp_policy(7, weight_man_bits=5, tile=8),
-    "mx": jaxlp.mx_policy(E4M3, block_size=8, grad_elem=E5M2),
+    "mx": jaxlp.mx_policy(E4M3, block_size=8, grad_fmt=E5M2),
     "float": jaxlp.float_policy(E4M3, E5M2),
 }
 

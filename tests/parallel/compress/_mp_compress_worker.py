@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxlp.parallel.compressors as C  # noqa: E402
 from jaxlp.formats import FloatFormat  # noqa: E402
-from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state  # noqa: E402
+from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state  # noqa: E402
 
 # Gradient pytree (shapes only): "fc" and "conv" are compressed (>= MIN_SIZE elements, ndim > 1),
 # "bias" (a vector) and "tiny" (< MIN_SIZE) go through the fp32 path.

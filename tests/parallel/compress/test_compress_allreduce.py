@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxlp.parallel.compressors as C
-from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state
-from jaxlp.parallel.secopa import secopa_plan
+from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
+from jaxlp.parallel._secopa import secopa_plan
 
 W = 8
 PARAMS = {"w1": jnp.zeros((48, 40)), "b1": jnp.zeros((40,)), "w2": jnp.zeros((40, 35)),

@@ -314,7 +314,7 @@ def test_cast_any_format_round_trip_and_wire_bytes(fmt):
 
 
 def test_cast_reduce_custom_format_is_decoded_sum_over_w():
-  from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state
+  from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
   c = C.cast(FloatFormat(4, 4))
   w = 4
   g = jnp.asarray(np.stack([_g((40, 30), s) for s in range(w)]))

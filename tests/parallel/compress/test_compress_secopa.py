@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxlp.parallel.compressors as C
-from jaxlp.parallel.secopa import LinearCost, measure_costs, secopa_plan
+from jaxlp.parallel._secopa import LinearCost, measure_costs, secopa_plan
 
 # HiPress's input.txt (VGG19 gradient names and fp32 element counts)
 VGG19 = [("conv0_weight", 1728), ("conv0_bias", 64), ("conv1_weight", 36864), ("conv1_bias", 64),

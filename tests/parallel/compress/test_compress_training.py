@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxlp.parallel.compressors as C
-from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state
+from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
 
 W = 4
 

@@ -10,7 +10,7 @@ import pytest
 from jaxlp import formats as F
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import reduce_gradients
-from jaxlp.parallel.compressed import compressed_allreduce, init_compression_state
+from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
 
 W = 4
 # TBQ sends +-threshold per element and step: error feedback recovers the mean only where the

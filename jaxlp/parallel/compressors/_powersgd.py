@@ -144,4 +144,25 @@ class PowerSGD:
 
 def powersgd(rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
              error_feedback=True, batched=False) -> PowerSGD:
+  """PowerSGD low-rank compression (rank-``rank`` factors, two all-reduces per matrix).
+
+  Args:
+    rank: the rank of the factors.
+    start_iter: steps of uncompressed (vanilla) all-reduce before compression starts.
+    min_compression_rate: matrices that would not shrink by this factor are sent dense.
+    warm_start: reuse the last ``Q`` factor (PyTorch's default).
+    error_feedback: keep the approximation error and add it to the next gradient.
+    batched: compress all matrices as one batch (PyTorch's ``batch_tensors_with_same_shape``).
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.powersgd(rank=2).rank
+    2
+  """
   return PowerSGD(rank, start_iter, min_compression_rate, warm_start, error_feedback, batched)

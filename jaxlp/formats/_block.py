@@ -13,8 +13,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlp._deprecation import renamed_kwargs
+from jaxlp._util import cdiv, round_up
 from jaxlp.formats import _bits as B
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._float_format import FloatFormat
 
 EXPONENT_RULES = ("exact", "hbfp")
 
@@ -47,7 +49,7 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
     m = jnp.moveaxis(mag, ax, -1)
     n = m.shape[-1]
     bs = n if block_size is None else block_size
-    nb = -(-n // bs) if n else 0
+    nb = cdiv(n, bs) if n else 0
     pad = nb * bs - n
     mp = jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, pad)])
     blk = mp.reshape(m.shape[:-1] + (nb, bs))
@@ -56,8 +58,8 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
     return jnp.moveaxis(full, -1, ax)
   rows, cols, tr, tc = _tile_view(shape, tile)
   m2 = mag.reshape(rows, cols)
-  R = -(-rows // tr) * tr
-  C = -(-cols // tc) * tc
+  R = round_up(rows, tr)
+  C = round_up(cols, tc)
   mp = jnp.pad(m2, [(0, R - rows), (0, C - cols)])
   blk = mp.reshape(R // tr, tr, C // tc, tc)
   mx = jnp.max(blk, axis=(1, 3), keepdims=True, initial=B.u32(0))
@@ -310,7 +312,28 @@ class MXFormat:
     return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
 
 
-def mx(elem, block_size: int = 32, axis: int = -1) -> MXFormat:
-  """OCP MX format with element type ``elem`` (e.g. ``E4M3FN`` for MXFP8, ``E2M1FN`` for
-  MXFP4, ``"int8"`` for MXINT8); see :class:`MXFormat`."""
-  return MXFormat(elem, block_size, axis)
+@renamed_kwargs(elem="fmt")
+def mx(fmt, block_size: int = 32, axis: int = -1) -> MXFormat:
+  """OCP MX format: ``block_size`` elements of format ``fmt`` share an E8M0 scale.
+
+  Args:
+    fmt: the element format: a :class:`FloatFormat` (``E4M3FN`` for MXFP8, ``E2M1FN`` for
+      MXFP4, ...) or ``"int8"`` (MXINT8). Formerly ``elem`` (still accepted, deprecated).
+    block_size: elements per block (32 in the OCP spec).
+    axis: the axis the blocks run along.
+
+  Returns:
+    The :class:`MXFormat` (its ``elem`` field holds ``fmt``).
+
+  Raises:
+    ValueError: an element format MX does not define, or a bad block size.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # amax 3: scale 2**(1 - emax(E2M1) = 2) = 0.5; x / 0.5 = [2, 0.6, -5, 6] rounds on
+    >>> # E2M1's grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} to [2, 0.5, -4, 6] (-5: tie, to even)
+    >>> F.quantize(jnp.array([1.0, 0.3, -2.5, 3.0]), F.mx(F.E2M1FN, 4))
+    Array([ 1.  ,  0.25, -2.  ,  3.  ], dtype=float32)
+  """
+  return MXFormat(fmt, block_size, axis)

@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from jaxlp.formats.codes import from_codes, to_codes
-from jaxlp.formats.float_format import FloatFormat
-from jaxlp.formats.presets import ML_DTYPES_NAMES, PRESETS
-from jaxlp.formats.quantize import quantize as spec_quantize
+from jaxlp.formats._codes import from_codes, to_codes
+from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._presets import ML_DTYPES_NAMES, PRESETS
+from jaxlp.formats._quantize import quantize as spec_quantize
 from jaxlp.parallel.compressors._base import numel, pack_bits, packed_nbytes, unpack_bits
 
 _ALIASES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
@@ -58,7 +58,7 @@ class Cast:
   ``FloatFormat(3, 3)`` = 7 bits, or an 11-bit ``FloatFormat(5, 5)``).
 
   Wire format: fp16/bf16 and the 8-bit ml_dtypes types travel as that dtype; every other
-  format travels as its ``bits``-bit storage codes (:mod:`jaxlp.formats.codes`: sign,
+  format travels as its ``bits``-bit storage codes (:func:`jaxlp.formats.to_codes`: sign,
   exponent field, fraction): ``bits // 8`` byte planes (``"bytes"``, uint8 ``(n, bits//8)``,
   low byte first) plus the remaining ``bits % 8`` bits of each code bit-packed LSB first
   (``"rest"``), so ``wire_bytes = n*(bits//8) + ceil(n*(bits%8)/8)``.

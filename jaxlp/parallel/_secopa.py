@@ -124,7 +124,7 @@ def secopa_plan(sizes, *, topology: str = "ps", num_nodes: int, costs: SeCoPaCos
 
   Returns:
     A list of :class:`PlanEntry` ``(compress, partitions, t_orig, t_comp)``; pass it as
-    ``plan=`` to :func:`jaxlp.parallel.compressed.compressed_allreduce`.
+    ``plan=`` to :func:`jaxlp.parallel.compressed_allreduce`.
   """
   topology = topology.lower()
   if topology not in ("ps", "ring"):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.parallel import _axes
-from jaxlp.parallel.psum import psum
+from jaxlp.parallel._psum import psum
 
 
 class ReduceGradientsState(NamedTuple):
@@ -37,9 +37,9 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     fmt: format of the partial sums; ``None`` = plain float32 ``lax.psum``.
     order, kahan, aps, rounding: as in :func:`jaxlp.parallel.psum`.
     compressor: a compressor of ``jaxlp.parallel.compressors``; the reduction is then
-      ``jaxlp.parallel.compressed.compressed_allreduce(..., mean=mean, **compressor_opts)``
+      ``jaxlp.parallel.compressed_allreduce(..., mean=mean, **compressor_opts)``
       (which takes the mean itself, as each compressor family defines it) and the state holds
-      its :class:`~jaxlp.parallel.compressed.CompressionState` (error feedback).
+      its :class:`~jaxlp.parallel.CompressionState` (error feedback).
     mean: return the mean instead of the sum.
     key: base PRNG key for stochastic rounding (default ``jax.random.key(0)``); step t
       uses ``fold_in(key, t)``.
@@ -67,7 +67,7 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     k = jax.random.key(0) if key is None else key
     cstate = None
     if compressor is not None:
-      from jaxlp.parallel.compressed import init_compression_state
+      from jaxlp.parallel._compressed import init_compression_state
       init_opts = {n: v for n, v in compressor_opts.items()
                    if n in ("min_size", "skip_vectors", "bucket_mb", "plan")}
       cstate = init_compression_state(compressor, params, **init_opts)
@@ -77,7 +77,7 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     del params
     cstate = state.compressor_state
     if compressor is not None:  # the mean is taken once, inside (per compressor family)
-      from jaxlp.parallel.compressed import compressed_allreduce
+      from jaxlp.parallel._compressed import compressed_allreduce
       updates, cstate = compressed_allreduce(updates, cstate, axis_name, compressor,
                                              mean=mean, **compressor_opts)
       return updates, ReduceGradientsState(state.count + 1, state.key, cstate)

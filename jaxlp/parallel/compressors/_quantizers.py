@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp._util import cdiv
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -63,7 +64,7 @@ class CGX:
 
   def _split(self, n):
     nq = (n // self.bucket_size) * self.bucket_size if self.skip_incomplete else n
-    return nq, -(-nq // self.bucket_size)
+    return nq, cdiv(nq, self.bucket_size)
 
   def encode(self, g, state, key=None):
     x = _flat_f32(g)
@@ -118,7 +119,29 @@ class CGX:
 
 
 def cgx(bits=4, bucket_size=512, stochastic=False, skip_incomplete=False) -> CGX:
-  """CGX max-min bucket quantizer (see :class:`CGX`)."""
+  """CGX max-min bucket quantizer: each bucket sends its min, its unit
+  ``(max - min)/(2^bits - 1)`` and one ``bits``-bit level per element (the full
+  specification is the docstring of the returned object's class).
+
+  Args:
+    bits: bits per level, 1 to 8.
+    bucket_size: elements per bucket (positive int).
+    stochastic: stochastic level rounding (unbiased) instead of round-half-up.
+    skip_incomplete: send the last partial bucket raw (float32) instead of quantized.
+
+  Returns:
+    The compressor (a frozen dataclass; pass it to :func:`jaxlp.parallel.reduce_gradients`
+    or :func:`jaxlp.parallel.compressed_allreduce`).
+
+  Raises:
+    ValueError: a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> c = compressors.cgx(bits=4, bucket_size=512)
+    >>> c.wire_bytes((1024,))
+    528
+  """
   return CGX(bits, bucket_size, stochastic, skip_incomplete)
 
 
@@ -156,7 +179,7 @@ class QSGD:
       raise ValueError("qsgd needs key")
     x = _flat_f32(g)
     n = x.shape[0]
-    nb = -(-n // self.bucket_size)
+    nb = cdiv(n, self.bucket_size)
     xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
     norm = sqrt_f32(det_sum(no_fma(xb * xb)))[:, None]
     safe = jnp.where(norm > 0, norm, 1.0)
@@ -177,10 +200,27 @@ class QSGD:
 
   def wire_bytes(self, shape, dtype=jnp.float32):
     n = numel(shape)
-    return 4 * (-(-n // self.bucket_size)) + packed_nbytes(n, self.bits)
+    return 4 * (cdiv(n, self.bucket_size)) + packed_nbytes(n, self.bits)
 
 
 def qsgd(levels=15, bucket_size=512) -> QSGD:
+  """QSGD stochastic quantizer with ``levels`` levels per sign and a float32 norm per bucket.
+
+  Args:
+    levels: quantization levels, 1 to 127.
+    bucket_size: elements per bucket (positive int).
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.qsgd(levels=15).levels
+    15
+  """
   return QSGD(levels, bucket_size)
 
 
@@ -242,6 +282,25 @@ class OneBit:
 
 
 def onebit(scaling="mean", error_feedback=True) -> OneBit:
+  """1-bit SGD (sign bits and per-tensor scales) with error feedback.
+
+  Args:
+    scaling: ``"mean"`` (one scale: the mean magnitude) or ``"pos_neg_means"`` (the means of
+      the negative and of the positive elements); the returned object's class has the
+      exact rule.
+    error_feedback: keep the quantization error and add it to the next gradient.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: an unknown ``scaling``.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.onebit().wire_bytes((64,))
+    12
+  """
   return OneBit(scaling, error_feedback)
 
 
@@ -287,6 +346,24 @@ class TBQ:
 
 
 def tbq(threshold=1.0) -> TBQ:
+  """Threshold binary quantization (HiPress TBQ): elements beyond ``±threshold`` send
+  ``±threshold`` as 2-bit codes, the rest stays in the residual.
+
+  Args:
+    threshold: the positive threshold; it should exceed the typical gradient magnitude for
+      the error feedback to drain the residual.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a threshold that is not positive.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.tbq(threshold=0.5).threshold
+    0.5
+  """
   return TBQ(threshold)
 
 
@@ -381,4 +458,24 @@ class TernGrad:
 
 
 def terngrad(variant="paper", bits=2, clip=None) -> TernGrad:
+  """TernGrad: stochastic ternary (``bits=2``) or wider levels with a per-tensor scale.
+
+  Args:
+    variant: ``"paper"`` (Wen et al.'s unbiased ternary rule) or ``"hipress"`` (HiPress's
+      b-bit max-min rule).
+    bits: bits per element: 2 for ``"paper"``; 1, 2, 4 or 8 for ``"hipress"``.
+    clip: ``"paper"`` only: clip to ``clip * std`` first (the paper's c = 2.5); None: no
+      clipping.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: an unknown variant or a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.terngrad().bits
+    2
+  """
   return TernGrad(variant, bits, clip)

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.pallas import _gemm as G
-from jaxlp.pallas.quantize import on_gpu
+from jaxlp.pallas._quantize import on_gpu
 
 #: Arrays with fewer output MACs than this are left to the reference.
 MIN_PALLAS_MACS = 1 << 20
@@ -67,7 +68,7 @@ def kernel_applies(a_shape, b_shape, *, algorithm="naive", chunk=None) -> bool:
 
 def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
   """Whether ``jaxlp.matmul(a, b, ...)`` runs the kernel: both operands live on a GPU
-  device (see ``on_gpu`` in ``jaxlp/pallas/quantize.py``; False for tracers, whose platform is
+  device (see ``on_gpu`` in ``jaxlp/pallas/_quantize.py``; False for tracers, whose platform is
   chosen at lowering) and :func:`kernel_applies`. Either way the naive/kahan bits are the
   same."""
   return (on_gpu(a) and on_gpu(b)
@@ -90,7 +91,7 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
         b_blk = b_ref[pl.ds(t * chunk, chunk), :]
         return G.chunk_step(ctx, s, G.chunk_dot(a_blk, b_blk), t)
 
-      s = lax.fori_loop(0, -(-K // chunk), body, s0)
+      s = lax.fori_loop(0, cdiv(K, chunk), body, s0)
     elif algorithm == "naive":
       def body(t, s):
         return G.naive_step(ctx, s, a_ref[:, pl.ds(t, 1)], b_ref[pl.ds(t, 1), :], t)
@@ -112,7 +113,8 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
            block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
   """Pallas version of :func:`jaxlp.matmul` (same arguments and bits; see there).
 
-  Extra args:
+  Args:
+    a, b: the operands; every argument before ``interpret`` is as in :func:`jaxlp.matmul`.
     interpret: run in the Pallas interpreter (CPU testing).
     block_m, block_n: output tile (powers of two on GPU; default min(64, next_pow2(dim)),
       at least 16 for "chunked").
@@ -128,10 +130,10 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   if Bt * M * N == 0 or K == 0:
     return C.reshape(out_shape).astype(dt)
   lo = 16 if algorithm == "chunked" else 1
-  bm = block_m or max(lo, min(64, _next_pow2(M)))
-  bn = block_n or max(lo, min(64, _next_pow2(N)))
-  Mp, Np = -(-M // bm) * bm, -(-N // bn) * bn
-  Kp = -(-K // chunk) * chunk if algorithm == "chunked" else K
+  bm = block_m or max(lo, min(64, next_pow2(M)))
+  bn = block_n or max(lo, min(64, next_pow2(N)))
+  Mp, Np = round_up(M, bm), round_up(N, bn)
+  Kp = round_up(K, chunk) if algorithm == "chunked" else K
   A = jnp.pad(A, ((0, 0), (0, Mp - M), (0, Kp - K)))
   Bm = jnp.pad(Bm, ((0, 0), (0, Kp - K), (0, Np - N)))
   C = jnp.pad(C, ((0, 0), (0, Mp - M), (0, Np - N)))
@@ -159,9 +161,6 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   )(G.key_array(key, rounding), jnp.zeros((1,), jnp.uint32), A, Bm, C)
   return out[:, :M, :N].reshape(out_shape).astype(dt)
 
-
-def _next_pow2(n: int) -> int:
-  return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 __all__ = ["can_use_pallas_matmul", "kernel_applies", "matmul"]

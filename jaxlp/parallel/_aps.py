@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
-from jaxlp.formats.fixed_point import FixedPoint
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
+from jaxlp.formats._fixed_point import FixedPoint
+from jaxlp.formats._float_format import FloatFormat
 from jaxlp.parallel import _axes
 
 #: Exponent reported for an all-zero leaf (below every float32 exponent).

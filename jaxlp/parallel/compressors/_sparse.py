@@ -98,6 +98,27 @@ class DGC(_Sparse):
 
 
 def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
+  """Deep Gradient Compression: momentum correction, local accumulation and top-``ratio``
+  sparsification by a sampled threshold.
+
+  Args:
+    ratio: fraction of elements kept per step (0.01 = 99% sparsity).
+    momentum: DGC's momentum-correction factor (use it with plain SGD).
+    sample_rate: fraction sampled to estimate the threshold (None: exact top-k).
+    clip: local clipping ``g *= min(1, clip/||g||)``; None: no clipping.
+    warmup: steps per warm-up stage (0: no warm-up); see the returned object's class.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.dgc(ratio=0.001).ratio
+    0.001
+  """
   return DGC(ratio, momentum, sample_rate, clip, warmup)
 
 
@@ -134,6 +155,23 @@ class GradDrop(_Sparse):
 
 
 def graddrop(drop_ratio=0.99, sample_rate=0.01) -> GradDrop:
+  """GradDrop: accumulate into a residual and send the largest ``1 - drop_ratio`` fraction.
+
+  Args:
+    drop_ratio: fraction of elements dropped per step (0 <= drop_ratio < 1).
+    sample_rate: fraction sampled to estimate the threshold (None: exact).
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a value out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.graddrop(drop_ratio=0.99).drop_ratio
+    0.99
+  """
   return GradDrop(drop_ratio, sample_rate)
 
 
@@ -164,6 +202,23 @@ class TopK(_Sparse):
 
 
 def topk(ratio=0.01, error_feedback=True) -> TopK:
+  """Exact top-k by magnitude (``k = ceil(n * ratio)``) with residual error feedback.
+
+  Args:
+    ratio: fraction of elements sent per step (0 < ratio <= 1).
+    error_feedback: keep what was not sent and add it to the next gradient.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a ratio out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.topk(ratio=0.01).capacity(1000)
+    10
+  """
   return TopK(ratio, error_feedback)
 
 
@@ -215,4 +270,22 @@ class RandomK:
 
 
 def randomk(ratio=0.01, error_feedback=True) -> RandomK:
+  """Random-k sparsification with error feedback; the indices come from a seed carried in
+  the payload, so no index list goes on the wire.
+
+  Args:
+    ratio: fraction of elements sent per step (0 < ratio <= 1).
+    error_feedback: keep what was not sent and add it to the next gradient.
+
+  Returns:
+    The compressor (a frozen dataclass).
+
+  Raises:
+    ValueError: a ratio out of range.
+
+  Example:
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.randomk(ratio=0.1).ratio
+    0.1
+  """
   return RandomK(ratio, error_feedback)

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlp.formats.quantize import check_format
-from jaxlp.ops.quantize import quantize as _quantize  # kernel on a GPU where faster
+from jaxlp._deprecation import renamed_kwargs
+from jaxlp.formats._quantize import check_format
+from jaxlp.ops._quantize import quantize as _quantize  # kernel on a GPU where faster
 
 
 def _check(fmt, rounding, name):
@@ -55,7 +56,8 @@ class MasterWeightsState(NamedTuple):
   key: jax.Array
 
 
-def master_weights(inner: optax.GradientTransformation, narrow=None, wide=None, *,
+@renamed_kwargs(narrow="fmt", wide="wide_fmt")
+def master_weights(inner: optax.GradientTransformation, fmt=None, wide_fmt=None, *,
                    rounding: str = "nearest", key=None) -> optax.GradientTransformation:
   """HBFP's shell optimizer: the inner optimizer updates a wide copy; params come out narrow.
 
@@ -71,8 +73,10 @@ def master_weights(inner: optax.GradientTransformation, narrow=None, wide=None, 
 
   Args:
     inner: the base optimizer (its buffers stay FP32: HBFPEmulator never quantizes them).
-    narrow: format of the parameters the model uses (e.g. ``hbfp(7, 24)``), None = FP32.
-    wide: format of the stored copy (e.g. ``hbfp(15, 24)``), None = FP32.
+    fmt: format of the parameters the model uses (the narrow format, e.g. ``hbfp(7, 24)``),
+      None = FP32. Formerly ``narrow`` (still accepted, deprecated).
+    wide_fmt: format of the stored copy (e.g. ``hbfp(15, 24)``), None = FP32. Formerly
+      ``wide`` (still accepted, deprecated).
     rounding: rounding of both quantizations.
     key: PRNG key (required for stochastic rounding).
 
@@ -80,13 +84,13 @@ def master_weights(inner: optax.GradientTransformation, narrow=None, wide=None, 
     parsa-epfl/HBFPEmulator ``bfp/bfp_optim.py`` (``get_bfp_optim``); Drumond et al., NeurIPS
     2018 ("wide weight storage").
   """
-  _check(narrow, rounding, "narrow")
-  _check(wide, rounding, "wide")
+  _check(fmt, rounding, "fmt")
+  _check(wide_fmt, rounding, "wide_fmt")
   key0 = _needs_key(rounding, key, "master_weights")
 
   def init_fn(params):
     k_next, k = _split(key0, rounding)
-    w = _tree_quantize(params, wide, rounding, k)
+    w = _tree_quantize(params, wide_fmt, rounding, k)
     return MasterWeightsState(w, inner.init(w), k_next)
 
   def update_fn(updates, state, params=None):
@@ -97,8 +101,8 @@ def master_weights(inner: optax.GradientTransformation, narrow=None, wide=None, 
     new = optax.apply_updates(state.wide, u)
     key, k = _split(state.key, rounding)
     k_wide, k_narrow = jax.random.split(k) if rounding == "stochastic" else (k, k)
-    new_wide = _tree_quantize(new, wide, rounding, k_wide)
-    new_narrow = _tree_quantize(new, narrow, rounding, k_narrow)
+    new_wide = _tree_quantize(new, wide_fmt, rounding, k_wide)
+    new_narrow = _tree_quantize(new, fmt, rounding, k_narrow)
     out = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_narrow, params)
     new_wide = jax.tree.map(lambda n, w: n.astype(w.dtype), new_wide, state.wide)
     return out, MasterWeightsState(new_wide, inner_state, key)
@@ -137,29 +141,31 @@ def quantize_updates(fmt, rounding: str = "nearest", *, key=None
 
 
 class LowPrecisionTraceState(NamedTuple):
-  """State of :func:`trace`: the momentum (values representable in ``format``) and key."""
+  """State of :func:`trace`: the momentum (values representable in ``fmt``) and key."""
 
   trace: Any
   key: jax.Array
 
 
-def trace(decay: float, nesterov: bool = False, *, format=None,  # noqa: A002
+@renamed_kwargs(format="fmt")
+def trace(decay: float, nesterov: bool = False, *, fmt=None,
           rounding: str = "stochastic", key=None) -> optax.GradientTransformation:
-  """optax.trace (momentum) whose buffer is stored rounded to ``format``.
+  """optax.trace (momentum) whose buffer is stored rounded to ``fmt``.
 
   ``m = Q(g + decay * m)``; the update is ``m`` (or ``g + decay * m`` for Nesterov). The
-  buffer is float32 holding values representable in ``format``; stochastic rounding (the
+  buffer is float32 holding values representable in ``fmt``; stochastic rounding (the
   default) draws from a key kept in the state and split every step.
 
   Args:
     decay: momentum decay.
     nesterov: Nesterov momentum.
-    format: storage format of the buffer (None = FP32, i.e. ``optax.trace``).
+    fmt: storage format of the buffer (None = FP32, i.e. ``optax.trace``). Formerly
+      ``format`` (still accepted, deprecated).
     rounding: rounding mode of the buffer writes.
     key: PRNG key (required for stochastic rounding with a format).
   """
-  rounding = "nearest" if format is None else rounding
-  _check(format, rounding, "format")
+  rounding = "nearest" if fmt is None else rounding
+  _check(fmt, rounding, "fmt")
   key0 = _needs_key(rounding, key, "trace")
 
   def init_fn(params):
@@ -170,7 +176,7 @@ def trace(decay: float, nesterov: bool = False, *, format=None,  # noqa: A002
     del params
     key, k = _split(state.key, rounding)
     m = jax.tree.map(lambda g, t: g.astype(jnp.float32) + decay * t, updates, state.trace)
-    m = _tree_quantize(m, format, rounding, k)
+    m = _tree_quantize(m, fmt, rounding, k)
     if nesterov:
       out = jax.tree.map(lambda g, t: g.astype(jnp.float32) + decay * t, updates, m)
     else:
@@ -190,10 +196,11 @@ class LowPrecisionAdamState(NamedTuple):
   key: jax.Array
 
 
+@renamed_kwargs(mu_format="mu_fmt", nu_format="nu_fmt")
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  eps_root: float = 0.0, *, mu_format=None, nu_format=None,
+                  eps_root: float = 0.0, *, mu_fmt=None, nu_fmt=None,
                   rounding: str = "stochastic", key=None) -> optax.GradientTransformation:
-  """optax.scale_by_adam with the moments stored rounded to ``mu_format`` / ``nu_format``.
+  """optax.scale_by_adam with the moments stored rounded to ``mu_fmt`` / ``nu_fmt``.
 
   ``mu = Q_mu(b1 mu + (1 - b1) g)``, ``nu = Q_nu(b2 nu + (1 - b2) g²)`` (float32 containers of
   representable values), then optax's bias correction and ``mu_hat / (sqrt(nu_hat +
@@ -202,14 +209,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   Args:
     b1, b2, eps, eps_root: as in optax.
-    mu_format, nu_format: storage formats (None = FP32).
+    mu_fmt, nu_fmt: storage formats (None = FP32). Formerly ``mu_format``/``nu_format``
+      (still accepted, deprecated).
     rounding: rounding of the moment writes (default stochastic: unbiased).
     key: PRNG key (required for stochastic rounding with a format).
   """
-  lp = mu_format is not None or nu_format is not None
+  lp = mu_fmt is not None or nu_fmt is not None
   rounding = rounding if lp else "nearest"
-  _check(mu_format, rounding, "mu_format")
-  _check(nu_format, rounding, "nu_format")
+  _check(mu_fmt, rounding, "mu_fmt")
+  _check(nu_fmt, rounding, "nu_fmt")
   key0 = _needs_key(rounding, key, "scale_by_adam")
 
   def init_fn(params):
@@ -223,8 +231,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     g32 = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
     mu = optax.tree.update_moment(g32, state.mu, b1, 1)
     nu = optax.tree.update_moment_per_elem_norm(g32, state.nu, b2, 2)
-    mu = _tree_quantize(mu, mu_format, rounding, k_mu)
-    nu = _tree_quantize(nu, nu_format, rounding, k_nu)
+    mu = _tree_quantize(mu, mu_fmt, rounding, k_mu)
+    nu = _tree_quantize(nu, nu_fmt, rounding, k_nu)
     count = optax.safe_increment(state.count)
     mu_hat = optax.tree.bias_correction(mu, b1, count)
     nu_hat = optax.tree.bias_correction(nu, b2, count)

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp._util import cdiv
 from jaxlp.parallel import _axes
 from jaxlp.parallel.compressors._base import exact_div, numel
 
@@ -60,7 +61,8 @@ class CompressionState(NamedTuple):
   """State of :func:`compressed_allreduce`.
 
   Attributes:
-    step: int32 step counter (drives the per-step noise key).
+    count: int32 step counter (drives the per-step noise key); optax's name. The old name
+      ``step`` still reads it, with a ``DeprecationWarning``.
     key: legacy uint32[2] PRNG key; per step and worker keys are folded from it.
     leaves: one entry per gradient leaf (tree-flatten order): the compressor's state, or for
       dense quantizers ``{"worker": ..., "server": ...}`` (the server residual is used by
@@ -68,10 +70,18 @@ class CompressionState(NamedTuple):
     buckets: per-bucket states of ``PowerSGD(batched=True)`` with ``bucket_mb`` (one square
       matrix per bucket, as PyTorch's ``batched_powerSGD_hook``); empty otherwise.
   """
-  step: Any
+  count: Any
   key: Any
   leaves: tuple
   buckets: tuple = ()
+
+  @property
+  def step(self):
+    import warnings  # noqa: PLC0415
+
+    warnings.warn("CompressionState.step is deprecated: use CompressionState.count",
+                  DeprecationWarning, stacklevel=2)
+    return self.count
 
 
 def _is_dense(comp):
@@ -136,14 +146,37 @@ def _tree_collective(collective, tree, axis_name):
   return jax.tree_util.tree_map(lambda a: _bitwise(lambda b: collective(b, axis_name), a), tree)
 
 
-def ordered_psum(x, axis_name, w):
-  """Sum over the axis in ascending rank order (all-gather + sequential adds): the same bits
-  under vmap, shard_map and pmap (``lax.psum``'s order differs between them).
+def ordered_psum(x, axis_name, w=None):
+  """Sum ``x`` over the named axis in ascending rank order, the same bits on every worker.
 
-  Narrow floats travel as their bit patterns (see :func:`_bitwise`)."""
+  An all-gather followed by sequential float adds in rank order, so the bits are the same
+  under named ``vmap``, ``shard_map`` and ``pmap`` (``lax.psum``'s order differs between
+  them). Narrow floats travel as their bit patterns.
+
+  Args:
+    x: an array (any float dtype) on each worker.
+    axis_name: the named axis (or tuple of axes) to sum over.
+    w: deprecated; the axis size is read from the axis.
+
+  Returns:
+    The sum, with ``x``'s shape and dtype, identical on every worker.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp.parallel import ordered_psum
+    >>> jax.vmap(lambda v: ordered_psum(v, "w"), axis_name="w")(jnp.arange(4.0))
+    Array([6., 6., 6., 6.], dtype=float32)
+  """
   g = _bitwise(lambda a: _axes.all_gather(a, axis_name), x)
+  if w is not None:
+    import warnings  # noqa: PLC0415
+
+    warnings.warn("ordered_psum(x, axis_name, w): w is deprecated (the axis size is read from "
+                  "the axis)", DeprecationWarning, stacklevel=2)
+    if int(w) != g.shape[0]:
+      raise ValueError(f"ordered_psum: w={w} but axis {axis_name!r} has size {g.shape[0]}")
   acc = g[0]
-  for j in range(1, w):
+  for j in range(1, g.shape[0]):
     acc = acc + g[j]
   return acc
 
@@ -172,7 +205,7 @@ def _pad_edge(x, m):
 def _encode_pieces(comp, x, st, key, k):
   """Encode ``x`` cut into ``k`` equal pieces (SeCoPa partitions)."""
   n = x.shape[0]
-  c = -(-n // k)
+  c = cdiv(n, k)
   xs = _pad_edge(x, k * c).reshape(k, c)
   sts = _split_state(st, k, c, n)
   payload, sts = jax.vmap(comp.encode)(xs, sts, jax.random.split(key, k))
@@ -197,7 +230,7 @@ def _allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
 
 def _sra_reduce(comp, x, st, key, axis_name, w, me):
   n = x.shape[0]
-  c = -(-n // w)
+  c = cdiv(n, w)
   xs = _pad_edge(x, w * c).reshape(w, c)
   wst = _split_state(st["worker"], w, c, n)
   payload, wst = jax.vmap(comp.encode)(xs, wst, jax.random.split(key, w))
@@ -220,7 +253,7 @@ def _ring_reduce(comp, x, st, key, axis_name, w, me):
   """CGX compressed ring: W-1 re-quantizing reduce-scatter steps, then the owner's final
   encoding is all-gathered unchanged."""
   n = x.shape[0]
-  c = -(-n // w)
+  c = cdiv(n, w)
   xs = _pad_edge(x, w * c).reshape(w, c)
   wst = _split_state(st["worker"], w, c, n)
   take = lambda tree, i: jax.tree_util.tree_map(  # noqa: E731
@@ -250,7 +283,7 @@ def _cast_reduce(comp, x, axis_name, w, mean):
     # PyTorch's fp16/bf16 hooks: cast, divide in the narrow type, all-reduce in that type
     # (every partial sum rounded to it). jaxlp.parallel.psum's ring: per-hop rounding,
     # 16-bit payloads, 2(W-1)/W x 2 bytes per element, the same bits in every mode.
-    from jaxlp.parallel.psum import psum
+    from jaxlp.parallel._psum import psum
 
     c = comp.round(x)  # float32 on the narrow grid (see Cast.round)
     if mean:
@@ -272,9 +305,9 @@ def _split_flat(flat, shapes):
 def _fused_psum(arrays, axis_name, w):
   """One rank-ordered sum for a list of arrays (concatenated: a fused all-reduce)."""
   if len(arrays) == 1:
-    return [ordered_psum(arrays[0], axis_name, w)]
+    return [ordered_psum(arrays[0], axis_name)]
   flat = jnp.concatenate([jnp.ravel(a) for a in arrays])
-  return _split_flat(ordered_psum(flat, axis_name, w), [a.shape for a in arrays])
+  return _split_flat(ordered_psum(flat, axis_name), [a.shape for a in arrays])
 
 
 def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
@@ -282,7 +315,7 @@ def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
   fused sum, then the Q's in another (and the plain mean before ``start_iter`` in one).
 
   Returns ``(approximations, new_states)``; the approximations are of the mean (or sum)."""
-  from jaxlp.parallel.compressors.powersgd import outer_sum, thin_matmul
+  from jaxlp.parallel.compressors._powersgd import outer_sum, thin_matmul
 
   ms = [m + st["error"].reshape(m.shape) if comp.error_feedback else m
         for m, st in zip(mats, sts, strict=True)]
@@ -316,7 +349,7 @@ def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
 
 
 def comp_orth(x):
-  from jaxlp.parallel.compressors.powersgd import orthogonalize
+  from jaxlp.parallel.compressors._powersgd import orthogonalize
   return orthogonalize(x)
 
 
@@ -374,7 +407,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
     bucket_mb: fuse the compressed leaves into buckets of at most this many MB (fp32).
     mean: divide by W -- BEFORE compression (CGX hook) for quantizers/sparsifiers; cast then
       divide for ``cast``; Q only, for PowerSGD (PyTorch).
-    plan: optional per-leaf decisions (e.g. :func:`jaxlp.parallel.secopa.secopa_plan` output):
+    plan: optional per-leaf decisions (e.g. :func:`jaxlp.parallel.secopa_plan` output):
       a sequence, in leaf order, of ``(compress: bool, partitions: int)``; overrides the
       ``min_size``/``skip_vectors`` filters. ``partitions > 1`` encodes the leaf in that many
       independent pieces (all-gather path).
@@ -395,7 +428,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
   w = _axes.axis_size(axis_name)
   me = _axes.axis_index(axis_name)
   base = state.key if key is None else key
-  step_key = jax.random.fold_in(base, state.step)
+  step_key = jax.random.fold_in(base, state.count)
   worker_key = jax.random.fold_in(step_key, me)
   use_sra = _is_dense(compressor) and algorithm in ("auto", "sra")
 
@@ -412,7 +445,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       comp_ok = False
     if not comp_ok or numel(g.shape) == 0:
       x = g.astype(jnp.float32)
-      out[i] = ordered_psum(exact_div(x, w) if mean else x, axis_name, w).astype(g.dtype)
+      out[i] = ordered_psum(exact_div(x, w) if mean else x, axis_name).astype(g.dtype)
       continue
     todo.append((i, parts))
 
@@ -439,7 +472,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
         flat = o.reshape(-1)[:sum(sizes[i] for i in grp)]
         for i, r in zip(grp, _split_flat(flat, [leaves[i].shape for i in grp]), strict=True):
           out[i] = r.astype(leaves[i].dtype)
-      return treedef.unflatten(out), state._replace(step=state.step + 1,
+      return treedef.unflatten(out), state._replace(count=state.count + 1,
                                                     leaves=tuple(new_states),
                                                     buckets=tuple(new_buckets))
     for grp in groups:
@@ -450,7 +483,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       for i, o, nw in zip(grp, outs, news, strict=True):
         out[i] = compressor.from_matrix(o, leaves[i].shape).astype(leaves[i].dtype)
         new_states[i] = nw
-    return treedef.unflatten(out), state._replace(step=state.step + 1, leaves=tuple(new_states))
+    return treedef.unflatten(out), state._replace(count=state.count + 1, leaves=tuple(new_states))
 
   if bucket_mb and plan is None:
     groups = _group_buckets([i for i, _ in todo], [numel(g.shape) for g in leaves], bucket_mb)
@@ -486,7 +519,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       new_states[i] = s
       offs += n
     del gi
-  return treedef.unflatten(out), state._replace(step=state.step + 1, leaves=tuple(new_states))
+  return treedef.unflatten(out), state._replace(count=state.count + 1, leaves=tuple(new_states))
 
 
 def _fuse_states(states):

@@ -10,10 +10,10 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats.block import BlockFormat, MXFormat, QPyTorchBlock
-from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
-from jaxlp.formats.fixed_point import FixedPoint
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._block import BlockFormat, MXFormat, QPyTorchBlock
+from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
+from jaxlp.formats._fixed_point import FixedPoint
+from jaxlp.formats._float_format import FloatFormat
 
 ROUNDINGS = B.ROUNDINGS
 FORMAT_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint, BlockFormat, QPyTorchBlock,

@@ -36,12 +36,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.formats import _bits as B
-from jaxlp.formats.block import BlockFormat, MXFormat
-from jaxlp.formats.compat import CPDFloat, QPyTorchFloat
-from jaxlp.formats.fixed_point import FixedPoint
-from jaxlp.formats.float_format import FloatFormat
-from jaxlp.formats.quantize import _INPUT_DTYPES, check_format, prepare
+from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
+from jaxlp.formats._fixed_point import FixedPoint
+from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._quantize import _INPUT_DTYPES, check_format, prepare
 
 #: Elements per program of the elementwise kernel (power of two).
 DEFAULT_BLOCK_SIZE = 4096
@@ -54,9 +55,6 @@ MIN_PALLAS_SIZE = 1 << 16
 
 _ELEMENTWISE_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint)
 
-
-def _next_pow2(n: int) -> int:
-  return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _compiler_params(interpret, num_warps=4):
@@ -74,7 +72,7 @@ def block_geometry(fmt, shape):
 
   ``mx``/``BlockFormat(axis=...)`` along the last axis: view (prod(shape[:-1]), shape[-1]),
   tiles (1, b). ``BlockFormat(tile=(tr, tc))`` with finite tiles: view (dim0, prod(rest)) as
-  in :func:`jaxlp.formats.block.block_max_bits`. Other block formats (another axis, whole
+  in :func:`jaxlp.formats._block.block_max_bits`. Other block formats (another axis, whole
   tensor/whole axis blocks, ``qpytorch_block``) return None (not supported by the kernel).
   """
   nd = len(shape)
@@ -217,7 +215,7 @@ def _block_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, bloc
   mxb = jnp.max(mag_i, axis=1, keepdims=True).astype(jnp.uint32)
   mxb = jnp.broadcast_to(mxb, bits.shape)
   if rounding == "stochastic":
-    nct = -(-cols // tc)
+    nct = cdiv(cols, tc)
     r = (pl.program_id(0) * block_rows).astype(jnp.uint32) + lax.broadcasted_iota(
         jnp.uint32, (block_rows, width), 0)
     lane = lax.broadcasted_iota(jnp.uint32, (block_rows, width), 1)
@@ -238,8 +236,8 @@ def _block_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, bloc
 # ---------------------------------------------------------------------------------------
 def _run_elementwise(x, kw, fmt, rounding, rand_bits, interpret, block_size):
   n = x.size
-  bs = block_size or min(DEFAULT_BLOCK_SIZE, _next_pow2(n))
-  nblk = -(-n // bs)
+  bs = block_size or min(DEFAULT_BLOCK_SIZE, next_pow2(n))
+  nblk = cdiv(n, bs)
   flat = jnp.pad(x.reshape(-1), (0, nblk * bs - n))
   kernel = functools.partial(_elementwise_kernel, fmt=fmt, rounding=rounding,
                              rand_bits=rand_bits, block_size=bs)
@@ -258,13 +256,13 @@ def _run_elementwise(x, kw, fmt, rounding, rand_bits, interpret, block_size):
 
 def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
   rows, cols, tr, tc = geom = block_geometry(fmt, x.shape)
-  R, C = -(-rows // tr) * tr, -(-cols // tc) * tc
+  R, C = round_up(rows, tr), round_up(cols, tc)
   x2 = jnp.pad(x.reshape(rows, cols), ((0, R - rows), (0, C - cols)))
   nb = (R // tr) * (C // tc)
   blocks = x2.reshape(R // tr, tr, C // tc, tc).transpose(0, 2, 1, 3).reshape(nb, tr * tc)
-  width = _next_pow2(tr * tc)
-  br = block_rows or max(1, min(DEFAULT_BLOCK_ROWS, _next_pow2(nb), 16384 // width))
-  nbp = -(-nb // br) * br
+  width = next_pow2(tr * tc)
+  br = block_rows or max(1, min(DEFAULT_BLOCK_ROWS, next_pow2(nb), 16384 // width))
+  nbp = round_up(nb, br)
   blocks = jnp.pad(blocks, ((0, nbp - nb), (0, width - tr * tc)))
   kernel = functools.partial(_block_kernel, fmt=fmt, rounding=rounding, rand_bits=rand_bits,
                              geom=geom, block_rows=br, width=width)
@@ -326,5 +324,5 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
 
 def quantize_words(x, kw, fmt, rounding: str, rand_bits=None, *, interpret=False,
                    block_size=None):
-  """The kernel on validated arguments (see :func:`jaxlp.formats.quantize.prepare`)."""
+  """The kernel on validated arguments (see :func:`jaxlp.formats._quantize.prepare`)."""
   return _quantize_ste(x, kw, fmt, rounding, rand_bits, interpret, block_size)

@@ -22,7 +22,7 @@ gradual underflow on every backend: see :mod:`jaxlp.parallel._arith`).
 * ``kahan=True`` (chain and ring): ``s = Q(g_first)``, ``c = +0``, then per addend
   ``y = Q(g - c); t = Q(s + y); c = Q(Q(t - s) - y); s = t``; result ``s`` (CPD's
   ``kahan_sum_gradients``; the compensation is not added back).
-* ``aps=True``: see :mod:`jaxlp.parallel.aps`: ``shift = emax(fmt) - A`` per leaf, the
+* ``aps=True``: APS (:func:`jaxlp.parallel.format_emax`): ``shift = emax(fmt) - A`` per leaf, the
   addends become ``Q(g * 2**shift)`` (exact power-of-two scaling on the bits), the sum is
   taken as above and multiplied by ``2**-shift`` (IEEE-rounded). An all-zero leaf gives
   zeros. If any worker's leaf holds inf or NaN the whole leaf is NaN on every worker (so
@@ -45,12 +45,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
-from jaxlp.formats.quantize import check_format, is_elementwise, key_words, quantize_f32
+from jaxlp.formats._quantize import check_format, is_elementwise, key_words, quantize_f32
 from jaxlp.parallel import _axes
+from jaxlp.parallel._aps import aps_shift
 from jaxlp.parallel._arith import add_f32, scale_pow2, sub_f32
 from jaxlp.parallel._codec import codec_for
-from jaxlp.parallel.aps import aps_shift
 
 ORDERS = ("ring", "chain", "tree", "native")
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -195,7 +196,7 @@ def _tree(g, q, w):
 
 def _ring(x, axis_name, w, me, q, kahan, codec):
   n = x.size
-  length = -(-n // w)
+  length = cdiv(n, w)
   xs = jnp.pad(x, (0, w * length - n)).reshape(w, length)
   ar = _iota(length)
 
@@ -237,7 +238,7 @@ def payload_bytes(size: int, w: int, fmt, order: str = "ring", *, kahan: bool = 
   """
   codec = codec_for(fmt) if pack else None
   wb = 4 if codec is None else jnp.dtype(codec.dtype).itemsize
-  length = -(-size // w)
+  length = cdiv(size, w)
   if order == "ring":
     return (w - 1) * length * wb * (2 if kahan else 1) + (w - 1) * length * wb
   if order in ("chain", "tree"):

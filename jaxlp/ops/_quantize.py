@@ -5,7 +5,7 @@ both implementations are staged with ``lax.platform_dependent`` inside a ``jax.j
 lowering keeps only the one for the platform of the inputs' devices (the CUDA branch runs
 the kernel, every other platform the spec). So an array on the CPU device of a GPU host
 takes the spec, and a ``jit`` compiled for the GPU takes the kernel. The kernel is staged
-only where ``kernel_applies`` (``jaxlp/pallas/quantize.py``) holds (its family was measured faster
+only where ``kernel_applies`` (``jaxlp/pallas/_quantize.py``) holds (its family was measured faster
 than the XLA-fused spec, and the array is large enough). Both give identical bits.
 """
 
@@ -16,16 +16,16 @@ import functools
 import jax
 from jax import lax
 
-from jaxlp.formats.quantize import prepare
-from jaxlp.formats.quantize import quantize_words as _spec_words
-from jaxlp.pallas.quantize import kernel_applies
-from jaxlp.pallas.quantize import quantize_words as _kernel_words
+from jaxlp.formats._quantize import prepare
+from jaxlp.formats._quantize import quantize_words as _spec_words
+from jaxlp.pallas._quantize import kernel_applies
+from jaxlp.pallas._quantize import quantize_words as _kernel_words
 
 
 def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | None = None):
   """Round ``x`` to ``fmt``; same semantics and bits as :func:`jaxlp.formats.quantize`.
 
-  Runs the Pallas kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/quantize.py``; a
+  Runs the Pallas kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/_quantize.py``; a
   format family whose kernel was measured faster than the spec, at least
   ``MIN_PALLAS_SIZE`` elements), else the pure-jnp spec (XLA-fused). Both give identical
   bits and the same straight-through gradient. See :func:`jaxlp.formats.quantize` for the
@@ -37,7 +37,7 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
 
 def quantize_words(x, kw, fmt, rounding: str, rand_bits=None):
   """:func:`quantize` on validated arguments: ``kw`` = the (2,) uint32 key words
-  (:func:`jaxlp.formats.quantize.prepare`). For callers that derive the words themselves
+  (:func:`jaxlp.formats._quantize.prepare`). For callers that derive the words themselves
   (e.g. the torch bridge)."""
   if x.size == 0 or not kernel_applies(fmt, x.shape, x.dtype, rounding):
     return _spec_words(x, kw, fmt, rounding, rand_bits)

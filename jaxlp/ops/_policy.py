@@ -25,7 +25,7 @@ activations and gradients, ``OIHW`` kernels: a Flax ``HWIO`` kernel is transpose
 and back after), as HBFPEmulator tiles them.
 
 ``mul`` / ``acc`` accumulator emulation (:class:`Accum`) routes a GEMM through
-``jaxlp.ops.matmul.matmul`` (products rounded to ``mul``, running sum rounded to ``acc``).
+``jaxlp.ops.matmul`` (products rounded to ``mul``, running sum rounded to ``acc``).
 
 Stochastic rounding keys are data, not configuration: the callables returned by
 :func:`jaxlp.ops.dot_general` / :func:`jaxlp.ops.conv_general_dilated` take ``key=`` at
@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxlp._deprecation import renamed_kwargs
 from jaxlp.formats import E4M3FN, hbfp, hbfp_batched, mx
-from jaxlp.formats.quantize import FORMAT_TYPES, check_format
+from jaxlp.formats._quantize import FORMAT_TYPES, check_format
 
 FWD = "fwd"
 GRAD = "grad"
@@ -211,26 +212,28 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
   return DotPolicy(lhs=act, rhs=w, grad=act)
 
 
-def mx_policy(elem=E4M3FN, block_size: int = 32, *, grad_elem=None,
+@renamed_kwargs(elem="fmt", grad_elem="grad_fmt")
+def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
               rounding: str = "nearest") -> DotPolicy:
-  """OCP MX dot products: every operand of every GEMM in ``mx(elem, block_size)``.
+  """OCP MX dot products: every operand of every GEMM in ``mx(fmt, block_size)``.
 
   Blocks run along the contraction axis of each operand in each GEMM, so the weights and
   activations are re-quantized for the backward GEMMs (their contraction axes differ from
   the forward pass).
 
   Args:
-    elem: element format of activations and weights (``E4M3FN`` = MXFP8).
+    fmt: element format of activations and weights (``E4M3FN`` = MXFP8). Formerly ``elem``.
     block_size: elements per shared E8M0 scale (32 in the OCP spec).
-    grad_elem: element format of the output gradients (default ``elem``; ``E5M2`` is common).
+    grad_fmt: element format of the output gradients (default ``fmt``; ``E5M2`` is common).
+      Formerly ``grad_elem``.
     rounding: rounding of every quantization.
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
     Formats for Deep Learning", arXiv:2310.10537.
   """
-  a = Quant(mx(elem, block_size), rounding)
-  g = Quant(mx(elem if grad_elem is None else grad_elem, block_size), rounding)
+  a = Quant(mx(fmt, block_size), rounding)
+  g = Quant(mx(fmt if grad_fmt is None else grad_fmt, block_size), rounding)
   return DotPolicy(lhs=a, rhs=a, grad=g, dlhs_rhs=a, drhs_lhs=a, drhs_grad=g)
 
 

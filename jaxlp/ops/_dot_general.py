@@ -1,6 +1,6 @@
 """`dot_general(policy)`: a `lax.dot_general` whose forward and backward GEMMs follow a policy.
 
-The engine (:func:`quantized_bilinear`) is shared with :mod:`jaxlp.ops.conv`: a
+The engine (:func:`quantized_bilinear`) is shared with :func:`jaxlp.ops.conv_general_dilated`: a
 ``jax.custom_vjp`` whose forward pass quantizes the operands and runs the plain lax op, and
 whose backward pass quantizes the output gradient (and, per the policy, re-quantizes or
 reuses the operands) and runs the TRANSPOSE of the same plain lax op
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlp.formats.block import BlockFormat, MXFormat
-from jaxlp.formats.quantize import is_elementwise
-from jaxlp.ops.policy import FWD, GRAD, Accum, DotPolicy, Quant
-from jaxlp.ops.quantize import quantize  # kernel on a GPU where it is faster
+from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._quantize import is_elementwise
+from jaxlp.ops._policy import FWD, GRAD, Accum, DotPolicy, Quant
+from jaxlp.ops._quantize import quantize  # kernel on a GPU where it is faster
 
 SLOTS = ("lhs", "rhs", "grad", "dlhs_rhs", "drhs_lhs", "drhs_grad")
 
@@ -180,7 +180,7 @@ def _accum_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs):
   rt = int(rc[0]) == 1  # rhs stored as (N, K)
 
   def mm(a, b, acc: Accum):
-    from jaxlp.ops.matmul import matmul  # noqa: PLC0415  (written by the kernels work)
+    from jaxlp.ops._matmul import matmul  # noqa: PLC0415  (written by the kernels work)
     return matmul(a.astype(jnp.float32), b.astype(jnp.float32), mul=acc.mul, acc=acc.acc,
                   algorithm=acc.algorithm, chunk=acc.chunk, rounding=acc.rounding)
 

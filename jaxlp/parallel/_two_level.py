@@ -10,11 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlp.formats.quantize import check_format
+from jaxlp.formats._quantize import check_format
 from jaxlp.parallel import _axes
+from jaxlp.parallel._aps import ZERO_EXPONENT, format_emax, local_exponent
 from jaxlp.parallel._arith import add_f32, scale_pow2
-from jaxlp.parallel.aps import ZERO_EXPONENT, format_emax, local_exponent
-from jaxlp.parallel.psum import psum
+from jaxlp.parallel._psum import psum
 
 CPD_SENTINEL = -100
 
@@ -47,7 +47,7 @@ def psum_two_level(tree, node_axis, rank_axis, *, fmt, aps: bool = True, kahan: 
       a = _axes.pmax(a, node_axis)
       shift = jnp.where(a == CPD_SENTINEL, 0, format_emax(fmt) - a)
       x = scale_pow2(x, shift)
-    from jaxlp.formats.quantize import quantize_f32
+    from jaxlp.formats._quantize import quantize_f32
     qz = jnp.zeros((), jnp.uint32)
     x = quantize_f32(x, fmt, "nearest", qz, None)
     gs = _axes.all_gather(x, node_axis)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxlp.formats.float_format import FloatFormat
+from jaxlp.formats._float_format import FloatFormat
 
 FP32 = FloatFormat(8, 23, name="FP32")
 TF32 = FloatFormat(8, 10, name="TF32")

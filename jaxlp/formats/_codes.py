@@ -43,7 +43,7 @@ def to_codes(x, fmt):
   Values already on the format's grid are encoded exactly; anything else is rounded first
   with :func:`jaxlp.formats.quantize` semantics (``rounding="nearest"``).
   """
-  from jaxlp.formats.quantize import quantize_f32
+  from jaxlp.formats._quantize import quantize_f32
 
   q = quantize_f32(jnp.asarray(x, jnp.float32), fmt, "nearest")
   bits = B.to_bits(q)

@@ -2,9 +2,9 @@
 
 :func:`matmul_reference` is the pure-jnp reference: for every output element the reduction
 index k runs strictly ascending; the loop over k is a ``lax.scan`` vectorised over the whole
-(batch, M, N) output. The Pallas kernel :func:`jaxlp.pallas.matmul.matmul` gives identical
+(batch, M, N) output. The Pallas kernel :func:`jaxlp.pallas.matmul` gives identical
 bits (same step functions from :mod:`jaxlp.pallas._gemm`). :func:`matmul` (= ``jaxlp.matmul``)
-runs the kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/matmul.py``) says so and the
+runs the kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/_matmul.py``) says so and the
 reference elsewhere.
 """
 
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxlp._util import cdiv
 from jaxlp.pallas import _gemm as G
-from jaxlp.pallas.matmul import kernel_applies
-from jaxlp.pallas.matmul import matmul as _kernel_matmul
+from jaxlp.pallas._matmul import kernel_applies
+from jaxlp.pallas._matmul import matmul as _kernel_matmul
 
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
@@ -28,7 +29,7 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
 
   Same arguments and bits as :func:`matmul_reference` (documented there). On a GPU it runs
   the Pallas kernel :func:`jaxlp.pallas.matmul` where
-  ``kernel_applies`` in ``jaxlp/pallas/matmul.py`` (the algorithm's kernel was measured faster
+  ``kernel_applies`` in ``jaxlp/pallas/_matmul.py`` (the algorithm's kernel was measured faster
   than the reference, enough multiply-adds); the choice follows the platform the
   computation is compiled for (``lax.platform_dependent``), so arrays on a CPU device
   always take the reference. On a GPU, a ``"chunked"`` kernel sums inside a chunk in the
@@ -125,7 +126,7 @@ def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
   ctx = G.StepCtx(mul, acc, rounding, kw, o_idx, Bt * M * N, G.ROUNDINGS_PER_STEP[algorithm],
                   hash_guard=True)
   if algorithm == "chunked":
-    nc = -(-K // chunk)
+    nc = cdiv(K, chunk)
     Ap = jnp.pad(A, ((0, 0), (0, 0), (0, nc * chunk - K))).reshape(Bt, M, nc, chunk)
     Bp = jnp.pad(Bm, ((0, 0), (0, nc * chunk - K), (0, 0))).reshape(Bt, nc, chunk, N)
     xs = (jnp.moveaxis(Ap, 2, 0), jnp.moveaxis(Bp, 1, 0), jnp.arange(nc))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlp.ops.dot_general import SlotGeometry, quantized_bilinear
-from jaxlp.ops.policy import DotPolicy
+from jaxlp.ops._dot_general import SlotGeometry, quantized_bilinear
+from jaxlp.ops._policy import DotPolicy
 
 
 def _conv_geometry(dn: lax.ConvDimensionNumbers) -> dict[str, SlotGeometry]:

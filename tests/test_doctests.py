@@ -1,0 +1,41 @@
+"""Every docstring example in the package runs and prints what it shows (doctest).
+
+Modules of optional integrations are skipped where their dependency is not installed.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jaxlp
+
+_OPTIONAL = {"jaxlp.torch": "torch", "jaxlp.flax": "flax", "jaxlp.optim": "optax"}
+
+
+def _modules():
+  names = ["jaxlp"]
+  for info in pkgutil.walk_packages(jaxlp.__path__, "jaxlp."):
+    if info.name.endswith("__main__"):
+      continue
+    names.append(info.name)
+  return names
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples(name):
+  for prefix, dep in _OPTIONAL.items():
+    if name == prefix or name.startswith(prefix + "."):
+      pytest.importorskip(dep)
+  if name.startswith("jaxlp.cli"):
+    pytest.importorskip("sklearn")
+  module = importlib.import_module(name)
+  finder = doctest.DocTestFinder(exclude_empty=True)
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  for test in finder.find(module, name):
+    runner.run(test)
+  result = runner.summarize(verbose=False)
+  assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
