@@ -39,10 +39,7 @@ from jax.experimental import pallas as pl
 from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.formats import _bits as B
 from jaxlp.formats._block import BlockFormat, MXFormat
-from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
-from jaxlp.formats._fixed_point import FixedPoint
-from jaxlp.formats._float_format import FloatFormat
-from jaxlp.formats._quantize import _INPUT_DTYPES, check_format, prepare
+from jaxlp.formats._quantize import _INPUT_DTYPES, check_format, is_elementwise, prepare
 
 #: Elements per program of the elementwise kernel (power of two).
 DEFAULT_BLOCK_SIZE = 4096
@@ -53,7 +50,6 @@ MAX_BLOCK_ELEMENTS = 4096
 #: Arrays smaller than this are left to the XLA-fused spec by :func:`can_use_pallas_quantize`.
 MIN_PALLAS_SIZE = 1 << 16
 
-_ELEMENTWISE_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint)
 
 
 
@@ -107,7 +103,7 @@ def family(fmt, shape) -> str | None:
   ``"tiles"``: ``BlockFormat(tile=(tr, tc))``/``hbfp(m, T)`` with finite tiles. Blocks of
   more than ``MAX_BLOCK_ELEMENTS`` elements have no kernel.
   """
-  if isinstance(fmt, _ELEMENTWISE_TYPES):
+  if is_elementwise(fmt):
     return "elementwise"
   g = block_geometry(fmt, tuple(shape))
   if g is None or g[2] * g[3] > MAX_BLOCK_ELEMENTS:
@@ -285,7 +281,7 @@ def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
 def _quantize_ste(x, kw, fmt, rounding, rand_bits, interpret, block_size):
   if x.size == 0:
     return x
-  if isinstance(fmt, _ELEMENTWISE_TYPES):
+  if is_elementwise(fmt):
     return _run_elementwise(x, kw, fmt, rounding, rand_bits, interpret, block_size)
   return _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_size)
 
