@@ -26,7 +26,7 @@ class CPDFloat:
   """CPD's ``float_quantize(x, exp, man)`` cast (drcut/CPD ``float_kernel_nearest``).
 
   Bias ``2**(exp-1)-1``; all-ones exponent field reserved; round-to-nearest-even. Quirks
-  reproduced exactly (seeds-spec §1.1):
+  reproduced exactly (drcut/CPD ``CPDtorch/quant/quant_function.py``):
 
   * the overflow test happens BEFORE rounding: an input whose exponent is above the top
     binade gives ±inf, while a top-binade value that rounds up gives the finite value

@@ -180,7 +180,7 @@ def _accum_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs):
   rt = int(rc[0]) == 1  # rhs stored as (N, K)
 
   def mm(a, b, acc: Accum):
-    from jaxlp.ops._matmul import matmul  # noqa: PLC0415  (written by the kernels work)
+    from jaxlp.ops._matmul import matmul  # noqa: PLC0415  (import cycle)
     return matmul(a.astype(jnp.float32), b.astype(jnp.float32), mul=acc.mul, acc=acc.acc,
                   algorithm=acc.algorithm, chunk=acc.chunk, rounding=acc.rounding)
 

@@ -71,7 +71,7 @@ def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
   Per output element (k strictly ascending, s = +0.0 initially, or the ``bias``):
 
   * ``"naive"``: ``p = Q_mul(fl32(a_k * b_k)); s = Q_acc(fl32(s + p))``.
-  * ``"kahan"`` (CPD's ``quant_gemm``, seeds-spec §1.2; c = 0 initially):
+  * ``"kahan"`` (CPD's ``quant_gemm`` in ``CPDtorch/quant/quant_function.py``; c = 0 at first):
     ``p = Q_mul(a_k*b_k); y = Q_acc(p - c); t = Q_acc(s + y); c = Q_acc(Q_acc(t - s) - y);
     s = t``; the output is s (c is not added back). With ``mul = acc = cpd_float(e, m)`` this
     is CPD's kernel without its tail-tile bug.

@@ -1,4 +1,4 @@
-"""CPD's LARS variant as an optax transformation (seeds-spec §1.5).
+"""CPD's LARS variant as an optax transformation (drcut/CPD ``example/ResNet18/tools/mix.py``).
 
 ``optax.lars`` differs: it computes the trust ratio from the norm of the *decayed*
 update, ``eta * ||w|| / ||g + wd*w||`` (plus ``eps``), and falls back to ratio 1 when

@@ -195,7 +195,7 @@ def naive_step(ctx: StepCtx, s, a_col, b_row, t):
 
 
 def kahan_step(ctx: StepCtx, carry, a_col, b_row, t):
-  """CPD's compensated step with every intermediate rounded (seeds-spec §1.2)."""
+  """CPD's compensated step with every intermediate rounded (CPD's ``quant_gemm``)."""
   s, c = carry
   p = ctx.product(a_col, b_row, t)
   y = ctx.q(p - c, ctx.acc, t, 1)

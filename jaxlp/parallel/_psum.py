@@ -1,6 +1,6 @@
 """Order-faithful low-precision all-reduce: every partial sum rounded to a format.
 
-Semantics (DESIGN.md "Data parallel"). For each leaf the addends are the workers' float32
+Semantics. For each leaf the addends are the workers' float32
 values ``g_0 .. g_{W-1}`` (worker-major over a tuple ``axis_name``); ``Q`` is
 :func:`jaxlp.formats.quantize` to ``fmt``; ``+`` is an IEEE float32 add (nearest even with
 gradual underflow on every backend: see :mod:`jaxlp.parallel._arith`).

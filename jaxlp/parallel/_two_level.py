@@ -1,4 +1,4 @@
-"""CPD's two-level reduction for emulated nodes (seeds-spec §1.4 "Emulated nodes").
+"""CPD's two-level reduction for emulated nodes (drcut/CPD's ``--emulate_node``).
 
 References:
   drcut/CPD ``example/ResNet50/main.py`` (``--emulate-node``) and

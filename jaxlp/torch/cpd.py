@@ -92,7 +92,8 @@ def quant_gemm(a, b, man=23, exp=8):
   ``cpd_float(exp, man)``: ``p = Q(a*b); y = Q(p - c); t = Q(s + y); c = Q(Q(t - s) - y);
   s = t`` (the compensation is not added back). Backed by
   ``jaxlp.matmul(a, b, mul=cpd_float(exp, man), acc=cpd_float(exp, man), algorithm="kahan")``;
-  CPU and CUDA tensors, without CPD's tail-tile bug (seeds-spec §1.2).
+  CPU and CUDA tensors, without CPD's tail-tile bug (its last partial 16-row tile reads an
+  uninitialised compensation array).
   """
   for name, t in (("a", a), ("b", b)):
     if not isinstance(t, torch.Tensor):
