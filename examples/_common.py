@@ -1,10 +1,10 @@
-"""Shared flag handling for the example scripts (thin wrappers over ``jaxlp.cli.train``)."""
+"""Shared flag handling for the example scripts (thin wrappers over ``jaxlp.training``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from jaxlp.cli.train import TrainConfig, train
+from jaxlp.training import TrainConfig, train
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import jaxlp
-from jaxlp.cli import data as D
+from jaxlp.training import _data as D
 
 
 def main(argv=None):

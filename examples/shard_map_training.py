@@ -14,7 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxlp
-from jaxlp.cli import data as D
+from jaxlp.training import _data as D
 
 
 def main(argv=None):

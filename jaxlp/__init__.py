@@ -3,7 +3,8 @@
 Exact number formats (``jaxlp.formats``), Pallas kernels (``jaxlp.pallas``), quantized
 layers (``jaxlp.ops``), data-parallel low-precision / compressed reduction
 (``jaxlp.parallel``). Integrations with optional dependencies load on first use:
-``jaxlp.flax`` (Flax), ``jaxlp.optim`` (optax), ``jaxlp.torch`` (PyTorch).
+``jaxlp.flax`` (Flax), ``jaxlp.optim`` (optax), ``jaxlp.torch`` (PyTorch),
+``jaxlp.training`` (the training loop of the ``jaxlp`` command, as a library).
 """
 
 import importlib as _importlib
@@ -28,7 +29,7 @@ from jaxlp.ops import quantize as quantize
 
 __version__ = "0.1.0"
 
-_LAZY = ("flax", "optim", "torch", "cli")
+_LAZY = ("flax", "optim", "torch", "training", "cli")
 
 
 def __getattr__(name):

@@ -21,14 +21,14 @@ PUBLIC_PACKAGES = [
     "jaxlp", "jaxlp.formats", "jaxlp.ops", "jaxlp.pallas", "jaxlp.parallel",
     "jaxlp.parallel.compressors", "jaxlp.optim", "jaxlp.flax", "jaxlp.flax.linen",
     "jaxlp.flax.nnx", "jaxlp.flax.models", "jaxlp.torch", "jaxlp.torch.nn", "jaxlp.torch.ddp",
-    "jaxlp.torch.cpd",
+    "jaxlp.torch.cpd", "jaxlp.training",
 ]
 
 
 def _import(name):
   if name.startswith("jaxlp.torch"):
     pytest.importorskip("torch")
-  if name.startswith(("jaxlp.flax", "jaxlp.optim")):
+  if name.startswith(("jaxlp.flax", "jaxlp.optim", "jaxlp.training")):
     pytest.importorskip("flax" if "flax" in name else "optax")
   return importlib.import_module(name)
 
@@ -70,8 +70,8 @@ def test_no_module_shadows_a_public_name(pkg_name):
         f"{pkg_name}.{info.name} is a public module missing from __all__ (make it private: "
         f"{pkg_name}._{info.name})")
     if info.name in lazy and info.name != "cli":
-      pytest.importorskip("flax" if info.name == "flax" else "optax" if info.name == "optim"
-                          else info.name)
+      pytest.importorskip({"flax": "flax", "optim": "optax", "training": "optax"}.get(
+          info.name, info.name))
     obj = getattr(pkg, info.name)
     assert isinstance(obj, types.ModuleType), (
         f"module {pkg_name}.{info.name} is shadowed by {type(obj).__name__} "

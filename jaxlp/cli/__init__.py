@@ -12,7 +12,7 @@ import os
 import shlex
 import sys
 
-from jaxlp.cli.train import ORDERS, TrainConfig
+from jaxlp.training import ORDERS, TrainConfig
 
 DEFAULT_COMPARE = [
     "fp32=",
@@ -28,8 +28,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
-  from jaxlp.cli.data import DATASETS
-  from jaxlp.cli.models import MODELS
+  from jaxlp.training._data import DATASETS
+  from jaxlp.training._models import MODELS
 
   g = p.add_argument_group("model and data")
   g.add_argument("--model", choices=MODELS, default="mlp", help="network (default: mlp)")
@@ -87,7 +87,7 @@ def _config_from_args(args) -> TrainConfig:
 
 
 def _cmd_train(args) -> int:
-  from jaxlp.cli.train import train
+  from jaxlp.training import train
 
   cfg = _config_from_args(args)
   train(cfg)
@@ -102,8 +102,7 @@ def _parse_compare_spec(spec: str):
 
 
 def _cmd_compare(args) -> int:
-  from jaxlp.cli.plot import plot_runs
-  from jaxlp.cli.train import train
+  from jaxlp.training import plot_runs, train
 
   specs = args.config or DEFAULT_COMPARE
   out = args.out or "runs/compare"
@@ -153,7 +152,7 @@ def _safe(name: str) -> str:
 
 
 def _cmd_plot(args) -> int:
-  from jaxlp.cli.plot import plot_runs
+  from jaxlp.training import plot_runs
 
   for d in args.dirs:
     if not os.path.exists(os.path.join(d, "metrics.jsonl")):
@@ -168,8 +167,8 @@ def _cmd_plan(args) -> int:
   import jax
   import jax.numpy as jnp
 
-  from jaxlp.cli import models as M
   from jaxlp.parallel import secopa_plan
+  from jaxlp.training import _models as M
 
   shape = {"digits": (8, 8, 1), "synthetic": (8, 8, 1), "mnist": (28, 28, 1),
            "cifar10": (32, 32, 3)}[args.data]
@@ -229,7 +228,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_formats(args) -> int:
-  from jaxlp.cli.formats_demo import show
+  from jaxlp.cli._formats_demo import show
 
   return show(args.values)
 

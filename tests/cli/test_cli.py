@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxlp.cli import main
-from jaxlp.cli.train import TrainConfig, train
+from jaxlp.training import TrainConfig, train
 
 FAST = ["--epochs", "2", "--max-steps-per-epoch", "4", "--batch-size", "64", "--quiet"]
 

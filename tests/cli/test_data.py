@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from jaxlp.cli import data as D
+from jaxlp.training import _data as D
 from jaxlp.cli import main
 
 

@@ -7,6 +7,7 @@ import os
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+  """The per-epoch metrics of a run folder (its ``metrics.jsonl``), as a list of dicts."""
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
 

@@ -33,6 +33,22 @@ ORDERS = ("chain", "ring", "tree", "native")
 
 @dataclasses.dataclass
 class TrainConfig:
+  """One training run: each field is the ``jaxlp train`` flag of the same name.
+
+  The fields group as in ``jaxlp train --help``: model and data (``model``, ``data``,
+  ``data_dir``, ``width``); workers and gradient reduction (``nodes``, ``devices``,
+  ``grad_exp``/``grad_man`` or ``grad_format``, ``order``, ``aps``, ``kahan``, ``lars``,
+  ``compress``); forward/backward quantization (``hbfp``, ``tile``, ``weight_man``,
+  ``policy``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
+  ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
+  ``quiet``). ``max_steps_per_epoch`` caps an epoch (for quick tests).
+
+  Example:
+    >>> from jaxlp.training import TrainConfig
+    >>> TrainConfig(nodes=8, grad_exp=3, grad_man=0, aps=True).order
+    'chain'
+  """
+
   model: str = "mlp"
   data: str = "digits"
   data_dir: str | None = None
@@ -67,7 +83,6 @@ class TrainConfig:
 
 def grad_format(cfg: TrainConfig):
   """The gradient-communication format of a config, or None for fp32."""
-
   if cfg.grad_format is not None and (cfg.grad_exp is not None or cfg.grad_man is not None):
     raise ValueError("give either --grad-format or --grad-exp/--grad-man, not both")
   if cfg.grad_format is not None:
@@ -180,8 +195,8 @@ class Trainer:
   def __init__(self, cfg: TrainConfig):
     import optax
 
-    from jaxlp.cli import data as D
-    from jaxlp.cli import models as M
+    from jaxlp.training import _data as D
+    from jaxlp.training import _models as M
 
     self.cfg = cfg
     if cfg.nodes < 1:
@@ -400,7 +415,30 @@ def _progress_printer(epoch, epochs, stream):
 
 
 def train(cfg: TrainConfig, stream=None) -> list[dict]:
-  """Run (or resume) training; write config.json, metrics.jsonl and a checkpoint to cfg.out."""
+  """Run (or resume) a training run to ``cfg.epochs`` and return its per-epoch metrics.
+
+  With ``cfg.out`` set, the run folder gets ``config.json``, ``metrics.jsonl`` (one line per
+  epoch) and a checkpoint written after every epoch (through a temporary file and
+  ``os.replace``); ``cfg.resume`` continues from that checkpoint.
+
+  Args:
+    cfg: the run.
+    stream: where progress goes unless ``cfg.quiet`` (default ``sys.stdout``).
+
+  Returns:
+    One dict per epoch: ``epoch``, ``train_loss``, ``test_accuracy``, ``wire_bytes``,
+    ``seconds``, ... (the lines of ``metrics.jsonl``).
+
+  Raises:
+    ValueError: an invalid configuration (the message names the flag), or ``resume`` without
+      a checkpoint in ``cfg.out``.
+
+  Example:
+    >>> from jaxlp.training import TrainConfig, train
+    >>> hist = train(TrainConfig(nodes=2, epochs=1, max_steps_per_epoch=2, quiet=True))
+    >>> [h["epoch"] for h in hist], 0.0 <= hist[0]["test_accuracy"] <= 1.0
+    ([1], True)
+  """
   stream = stream or sys.stdout
   trainer = Trainer(cfg)
   history: list[dict] = []

@@ -14,6 +14,15 @@ DATASETS = ("digits", "synthetic", "cifar10", "mnist")
 
 @dataclasses.dataclass
 class Dataset:
+  """A classification dataset in memory: float32 NHWC images and int32 labels.
+
+  Example:
+    >>> from jaxlp.training import load_dataset
+    >>> d = load_dataset("synthetic")
+    >>> d.x_train.shape, d.num_classes
+    ((1638, 8, 8, 1), 10)
+  """
+
   x_train: np.ndarray  # float32, NHWC
   y_train: np.ndarray  # int32
   x_test: np.ndarray
@@ -118,6 +127,26 @@ def load_mnist(data_dir: str) -> Dataset:
 
 
 def load(name: str, data_dir: str | None = None, seed: int = 0) -> Dataset:
+  """Load a built-in dataset (exported as ``jaxlp.training.load_dataset``).
+
+  Args:
+    name: ``"digits"`` (scikit-learn's bundled 8x8 digits, no download), ``"synthetic"``,
+      ``"cifar10"`` (the python pickles) or ``"mnist"`` (the IDX files) from ``data_dir``.
+    data_dir: the folder holding CIFAR-10 or MNIST (unused for the others).
+    seed: the train/test split of digits and the draw of synthetic.
+
+  Returns:
+    The :class:`Dataset`.
+
+  Raises:
+    ValueError: an unknown name, or a missing ``data_dir``/files for CIFAR-10 or MNIST.
+
+  Example:
+    >>> from jaxlp.training import load_dataset
+    >>> d = load_dataset("digits")
+    >>> d.x_train.shape, d.x_test.shape
+    ((1438, 8, 8, 1), (359, 8, 8, 1))
+  """
   if name == "digits":
     return load_digits(seed)
   if name == "synthetic":
