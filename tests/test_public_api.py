@@ -53,6 +53,21 @@ def test_every_public_name_resolves_and_is_documented(pkg_name):
 
 
 @pytest.mark.parametrize("pkg_name", PUBLIC_PACKAGES)
+def test_every_public_function_has_args_returns_and_an_example(pkg_name):
+  """Args / Returns for functions with parameters, a runnable example (``>>>``, run by
+  tests/test_doctests.py) for every function and class."""
+  pkg = _import(pkg_name)
+  for name in pkg.__all__:
+    obj = getattr(pkg, name)
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+      continue
+    doc = inspect.getdoc(obj) or ""
+    assert ">>>" in doc, f"{pkg_name}.{name}: no example in its docstring"
+    if inspect.isfunction(obj) and inspect.signature(obj).parameters:
+      assert "Args:" in doc and "Returns:" in doc, f"{pkg_name}.{name}: no Args:/Returns:"
+
+
+@pytest.mark.parametrize("pkg_name", PUBLIC_PACKAGES)
 def test_no_module_shadows_a_public_name(pkg_name):
   pkg = _import(pkg_name)
   if not hasattr(pkg, "__path__"):

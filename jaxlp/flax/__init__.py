@@ -28,6 +28,30 @@ def quantize_model(model, policy, *, include=None, exclude=None, **kwargs):
     include: glob pattern(s) of '/'-joined module paths to quantize (None = all).
     exclude: glob pattern(s) of paths to leave in FP32 (first/last layer exclusion).
     **kwargs: framework-specific options (``rng_stream``; nnx: ``rngs``, ``copy``).
+
+  Returns:
+    A :class:`QuantizedModel` for a linen model; the quantized nnx module for an nnx model.
+
+  Raises:
+    TypeError: ``model`` is neither a linen nor an nnx ``Module``, ``policy`` is not a
+      :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is not a str or a sequence of
+      str.
+    ValueError: (nnx) a stochastic ``policy`` without ``rngs``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxlp
+    >>> from flax import nnx
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.flax import quantize_model
+    >>> from jaxlp.flax.models import MLP
+    >>> policy = jaxlp.float_policy(E4M3)
+    >>> qm = quantize_model(MLP(features=(4, 2)), policy, exclude="Dense_1")  # linen
+    >>> qm.quantized_paths(jax.random.PRNGKey(0), jnp.ones((1, 3)))
+    ['Dense_0']
+    >>> layer = quantize_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), policy)  # nnx
+    >>> layer(jnp.ones((1, 3))).shape
+    (1, 2)
   """
   import flax.linen as nn  # noqa: PLC0415
   from flax import nnx as fnnx  # noqa: PLC0415

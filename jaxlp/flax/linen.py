@@ -39,6 +39,34 @@ class QuantizedModel:
   pass ``rngs={"quantize": key}`` (a fresh key per step) to ``apply``.
 
   Other attributes are forwarded to the wrapped model.
+
+  Args:
+    model: an unbound linen module (its code is not modified).
+    policy: the :class:`jaxlp.DotPolicy`.
+    include: glob pattern(s) on '/'-joined module paths to quantize (None = all).
+    exclude: glob pattern(s) of paths left in FP32.
+    rng_stream: the rng stream stochastic rounding keys come from.
+
+  Raises:
+    TypeError: ``model`` is not a linen ``Module``, ``policy`` is not a
+      :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is not a str or a sequence of
+      str.
+    ValueError: (from ``apply``) a stochastic policy, but no ``rng_stream`` key was passed.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.flax import QuantizedModel
+    >>> from jaxlp.flax.models import MLP
+    >>> policy = jaxlp.float_policy(E4M3, rounding="stochastic")
+    >>> qm = QuantizedModel(MLP(features=(4, 2)), policy)
+    >>> x = jnp.ones((1, 3))
+    >>> variables = qm.init(jax.random.PRNGKey(0), x)  # the original model's variables
+    >>> jax.tree_util.tree_map(jnp.shape, variables["params"]["Dense_1"])
+    {'bias': (2,), 'kernel': (4, 2)}
+    >>> qm.apply(variables, x, rngs={"quantize": jax.random.PRNGKey(1)}).shape
+    (1, 2)
   """
 
   def __init__(self, model: nn.Module, policy: DotPolicy, *, include=None, exclude=None,
@@ -130,5 +158,26 @@ def quantize_model(model: nn.Module, policy: DotPolicy, *, include=None, exclude
     exclude: glob pattern(s) of layers left in FP32 (e.g. ``("Conv_0", "Dense_0")`` for the
       usual first/last layer exclusion).
     rng_stream: the rng stream stochastic rounding keys come from.
+
+  Returns:
+    The :class:`QuantizedModel` wrapping ``model``.
+
+  Raises:
+    TypeError: as :class:`QuantizedModel` (not a linen module, not a ``DotPolicy``, bad
+      patterns).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.flax.linen import quantize_model
+    >>> from jaxlp.flax.models import MLP
+    >>> qm = quantize_model(MLP(features=(4, 2)), jaxlp.float_policy(E4M3), exclude="Dense_1")
+    >>> x = jnp.ones((1, 3))
+    >>> qm.quantized_paths(jax.random.PRNGKey(0), x)
+    ['Dense_0']
+    >>> variables = qm.init(jax.random.PRNGKey(0), x)
+    >>> qm.apply(variables, x).shape
+    (1, 2)
   """
   return QuantizedModel(model, policy, include=include, exclude=exclude, rng_stream=rng_stream)

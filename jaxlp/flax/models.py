@@ -12,7 +12,24 @@ __all__ = ["BasicBlock", "MLP", "ResNet18"]
 
 
 class BasicBlock(nn.Module):
-  """ResNet basic block: two 3x3 convs + BN, identity or 1x1-conv shortcut."""
+  """ResNet basic block: two 3x3 convs + BN, identity or 1x1-conv shortcut.
+
+  Attributes:
+    features: output channels of both convs (and of the shortcut).
+    strides: stride of the first conv and of the 1x1 shortcut conv.
+
+  ``__call__(x, train=True)`` takes NHWC inputs; ``train`` selects batch statistics (True)
+  or the running averages (False) in the BatchNorms.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp.flax.models import BasicBlock
+    >>> block = BasicBlock(features=8, strides=2)
+    >>> x = jnp.ones((1, 8, 8, 4))
+    >>> y, variables = jax.eval_shape(lambda: block.init_with_output(jax.random.PRNGKey(0), x))
+    >>> y.shape, sorted(variables)
+    ((1, 4, 4, 8), ['batch_stats', 'params'])
+  """
 
   features: int
   strides: int = 1
@@ -35,6 +52,25 @@ class ResNet18(nn.Module):
   """ResNet-18 for 32x32 inputs (CIFAR): 3x3 stem, stages [2, 2, 2, 2] of basic blocks with
   widths (w, 2w, 4w, 8w) (w = 64 is the standard model), global average pool, Dense.
 
+  Attributes:
+    num_classes: outputs of the final Dense layer.
+    width: channels of the first stage (w).
+    stages: number of basic blocks per stage.
+
+  ``__call__(x, train=True)`` takes NHWC inputs and returns ``(N, num_classes)`` logits.
+
+  Example:
+    ``jax.eval_shape`` traces ``init`` without computing anything (shapes only):
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp.flax.models import ResNet18
+    >>> model = ResNet18(num_classes=10, width=2)
+    >>> x = jnp.ones((1, 8, 8, 3))
+    >>> logits, variables = jax.eval_shape(
+    ...     lambda: model.init_with_output(jax.random.PRNGKey(0), x, train=False))
+    >>> logits.shape, sorted(variables)
+    ((1, 10), ['batch_stats', 'params'])
+
   References:
     He et al., "Deep Residual Learning for Image Recognition", CVPR 2016 (CIFAR variant
     with a 3x3 stem as in kuangliu/pytorch-cifar and HBFPEmulator's cnn models).
@@ -56,7 +92,24 @@ class ResNet18(nn.Module):
 
 
 class MLP(nn.Module):
-  """Multi-layer perceptron with ReLU."""
+  """Multi-layer perceptron with ReLU.
+
+  Attributes:
+    features: widths of the Dense layers; the last one is the output size (no ReLU).
+
+  ``__call__(x)`` flattens every axis after the first (the batch).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp.flax.models import MLP
+    >>> model = MLP(features=(16, 10))
+    >>> x = jnp.ones((2, 4, 4))
+    >>> variables = model.init(jax.random.PRNGKey(0), x)
+    >>> model.apply(variables, x).shape
+    (2, 10)
+    >>> variables["params"]["Dense_0"]["kernel"].shape
+    (16, 16)
+  """
 
   features: Sequence[int] = (512, 512, 10)
 

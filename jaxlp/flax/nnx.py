@@ -17,7 +17,29 @@ __all__ = ["StochasticOp", "quantize_model"]
 
 class StochasticOp(nnx.Module):
   """An nnx callable with a lax dot_general / conv signature that draws a fresh key from
-  ``rngs[stream]`` on every call (stochastic-rounding policies in nnx)."""
+  ``rngs[stream]`` on every call (stochastic-rounding policies in nnx).
+
+  :func:`quantize_model` installs these on the layers for stochastic policies.
+
+  Args:
+    kind: ``"conv"`` for ``jaxlp.conv_general_dilated(policy)``, anything else for
+      ``jaxlp.dot_general(policy)``.
+    policy: the :class:`jaxlp.DotPolicy`.
+    rngs: an ``nnx.Rngs`` with the stream ``stream``.
+    stream: the stream name.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from flax import nnx
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.flax import StochasticOp
+    >>> policy = jaxlp.float_policy(E4M3, rounding="stochastic")
+    >>> op = StochasticOp("dot", policy, nnx.Rngs(quantize=0))
+    >>> lhs, rhs = jnp.array([[0.1, 1.3]]), jnp.ones((2, 1))
+    >>> op(lhs, rhs, (((1,), (0,)), ((), ()))).shape  # lax.dot_general's signature
+    (1, 1)
+  """
 
   def __init__(self, kind: str, policy: DotPolicy, rngs: nnx.Rngs, stream: str = "quantize"):
     self.kind = kind
@@ -55,6 +77,31 @@ def quantize_model(model: nnx.Module, policy: DotPolicy, *, include=None, exclud
 
   Returns:
     The quantized model.
+
+  Raises:
+    TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is
+      not a str or a sequence of str.
+    ValueError: the policy uses stochastic rounding and ``rngs`` is None.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from flax import nnx
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.flax.nnx import quantize_model
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    >>> policy = jaxlp.float_policy(E4M3, rounding="stochastic")
+    >>> qmodel = quantize_model(model, policy, exclude="layers/2", rngs=nnx.Rngs(quantize=0))
+    >>> type(qmodel.layers[0].dot_general).__name__
+    'StochasticOp'
+    >>> qmodel.layers[2].dot_general is jax.lax.dot_general  # excluded: stays lax's
+    True
+    >>> model.layers[0].dot_general is jax.lax.dot_general  # copy=True: model untouched
+    True
+    >>> qmodel(jnp.ones((1, 3))).shape
+    (1, 2)
   """
   if not isinstance(policy, DotPolicy):
     raise TypeError(f"quantize_model: policy must be a jaxlp.DotPolicy, got {policy!r}")

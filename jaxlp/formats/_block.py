@@ -106,6 +106,21 @@ class BlockFormat:
 
   A block containing inf or NaN becomes all NaN (as in HBFPEmulator). -0.0 is kept for
   negatives that round to zero.
+
+  Raises:
+    ValueError: ``man_bits`` not an int in 1..24, an unknown ``exponent`` rule, both
+      ``tile`` and ``axis`` given, ``block_size`` without ``axis`` or not a positive int,
+      a malformed ``tile``, a non-int ``axis``, or a negative or non-float ``eps``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # blocks of 4 along the last axis; 3 magnitude bits. Block 1: max 3.9 -> e = 2, step
+    >>> # 2**(2-3) = 0.5, largest value 3.5 (3.9 saturates). Block 2: max 0.2 -> e = -2.
+    >>> fmt = F.BlockFormat(3, axis=-1, block_size=4)
+    >>> F.quantize(jnp.array([1.0, 0.3, -2.6, 3.9, 0.2, 0.1, 0.01, -0.05]), fmt)
+    Array([ 1.     ,  0.5    , -2.5    ,  3.5    ,  0.1875 ,  0.09375,
+            0.     , -0.0625 ], dtype=float32)
   """
 
   man_bits: int
@@ -175,6 +190,29 @@ def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
     parsa-epfl/HBFPEmulator@b5cdb1d, ``bfp/bfp_ops.py`` (``_float_to_bfp``,
     ``float_to_bfp_tiled``); Drumond et al., "Training DNNs with Hybrid Block Floating
     Point", NeurIPS 2018.
+
+  Args:
+    man_bits: mantissa magnitude bits (sign excluded, no hidden bit), 1..24.
+    tile: tile size T (T x T tiles of the (dim0, prod(rest)) view); 0 = whole tensor.
+    eps: added to the block max before ``ceil(log2 .)`` (HBFPEmulator's rule).
+
+  Returns:
+    A :class:`BlockFormat` with ``exponent="hbfp"``.
+
+  Raises:
+    ValueError: ``tile`` is not a non-negative int, or :class:`BlockFormat` rejects
+      ``man_bits`` / ``eps``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # 2 x 2 tiles, 2 bits. Left tile: max 1.0, and 1.0 + 1e-8 == 1.0 in float32, so
+    >>> # e = ceil(log2 1.0) = 0: step 0.25, largest value 0.75 (1.0 saturates). Right tile:
+    >>> # max 8 -> e = 3, step 2, largest 6; ties 5, 1, -3 go to even multiples of 2
+    >>> x = jnp.array([[1.0, 0.3, 5.0, 8.0], [-0.7, 0.2, 1.0, -3.0]])
+    >>> F.quantize(x, F.hbfp(2, tile=2))
+    Array([[ 0.75,  0.25,  4.  ,  6.  ],
+           [-0.75,  0.25,  0.  , -4.  ]], dtype=float32)
   """
   if not _is_int(tile) or tile < 0:
     raise ValueError(f"hbfp: tile must be a non-negative int, got tile={tile!r}")
@@ -183,7 +221,27 @@ def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
 
 
 def hbfp_batched(man_bits: int, *, eps: float = 1e-8) -> BlockFormat:
-  """HBFPEmulator's ``float_to_bfp_batched``: one exponent per index of dim 0."""
+  """HBFPEmulator's ``float_to_bfp_batched``: one exponent per index of dim 0.
+
+  Args:
+    man_bits: mantissa magnitude bits (sign excluded, no hidden bit), 1..24.
+    eps: added to the block max before ``ceil(log2 .)`` (HBFPEmulator's rule).
+
+  Returns:
+    A :class:`BlockFormat` with ``tile=(1, None)`` and ``exponent="hbfp"``.
+
+  Raises:
+    ValueError: :class:`BlockFormat` rejects ``man_bits`` or ``eps``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # one exponent per row: the small row keeps its precision next to the large one
+    >>> x = jnp.array([[100.0, 3.0, -7.0], [0.3, 0.11, -0.02]])
+    >>> F.quantize(x, F.hbfp_batched(3))
+    Array([[96.    ,  0.    , -0.    ],
+           [ 0.3125,  0.125 , -0.    ]], dtype=float32)
+  """
   return BlockFormat(man_bits, tile=(1, None), exponent="hbfp", eps=eps)
 
 
@@ -198,6 +256,18 @@ class QPyTorchBlock:
   ``±(2**(wl-1) - 1) * 2**(E+2-wl)``. The float32 pre-rounding of the rebase add is
   reproduced exactly with integer ops. A block whose max is a float32 subnormal has base 0
   in QPyTorch (degenerate); jaxlp reproduces that case too.
+
+  Raises:
+    ValueError: ``wl`` not an int in 2..23 or ``dim`` not -1 or a non-negative int (and,
+      from :func:`jaxlp.formats.quantize`, a ``dim`` out of range for the array).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # wl = 4, one block: max 3 -> E = 1, step 2**(E+2-wl) = 0.5, clip at 7 * 0.5 = 3.5;
+    >>> # nearest rounds ties toward +inf (0.25 -> 0.5, -0.75 -> -0.5)
+    >>> F.quantize(jnp.array([3.0, 0.25, -0.75, 1.1]), F.QPyTorchBlock(4))
+    Array([ 3. ,  0.5, -0.5,  1. ], dtype=float32)
 
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp`` (``block_quantize``).
@@ -254,7 +324,26 @@ class QPyTorchBlock:
 
 
 def qpytorch_block(wl: int, dim: int = -1) -> QPyTorchBlock:
-  """QPyTorch ``block_quantize`` format (see :class:`QPyTorchBlock`)."""
+  """QPyTorch ``block_quantize`` format (see :class:`QPyTorchBlock`).
+
+  Args:
+    wl: word length (sign included), 2..23.
+    dim: -1 for one exponent per tensor, else the axis whose indices get one each.
+
+  Returns:
+    The :class:`QPyTorchBlock` format.
+
+  Raises:
+    ValueError: ``wl`` or ``dim`` out of range.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> x = jnp.array([[4.0, 0.3], [0.25, 0.1]])
+    >>> F.quantize(x, F.qpytorch_block(4, dim=0))  # one exponent per row
+    Array([[4.   , 0.   ],
+           [0.25 , 0.125]], dtype=float32)
+  """
   return QPyTorchBlock(wl, dim)
 
 
@@ -267,6 +356,20 @@ class MXFormat:
   rounding of x onto elem's grid scaled by the scale). An all-zero block gives zeros; a
   block containing inf or NaN gives NaN. ``elem`` is a :class:`FloatFormat` or ``"int8"``
   (MXINT8: two's complement with implied scale 2**-6, clamped to [-2, 127/64]).
+
+  Raises:
+    ValueError: ``elem`` is neither a :class:`FloatFormat` nor ``"int8"``, or
+      ``block_size`` / ``axis`` is not a (positive) int.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> fmt = F.MXFormat(F.E4M3FN, block_size=2)  # = F.mx(F.E4M3FN, 2)
+    >>> # block [1000, 1]: amax 1000 -> scale 2**(9 - emax 8) = 2; 1000 / 2 = 500 > 448
+    >>> # saturates (MX casts saturate) to 448 * 2 = 896. Block [0.1, -0.1]: scale 2**-12,
+    >>> # 0.1 / 2**-12 = 409.6 rounds to 416 (E4M3 spacing 32 there): 416 * 2**-12
+    >>> F.quantize(jnp.array([1000.0, 1.0, 0.1, -0.1]), fmt)
+    Array([ 8.960000e+02,  1.000000e+00,  1.015625e-01, -1.015625e-01], dtype=float32)
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–6.

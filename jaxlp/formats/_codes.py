@@ -42,6 +42,21 @@ def to_codes(x, fmt):
 
   Values already on the format's grid are encoded exactly; anything else is rounded first
   with :func:`jaxlp.formats.quantize` semantics (``rounding="nearest"``).
+
+  Args:
+    x: array-like of values (converted to float32).
+    fmt: a :class:`~jaxlp.formats.FloatFormat` (or a preset).
+
+  Returns:
+    uint32 array of x's shape: ``sign << (e + m) | field << m | fraction`` (see the module
+    docstring for NaN and the special codes).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # E4M3FN: 1.0 = 0x38, -2.0 = 0xC0, 448 (max) = 0x7E, NaN = 0x7F, 2**-9 (subnormal) = 1
+    >>> [hex(c) for c in F.to_codes(jnp.array([1.0, -2.0, 448.0, jnp.nan, 2.0**-9]), F.E4M3FN)]
+    ['0x38', '0xc0', '0x7e', '0x7f', '0x1']
   """
   from jaxlp.formats._quantize import quantize_f32
 
@@ -65,7 +80,27 @@ def to_codes(x, fmt):
 
 
 def from_codes(codes, fmt):
-  """float32 values of ``fmt.bits``-bit codes (higher bits ignored); NaN codes give NaN."""
+  """float32 values of ``fmt.bits``-bit codes (higher bits ignored); NaN codes give NaN.
+
+  The inverse of :func:`to_codes` (up to NaN payloads and, for ``specials="finite"``, the
+  NaN that :func:`to_codes` encodes as +max).
+
+  Args:
+    codes: integer array-like of codes (converted to uint32).
+    fmt: a :class:`~jaxlp.formats.FloatFormat` (or a preset).
+
+  Returns:
+    float32 array of the codes' shape.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # E2M1 (MX FP4): all 8 non-negative codes
+    >>> F.from_codes(jnp.arange(8), F.E2M1FN)
+    Array([0. , 0.5, 1. , 1.5, 2. , 3. , 4. , 6. ], dtype=float32)
+    >>> F.from_codes(jnp.array([0x7E, 0xFE, 0x7F, 0x17E]), F.E4M3FN)  # bit 8 is ignored
+    Array([ 448., -448.,   nan,  448.], dtype=float32)
+  """
   c = jnp.asarray(codes).astype(U32)
   e, m = fmt.exp_bits, fmt.man_bits
   sign = (c >> (e + m)) & 1

@@ -39,6 +39,19 @@ class CPDFloat:
 
   Only ``rounding="nearest"`` exists (CPD has no stochastic rounding).
 
+  Raises:
+    ValueError: ``exp_bits`` not an int in 1..8 or ``man_bits`` not an int in 0..23.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # (5, 2) has E5M2's grid (max 57344): 1.125 is a tie and goes to even (1.0); 61440
+    >>> # rounds up out of the top binade to the finite 2**16 (E5M2 gives inf)
+    >>> F.quantize(jnp.array([1.125, 61440.0, 1e6]), F.CPDFloat(5, 2))
+    Array([1.0000e+00, 6.5536e+04,        inf], dtype=float32)
+    >>> F.quantize(jnp.array([1.125, 61440.0, 1e6]), F.E5M2)
+    Array([ 1., inf, inf], dtype=float32)
+
   References:
     drcut/CPD@ad66a44, ``CPDtorch/quant/quant_cuda/float_kernel.cu``.
   """
@@ -95,6 +108,17 @@ class QPyTorchFloat:
   exp = 8 overflow gives ±inf and a NaN with man = 0 becomes -0.0; -0.0 -> +0.0.
   man = 23 is the identity (QPyTorch's intended semantics; its x86 CPU build flips the
   sign there, which is undefined behaviour and not reproduced).
+
+  Raises:
+    ValueError: ``exp_bits`` not an int in 1..8 or ``man_bits`` not an int in 0..23.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # ties go AWAY from zero (1.125 -> 1.25; FloatFormat's ties-to-even gives 1.0); the
+    >>> # all-ones exponent is an ordinary binade, so the max is 114688 and 1e6 saturates
+    >>> F.quantize(jnp.array([1.125, -1.125, 1e6]), F.QPyTorchFloat(5, 2))
+    Array([ 1.25000e+00, -1.25000e+00,  1.14688e+05], dtype=float32)
 
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp``, ``bit_helper.cpp``.
@@ -156,10 +180,46 @@ class QPyTorchFloat:
 
 
 def cpd_float(exp: int, man: int) -> CPDFloat:
-  """CPD's customized-precision float cast ``Q_{exp,man}`` (see :class:`CPDFloat`)."""
+  """CPD's customized-precision float cast ``Q_{exp,man}`` (see :class:`CPDFloat`).
+
+  Args:
+    exp: exponent bits, 1..8.
+    man: fraction bits, 0..23.
+
+  Returns:
+    The :class:`CPDFloat` format.
+
+  Raises:
+    ValueError: ``exp`` or ``man`` is not an int in its range.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # a float32 subnormal input gives +0.0 (sign dropped); -1e-9 rounds to -0.0
+    >>> F.quantize(jnp.array([-1e-40, -1e-9, 3.0]), F.cpd_float(4, 3))
+    Array([ 0., -0.,  3.], dtype=float32)
+  """
   return CPDFloat(exp, man)
 
 
 def qpytorch_float(exp: int, man: int) -> QPyTorchFloat:
-  """QPyTorch's ``float_quantize`` format (see :class:`QPyTorchFloat`)."""
+  """QPyTorch's ``float_quantize`` format (see :class:`QPyTorchFloat`).
+
+  Args:
+    exp: exponent bits, 1..8.
+    man: fraction bits, 0..23.
+
+  Returns:
+    The :class:`QPyTorchFloat` format.
+
+  Raises:
+    ValueError: ``exp`` or ``man`` is not an int in its range.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> # no inf/NaN codes for exp < 8: inf and NaN saturate to the max (-0.0 gives +0.0)
+    >>> F.quantize(jnp.array([jnp.inf, jnp.nan, -0.0]), F.qpytorch_float(4, 3))
+    Array([480., 480.,   0.], dtype=float32)
+  """
   return QPyTorchFloat(exp, man)

@@ -27,6 +27,20 @@ class FixedPoint:
   ``wl - fl - 1 > 24`` its float32 clamp bound rounds up to ``2**(wl-fl-1)`` (outside the
   format) where jaxlp clamps to the largest float32 below the true bound.
 
+  Raises:
+    ValueError: ``wl`` not an int in 1..32, ``fl`` not an int in -100..149, or a range
+      ``2**(wl-fl-1)`` beyond float32.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> fmt = F.FixedPoint(wl=4, fl=2)  # steps of 0.25 in [-2, 1.75]
+    >>> fmt.min_value, fmt.max_value
+    (-2.0, 1.75)
+    >>> # 0.375 and 0.625 are ties: both go to the even multiple 0.5; 5 and -3 clamp
+    >>> F.quantize(jnp.array([0.375, 0.625, 5.0, -3.0]), fmt)
+    Array([ 0.5 ,  0.5 ,  1.75, -2.  ], dtype=float32)
+
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp`` (fixed point).
   """

@@ -38,6 +38,25 @@ class FloatFormat:
 
   Input infinities stay infinite if the format has infinities, else follow ``overflow``.
   NaN inputs give NaN (in the float container) for every format.
+
+  Raises:
+    ValueError: a field out of range (``exp_bits`` not in 1..8, ``man_bits`` not in 0..23,
+      a non-int ``bias``, a non-bool ``subnormals``), an unknown ``specials``/``overflow``,
+      an ``overflow`` the specials cannot express (``"inf"`` without ``"ieee"``, ``"nan"``
+      with ``"finite"``), a format with no normal binade or no finite non-zero value, or a
+      ``bias`` that puts the exponent range outside float32's.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> fmt = F.FloatFormat(4, 3, specials="fn")  # OCP E4M3 (= F.E4M3FN)
+    >>> fmt.bits, fmt.max_normal, fmt.min_subnormal
+    (8, 448.0, 0.001953125)
+    >>> # 1.0625 and 1.1875 are ties (spacing 0.125): to even; 500 overflows to NaN
+    >>> F.quantize(jnp.array([1.0625, 1.1875, 500.0, 0.003]), fmt)
+    Array([1.       , 1.25     ,       nan, 0.00390625], dtype=float32)
+    >>> F.quantize(jnp.array([500.0]), F.FloatFormat(4, 3, specials="fn", overflow="saturate"))
+    Array([448.], dtype=float32)
   """
 
   exp_bits: int

@@ -31,7 +31,24 @@ ML_DTYPES_NAMES = {
 
 
 def get_format(name: str) -> FloatFormat:
-  """Look up a preset by name (case-insensitive), e.g. ``get_format("e4m3")``."""
+  """Look up a preset by name (case-insensitive), e.g. ``get_format("e4m3")``.
+
+  Args:
+    name: a key of ``PRESETS`` (``"BF16"``, ``"FP16"``, ``"E4M3FN"``, ...), any case.
+
+  Returns:
+    The preset :class:`FloatFormat`.
+
+  Raises:
+    ValueError: ``name`` is not a preset (the message lists the presets).
+
+  Example:
+    >>> from jaxlp import formats as F
+    >>> F.get_format("e4m3fn")
+    jaxlp.formats.E4M3FN
+    >>> F.get_format("e4m3fn").max_normal, F.get_format("E4M3").max_normal
+    (448.0, 240.0)
+  """
   key = name.upper()
   if key not in PRESETS:
     raise ValueError(f"unknown format name {name!r}; presets are {sorted(PRESETS)}")

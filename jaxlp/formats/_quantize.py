@@ -22,7 +22,17 @@ _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.b
 
 
 class DTypeError(TypeError, ValueError):
-  """An array of an unsupported dtype was passed (a TypeError and a ValueError)."""
+  """An array of an unsupported dtype was passed (a TypeError and a ValueError).
+
+  Example:
+    >>> import numpy as np
+    >>> from jaxlp import formats as F
+    >>> try:
+    ...   F.quantize(np.zeros(2), F.BF16)  # float64: not accepted (cast explicitly)
+    ... except F.DTypeError as e:
+    ...   print(isinstance(e, TypeError), isinstance(e, ValueError))
+    True True
+  """
 
 
 def is_elementwise(fmt) -> bool:
@@ -31,7 +41,27 @@ def is_elementwise(fmt) -> bool:
 
 
 def check_format(fmt, rounding: str = "nearest") -> None:
-  """Raise a clear error if ``fmt`` is not a jaxlp format or does not support ``rounding``."""
+  """Raise a clear error if ``fmt`` is not a jaxlp format or does not support ``rounding``.
+
+  Args:
+    fmt: the object to check.
+    rounding: the rounding mode to check ``fmt`` against.
+
+  Returns:
+    None.
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format.
+    ValueError: ``rounding`` is not a known mode, or ``fmt`` does not support it.
+
+  Example:
+    >>> from jaxlp import formats as F
+    >>> F.check_format(F.E4M3, "stochastic")  # fine: returns None
+    >>> F.check_format(F.cpd_float(4, 3), "stochastic")
+    Traceback (most recent call last):
+      ...
+    ValueError: quantize: CPDFloat supports rounding in ('nearest',), got rounding='stochastic'
+  """
   if not isinstance(fmt, FORMAT_TYPES):
     raise TypeError(
         f"quantize: fmt must be a jaxlp format (FloatFormat, BlockFormat, FixedPoint, mx(...), "
@@ -74,7 +104,34 @@ def element_index(shape) -> jax.Array:
 
 
 def random_bits(key, shape) -> jax.Array:
-  """The uint32 noise word of every element: hash of (key, flat element index)."""
+  """The uint32 noise word of every element: hash of (key, flat element index).
+
+  These are the words :func:`quantize` uses for ``rounding="stochastic"``: element ``i``
+  (flat C-order index) gets a counter-based hash of ``(key, i)``, so the noise of an element
+  does not depend on the array's sharding or the backend.
+
+  Args:
+    key: a ``jax.random.key(...)`` or a legacy uint32[2] ``PRNGKey``.
+    shape: the array shape.
+
+  Returns:
+    uint32 array of ``shape``.
+
+  Raises:
+    ValueError: ``key`` is not a single PRNG key, or ``shape`` has ``2**32`` elements or
+      more.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> r = F.random_bits(jax.random.key(0), (2, 3))
+    >>> r.shape, r.dtype
+    ((2, 3), dtype('uint32'))
+    >>> # element (1, 2) has flat index 5 in any array with 6 or more elements
+    >>> bool(r[1, 2] == F.random_bits(jax.random.key(0), (8,))[5])
+    True
+  """
   k0, k1 = key_words(key)
   return B.hash_bits(k0, k1, element_index(shape))
 
@@ -126,7 +183,28 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
     Array of x's shape and dtype. Gradient: straight-through (identity).
 
   Raises:
-    TypeError/ValueError naming the problem: bad dtype, format, rounding, missing key.
+    DTypeError: ``x`` is not float32, float16 or bfloat16 (e.g. float64 or int; a subclass
+      of both TypeError and ValueError).
+    TypeError: ``fmt`` is not a jaxlp format.
+    ValueError: an unknown ``rounding`` or one ``fmt`` does not support; ``rounding=
+      "stochastic"`` without ``key``, with a malformed ``key``, or on ``2**32`` elements or
+      more; ``rand_bits`` outside 1..32 or given with a non-stochastic rounding; a
+      ``qpytorch_block`` ``dim`` out of range for ``x``.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> x = jnp.array([1.0625, 1.1875, 300.0, -0.001])
+    >>> # ties to even; 300 > max 240 overflows to inf; -0.001 -> the subnormal -2**-9
+    >>> F.quantize(x, F.E4M3)
+    Array([ 1.        ,  1.25      ,         inf, -0.00195312], dtype=float32)
+    >>> F.quantize(x, F.E4M3, "toward_zero")  # directed rounding: overflow gives max
+    Array([ 1.   ,  1.125,  240.  , -0.   ], dtype=float32)
+    >>> # stochastic: 1.0625 goes to 1.0 or 1.125, each with probability 1/2
+    >>> y = F.quantize(jnp.full(1000, 1.0625), F.E4M3, "stochastic", key=jax.random.key(0))
+    >>> sorted(set(y.tolist()))
+    [1.0, 1.125]
   """
   x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
   return quantize_words(x, kw, fmt, rounding, rand_bits)

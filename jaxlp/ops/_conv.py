@@ -49,7 +49,24 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
     key: PRNG key for stochastic rounding (fresh per step).
 
   Returns:
-    The conv_general_dilated callable.
+    The conv_general_dilated callable (its ``policy`` attribute holds the policy). Calling
+    it raises ``ValueError`` if the policy is stochastic and no key was given.
+
+  Raises:
+    TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` (or None).
+    NotImplementedError: the policy emulates accumulators (``fwd_acc``/``dlhs_acc``/
+      ``drhs_acc``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> conv = jaxlp.conv_general_dilated(jaxlp.float_policy(F.E2M1FN))
+    >>> x = jnp.array([[[1.3, 2.6, 0.4, 5.0]]])  # (N=1, C=1, W=4)
+    >>> w = jnp.array([[[1.0, 1.0]]])  # (O=1, I=1, W=2)
+    >>> # x is rounded to E2M1 first: [1.5, 3, 0.5, 4] (5: a tie between 4 and 6, to even)
+    >>> conv(x, w, (1,), "VALID")
+    Array([[[4.5, 3.5, 4.5]]], dtype=float32)
   """
   policy = DotPolicy() if policy is None else policy
   if not isinstance(policy, DotPolicy):

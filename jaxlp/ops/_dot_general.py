@@ -96,6 +96,25 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
 
   Returns:
     ``op`` of the quantized operands, with the policy's backward pass.
+
+  Raises:
+    ValueError: the policy is stochastic and ``key`` is None.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp.ops import quantized_bilinear
+    >>> from jaxlp.ops._dot_general import SLOTS, SlotGeometry
+    >>> geometry = {slot: SlotGeometry() for slot in SLOTS}  # elementwise: no blocking
+    >>> policy = jaxlp.DotPolicy(lhs=F.E2M1FN, grad=F.E2M1FN)
+    >>> f = lambda l, r: quantized_bilinear(jnp.multiply, l, r, policy, geometry)
+    >>> f(jnp.array([1.3]), jnp.array([2.0]))  # lhs 1.3 -> 1.5
+    Array([3.], dtype=float32)
+    >>> # d/dr = Q(grad) * Q(l) = 1 * 1.5; d/dl = Q(grad) * r = 2
+    >>> jax.grad(lambda l, r: f(l, r).sum(), argnums=(0, 1))(jnp.array([1.3]), jnp.array([2.0]))
+    (Array([2.], dtype=float32), Array([1.5], dtype=float32))
   """
   gemms = gemms or {}
   if policy.stochastic and key is None:
@@ -224,7 +243,27 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
       fresh key per training step.
 
   Returns:
-    The dot_general callable.
+    The dot_general callable (its ``policy`` attribute holds the policy). Calling it raises
+    ``ValueError`` if the policy is stochastic and no key was given, and
+    ``NotImplementedError`` for accumulator emulation on anything but a 2-D GEMM with one
+    contracting dimension and no batch dimensions.
+
+  Raises:
+    TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` (or None).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> dot = jaxlp.dot_general(jaxlp.mx_policy(F.E2M1FN, block_size=2))
+    >>> x = jnp.array([[1.0, 0.3]])  # one MXFP4 block: scale 2**(0 - 2), 0.3 -> 0.25
+    >>> w = jnp.array([[1.0], [1.0]])
+    >>> dot(x, w, (((1,), (0,)), ((), ())))
+    Array([[1.25]], dtype=float32)
+    >>> sr = jaxlp.dot_general(jaxlp.mx_policy(rounding="stochastic"), key=jax.random.key(0))
+    >>> sr(x, w, (((1,), (0,)), ((), ()))).shape
+    (1, 1)
   """
   policy = DotPolicy() if policy is None else policy
   if not isinstance(policy, DotPolicy):

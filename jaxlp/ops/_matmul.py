@@ -34,6 +34,42 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   computation is compiled for (``lax.platform_dependent``), so arrays on a CPU device
   always take the reference. On a GPU, a ``"chunked"`` kernel sums inside a chunk in the
   matrix unit's order (naive/kahan: same bits everywhere).
+
+  Args:
+    a, b: float32/float16/bfloat16 operands.
+    mul, acc: elementwise formats of the products and of the running sum, or None (fp32).
+    algorithm: ``"naive"``, ``"kahan"`` or ``"chunked"``.
+    chunk: chunk length for ``"chunked"``.
+    rounding: rounding mode of every ``mul``/``acc`` rounding.
+    key: PRNG key for ``rounding="stochastic"``.
+    dimension_numbers: None (``a (..., M, K) @ b (..., K, N)``) or ``lax.dot_general``'s.
+    preferred_element_type: output dtype.
+    bias: optional initial accumulator value.
+
+  Returns:
+    The product, shaped as ``lax.dot_general`` would shape it.
+
+  Raises:
+    TypeError: ``a`` or ``b`` is not float32, float16 or bfloat16.
+    ValueError: an unknown ``algorithm``; a ``mul``/``acc`` that is not an elementwise
+      format or does not support ``rounding``; ``chunk`` missing or not a positive int for
+      ``"chunked"``, given for another algorithm, or ``"chunked"`` with ``mul``;
+      ``"stochastic"`` without ``key``; operands with ndim < 2 and no
+      ``dimension_numbers``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> a, b = jnp.array([[256.0, 1.0, 1.0, 1.0, 1.0]]), jnp.ones((5, 1))
+    >>> jaxlp.matmul(a, b)  # float32 accumulator
+    Array([[260.]], dtype=float32)
+    >>> # BF16 accumulator (spacing 2 at 256): 256 + 1 is a tie, back to 256 every step
+    >>> jaxlp.matmul(a, b, acc=F.BF16)
+    Array([[256.]], dtype=float32)
+    >>> # chunks of 4: 256 + (1 + 1 + 1) = 259 -> 260, then 260 + 1 -> 260 (tie, to even)
+    >>> jaxlp.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=4)
+    Array([[260.]], dtype=float32)
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
   kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding,

@@ -55,6 +55,21 @@ class Quant:
   Attributes:
     fmt: any jaxlp format (``FloatFormat``, ``BlockFormat``, ``mx(...)``, ``FixedPoint``...).
     rounding: a rounding mode supported by ``fmt`` (``"nearest"``, ``"stochastic"``, ...).
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format.
+    ValueError: ``fmt`` does not support ``rounding`` (or it is unknown).
+
+  Example:
+    >>> from jaxlp import formats as F
+    >>> from jaxlp.ops import Quant
+    >>> q = Quant(F.E5M2, "stochastic")
+    >>> q.stochastic
+    True
+    >>> Quant(F.cpd_float(5, 2), "stochastic")
+    Traceback (most recent call last):
+      ...
+    ValueError: quantize: CPDFloat supports rounding in ('nearest',), got rounding='stochastic'
   """
 
   fmt: Any
@@ -78,6 +93,21 @@ class Accum:
     algorithm: ``"naive"``, ``"kahan"`` or ``"chunked"``.
     chunk: chunk length for ``"chunked"``.
     rounding: rounding of products and sums.
+
+  Raises:
+    TypeError: ``mul`` or ``acc`` is not a jaxlp format.
+    ValueError: an unknown ``algorithm``, or a format that does not support ``rounding``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> # a BF16 accumulator in the forward GEMM: 256 + 1 rounds back to 256 (a tie, to
+    >>> # even) every step, so the small terms are lost ("swamping")
+    >>> policy = jaxlp.DotPolicy(fwd_acc=jaxlp.Accum(acc=F.BF16))
+    >>> x, w = jnp.array([[256.0, 1.0, 1.0]]), jnp.ones((3, 1))
+    >>> jaxlp.dot_general(policy)(x, w, (((1,), (0,)), ((), ())))
+    Array([[256.]], dtype=float32)
   """
 
   mul: Any = None
@@ -133,6 +163,22 @@ class DotPolicy:
 
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.
+
+  Raises:
+    TypeError: an operand slot that is not None, a format, a :class:`Quant` (or its
+      allowed ``"fwd"`` / ``"grad"``), or an accumulator slot that is not None or an
+      :class:`Accum`.
+
+  Example:
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> p = jaxlp.DotPolicy(lhs=F.E4M3, rhs=F.E4M3, grad=jaxlp.Quant(F.E5M2, "stochastic"))
+    >>> p.lhs  # formats become Quant(fmt, "nearest")
+    Quant(fmt=jaxlp.formats.E4M3, rounding='nearest')
+    >>> p.dlhs_rhs, p.drhs_grad, p.stochastic
+    ('fwd', 'grad', True)
+    >>> jaxlp.DotPolicy().is_identity
+    True
   """
 
   lhs: Any = None
@@ -199,6 +245,23 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
   References:
     parsa-epfl/HBFPEmulator ``bfp/bfp_ops.py`` (``_gen_bfp_op``, v1.0 tag 69bfdde and main
     b5cdb1d); Drumond et al., "Training DNNs with Hybrid Block Floating Point", NeurIPS 2018.
+
+  Returns:
+    The :class:`DotPolicy` (``lhs`` = activations, ``rhs`` = weights, ``grad`` = output
+    gradients; the backward GEMMs reuse the forward-quantized operands).
+
+  Raises:
+    ValueError: an unknown ``activations``, a bad ``man_bits``/``tile``, or an unknown
+      ``rounding``.
+
+  Example:
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> p = jaxlp.hbfp_policy(7)
+    >>> p.lhs.fmt == F.hbfp_batched(7), p.rhs
+    (True, None)
+    >>> jaxlp.hbfp_policy(7, 24, "tiled").rhs.fmt == F.hbfp(7, 24)
+    True
   """
   if activations not in HBFP_ACTIVATIONS:
     raise ValueError(f"hbfp_policy: activations={activations!r} not in {HBFP_ACTIVATIONS}")
@@ -231,6 +294,22 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
     Formats for Deep Learning", arXiv:2310.10537.
+
+  Returns:
+    The :class:`DotPolicy`, with every operand slot set explicitly (no ``"fwd"`` reuse).
+
+  Raises:
+    ValueError: an element format MX does not define, a bad ``block_size``, or a
+      ``rounding`` the formats do not support.
+
+  Example:
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> p = jaxlp.mx_policy(F.E4M3FN, grad_fmt=F.E5M2)  # MXFP8 forward, E5M2 gradients
+    >>> p.lhs.fmt == F.mx(F.E4M3FN, 32), p.grad.fmt.elem
+    (True, jaxlp.formats.E5M2)
+    >>> p.dlhs_rhs == p.rhs  # re-quantized along the dlhs GEMM's contraction axis
+    True
   """
   a = Quant(mx(fmt, block_size), rounding)
   g = Quant(mx(fmt if grad_fmt is None else grad_fmt, block_size), rounding)
@@ -253,6 +332,22 @@ def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
   References:
     Zhang et al., "QPyTorch: A Low-Precision Arithmetic Simulation Framework", 2019
     (``quantizer(forward_number, backward_number, ...)``); CPD (drcut/CPD).
+
+  Returns:
+    The :class:`DotPolicy`.
+
+  Raises:
+    TypeError: ``fwd`` or ``bwd`` is not a jaxlp format (or None).
+    ValueError: a rounding the format does not support.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> dot = jaxlp.dot_general(jaxlp.float_policy(F.E2M1FN, F.E5M2))
+    >>> # the operands are rounded to E2M1 first: 1.3 -> 1.5, 2.6 -> 3 (product 4.5 + 1)
+    >>> dot(jnp.array([[1.3, 1.0]]), jnp.array([[2.6], [1.0]]), (((1,), (0,)), ((), ())))
+    Array([[5.5]], dtype=float32)
   """
   f = None if fwd is None else Quant(fwd, rounding)
   b = None if bwd is None else Quant(bwd, rounding if bwd_rounding is None else bwd_rounding)

@@ -28,8 +28,35 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
   Runs the Pallas kernel on a GPU where ``kernel_applies`` (``jaxlp/pallas/_quantize.py``; a
   format family whose kernel was measured faster than the spec, at least
   ``MIN_PALLAS_SIZE`` elements), else the pure-jnp spec (XLA-fused). Both give identical
-  bits and the same straight-through gradient. See :func:`jaxlp.formats.quantize` for the
-  arguments.
+  bits and the same straight-through gradient. The arguments are those of
+  :func:`jaxlp.formats.quantize` (documented there).
+
+  Args:
+    x: float32, float16 or bfloat16 array.
+    fmt: any jaxlp format.
+    rounding: rounding mode (``"nearest"``, ..., ``"stochastic"``).
+    key: PRNG key, required for ``rounding="stochastic"``.
+    rand_bits: limited-precision stochastic rounding (1..32 random bits).
+
+  Returns:
+    Array of x's shape and dtype (straight-through gradient).
+
+  Raises:
+    jaxlp.formats.DTypeError: ``x`` is not float32, float16 or bfloat16.
+    TypeError: ``fmt`` is not a jaxlp format.
+    ValueError: a rounding ``fmt`` does not support, a missing or malformed ``key``, a bad
+      ``rand_bits`` (see :func:`jaxlp.formats.quantize`).
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxlp
+    >>> from jaxlp import formats as F
+    >>> x = jnp.array([1.0, 1.0625, 1.1875, -3.3])
+    >>> jaxlp.quantize(x, F.E4M3)  # ties to even (1.0625 -> 1.0, 1.1875 -> 1.25)
+    Array([ 1.  ,  1.  ,  1.25, -3.25], dtype=float32)
+    >>> jax.grad(lambda x: jaxlp.quantize(x, F.E4M3).sum())(x)  # straight-through
+    Array([1., 1., 1., 1.], dtype=float32)
   """
   x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
   return quantize_words(x, kw, fmt, rounding, rand_bits)

@@ -19,6 +19,19 @@ import jax.numpy as jnp
 
 
 class LarsState(NamedTuple):
+  """State of :func:`lars`.
+
+  Attributes:
+    count: int32 number of updates so far (the schedule's step).
+    momentum: the momentum buffers ``buf`` (params' structure, shapes and dtypes).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import optim
+    >>> optim.lars(0.1).init({"w": jnp.zeros(2)})
+    LarsState(count=Array(0, dtype=int32), momentum={'w': Array([0., 0.], dtype=float32)})
+  """
+
   count: jax.Array
   momentum: Any
 
@@ -34,6 +47,25 @@ def lars(learning_rate, *, momentum: float = 0.9, weight_decay: float = 1e-4,
   Args:
     learning_rate: float or optax schedule (called with the step count).
     momentum, weight_decay, eta: as in CPD (defaults 0.9, 1e-4, 0.001).
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`LarsState`.
+
+  Raises:
+    ValueError: ``update`` is called without ``params``.
+
+  Example:
+    ``||w|| = 5``, ``||g|| = 1``, no weight decay, ``eta = 1``: local lr 5, step
+    ``0.1 * 5 * g``:
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import optim
+    >>> tx = optim.lars(0.1, weight_decay=0.0, eta=1.0)
+    >>> params = {"w": jnp.array([3.0, 4.0])}
+    >>> grads = {"w": jnp.array([0.6, 0.8])}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> updates
+    {'w': Array([-0.3, -0.4], dtype=float32)}
   """
   import optax
 

@@ -49,7 +49,22 @@ def _split(key, rounding):
 
 
 class MasterWeightsState(NamedTuple):
-  """State of :func:`master_weights`: the wide copy, the inner state and the noise key."""
+  """State of :func:`master_weights`: the wide copy, the inner state and the noise key.
+
+  Attributes:
+    wide: the stored copy of the parameters, rounded to ``wide_fmt`` (params' dtypes).
+    inner_state: the inner transformation's state.
+    key: PRNG key of the next step's roundings (split every step with stochastic rounding).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> state = optim.master_weights(optax.sgd(0.1), fmt=F.E4M3).init({"w": jnp.ones(2)})
+    >>> state.wide, state.inner_state
+    ({'w': Array([1., 1.], dtype=float32)}, (EmptyState(), EmptyState()))
+  """
 
   wide: Any
   inner_state: Any
@@ -79,6 +94,29 @@ def master_weights(inner: optax.GradientTransformation, fmt=None, wide_fmt=None,
       ``wide`` (still accepted, deprecated).
     rounding: rounding of both quantizations.
     key: PRNG key (required for stochastic rounding).
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`MasterWeightsState`.
+
+  Raises:
+    TypeError: ``fmt`` or ``wide_fmt`` is not a jaxlp format (or None); both a new keyword
+      and its deprecated name are given.
+    ValueError: an unknown ``rounding`` or one a format does not support;
+      ``rounding="stochastic"`` without ``key``; ``update`` is called without ``params``.
+
+  Example:
+    The narrow (E4M3) parameters stay at 1 and 2 while the FP32 wide copy takes the SGD
+    steps:
+
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> tx = optim.master_weights(optax.sgd(0.1), fmt=F.E4M3)
+    >>> params = {"w": jnp.array([1.0, 2.0])}
+    >>> updates, state = tx.update({"w": jnp.array([0.3, -0.3])}, tx.init(params), params)
+    >>> updates, state.wide
+    ({'w': Array([0., 0.], dtype=float32)}, {'w': Array([0.97, 2.03], dtype=float32)})
 
   References:
     parsa-epfl/HBFPEmulator ``bfp/bfp_optim.py`` (``get_bfp_optim``); Drumond et al., NeurIPS
@@ -111,7 +149,19 @@ def master_weights(inner: optax.GradientTransformation, fmt=None, wide_fmt=None,
 
 
 class QuantizeUpdatesState(NamedTuple):
-  """State of :func:`quantize_updates`: the noise key (split every step)."""
+  """State of :func:`quantize_updates`: the noise key (split every step).
+
+  Attributes:
+    key: PRNG key of the next step's rounding (a zero uint32[2] placeholder, never split,
+      unless the rounding is stochastic).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> optim.quantize_updates(F.E4M3).init({"w": jnp.zeros(2)})
+    QuantizeUpdatesState(key=Array([0, 0], dtype=uint32))
+  """
 
   key: jax.Array
 
@@ -124,6 +174,23 @@ def quantize_updates(fmt, rounding: str = "nearest", *, key=None
     fmt: a jaxlp format.
     rounding: rounding mode.
     key: PRNG key (required for stochastic rounding).
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`QuantizeUpdatesState`.
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format.
+    ValueError: an unknown ``rounding`` or one ``fmt`` does not support;
+      ``rounding="stochastic"`` without ``key``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> tx = optim.quantize_updates(F.E4M3)
+    >>> updates = {"w": jnp.array([0.3, -1.1])}
+    >>> tx.update(updates, tx.init(updates))[0]
+    {'w': Array([ 0.3125, -1.125 ], dtype=float32)}
   """
   _check(fmt, rounding, "fmt")
   key0 = _needs_key(rounding, key, "quantize_updates")
@@ -141,7 +208,19 @@ def quantize_updates(fmt, rounding: str = "nearest", *, key=None
 
 
 class LowPrecisionTraceState(NamedTuple):
-  """State of :func:`trace`: the momentum (values representable in ``fmt``) and key."""
+  """State of :func:`trace`: the momentum (values representable in ``fmt``) and key.
+
+  Attributes:
+    trace: the momentum buffers ``m`` (float32, values representable in ``fmt``).
+    key: PRNG key of the next step's rounding (split every step with stochastic rounding).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> optim.trace(0.9, fmt=F.BF16, rounding="nearest").init({"w": jnp.zeros(2)}).trace
+    {'w': Array([0., 0.], dtype=float32)}
+  """
 
   trace: Any
   key: jax.Array
@@ -163,6 +242,29 @@ def trace(decay: float, nesterov: bool = False, *, fmt=None,
       ``format`` (still accepted, deprecated).
     rounding: rounding mode of the buffer writes.
     key: PRNG key (required for stochastic rounding with a format).
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`LowPrecisionTraceState`.
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format (or None); both ``fmt`` and ``format`` are
+      given.
+    ValueError: an unknown ``rounding`` or one ``fmt`` does not support;
+      ``rounding="stochastic"`` (the default) with a format but without ``key``.
+
+  Example:
+    Two steps with the buffer in E4M3 (round to nearest: ``Q(0.3 + 0.9 * 0.3125) = 0.5625``):
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> tx = optim.trace(0.9, fmt=F.E4M3, rounding="nearest")
+    >>> g = {"w": jnp.array([0.3, -1.1])}
+    >>> state = tx.init(g)
+    >>> updates, state = tx.update(g, state)
+    >>> updates, state = tx.update(g, state)
+    >>> state.trace
+    {'w': Array([ 0.5625, -2.    ], dtype=float32)}
   """
   rounding = "nearest" if fmt is None else rounding
   _check(fmt, rounding, "fmt")
@@ -188,7 +290,21 @@ def trace(decay: float, nesterov: bool = False, *, fmt=None,
 
 
 class LowPrecisionAdamState(NamedTuple):
-  """State of :func:`scale_by_adam`: step count, moments (values in their formats), key."""
+  """State of :func:`scale_by_adam`: step count, moments (values in their formats), key.
+
+  Attributes:
+    count: int32 number of updates so far (for the bias correction).
+    mu: first moments (float32, values representable in ``mu_fmt``).
+    nu: second moments (float32, values representable in ``nu_fmt``).
+    key: PRNG key of the next step's roundings (split every step with stochastic rounding).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import optim
+    >>> state = optim.scale_by_adam().init({"w": jnp.zeros(2)})
+    >>> state.count, state.mu
+    (Array(0, dtype=int32), {'w': Array([0., 0.], dtype=float32)})
+  """
 
   count: jax.Array
   mu: Any
@@ -213,6 +329,28 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       (still accepted, deprecated).
     rounding: rounding of the moment writes (default stochastic: unbiased).
     key: PRNG key (required for stochastic rounding with a format).
+
+  Returns:
+    ``optax.GradientTransformation`` with state :class:`LowPrecisionAdamState`.
+
+  Raises:
+    TypeError: ``mu_fmt`` or ``nu_fmt`` is not a jaxlp format (or None); both a new keyword
+      and its deprecated name are given.
+    ValueError: an unknown ``rounding`` or one a format does not support;
+      ``rounding="stochastic"`` (the default) with a format but without ``key``.
+
+  Example:
+    Moments stored in bfloat16, rounded to nearest (``0.1 * 0.3`` is stored as
+    ``0.0300293``; the default stochastic rounding needs ``key=jax.random.key(...)``):
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import optim
+    >>> tx = optim.scale_by_adam(mu_fmt=F.BF16, nu_fmt=F.BF16, rounding="nearest")
+    >>> g = {"w": jnp.array([0.3, -1.1])}
+    >>> updates, state = tx.update(g, tx.init(g))
+    >>> state.count, state.mu
+    (Array(1, dtype=int32), {'w': Array([ 0.0300293 , -0.10986328], dtype=float32)})
   """
   lp = mu_fmt is not None or nu_fmt is not None
   rounding = rounding if lp else "nearest"

@@ -70,7 +70,23 @@ def can_use_pallas_matmul(a, b, *, algorithm="naive", chunk=None) -> bool:
   """Whether ``jaxlp.matmul(a, b, ...)`` runs the kernel: both operands live on a GPU
   device (see ``on_gpu`` in ``jaxlp/pallas/_quantize.py``; False for tracers, whose platform is
   chosen at lowering) and :func:`kernel_applies`. Either way the naive/kahan bits are the
-  same."""
+  same.
+
+  Args:
+    a, b: the operands (arrays or array-likes).
+    algorithm: ``"naive"``, ``"kahan"`` or ``"chunked"``.
+    chunk: chunk length for ``"chunked"``.
+
+  Returns:
+    bool.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import pallas
+    >>> # tiny operands (fewer than MIN_PALLAS_MACS multiply-adds) never take the kernel
+    >>> pallas.can_use_pallas_matmul(jnp.ones((2, 3)), jnp.ones((3, 2)))
+    False
+  """
   return (on_gpu(a) and on_gpu(b)
           and kernel_applies(jnp.shape(a), jnp.shape(b), algorithm=algorithm, chunk=chunk))
 
@@ -119,6 +135,26 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     block_m, block_n: output tile (powers of two on GPU; default min(64, next_pow2(dim)),
       at least 16 for "chunked").
     num_warps: Triton warps per program.
+
+  Returns:
+    The product, shaped as ``lax.dot_general`` would shape it.
+
+  Raises:
+    TypeError: ``a`` or ``b`` is not float32, float16 or bfloat16.
+    ValueError: the argument errors of :func:`jaxlp.matmul` (unknown ``algorithm``, a
+      ``mul``/``acc`` that is not an elementwise format, a bad ``chunk``, ``"stochastic"``
+      without ``key``, operands with ndim < 2 and no ``dimension_numbers``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import pallas
+    >>> a, b = jnp.array([[256.0, 1.0, 1.0], [1.0, 1.0, 256.0]]), jnp.ones((3, 1))
+    >>> # BF16 accumulator, k ascending: row 0 loses both 1s (256 + 1 is a tie, to even);
+    >>> # row 1 adds them before the 256 and keeps them
+    >>> pallas.matmul(a, b, acc=F.BF16, interpret=True)
+    Array([[256.],
+           [258.]], dtype=float32)
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
   G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)

@@ -177,6 +177,22 @@ def can_use_pallas_quantize(x, fmt, rounding: str = "nearest") -> bool:
   computation is lowered: ``jaxlp.quantize`` stages both the kernel and the spec with
   ``lax.platform_dependent`` and the platform the computation is compiled for picks one,
   so this returns False for tracers. Either way the bits are the same.
+
+  Args:
+    x: the array (or array-like) to be quantized.
+    fmt: the format.
+    rounding: the rounding mode.
+
+  Returns:
+    bool (False, not an error, for an unsupported format, rounding or dtype).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import pallas
+    >>> # small arrays (fewer than MIN_PALLAS_SIZE elements) always take the spec
+    >>> pallas.can_use_pallas_quantize(jnp.ones(8), F.mx(F.E4M3FN))
+    False
   """
   return on_gpu(x) and kernel_applies(fmt, jnp.shape(x), jnp.result_type(x), rounding)
 
@@ -303,9 +319,28 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
       ``min(4096, next_pow2(size))``). Block formats: block rows per program (default up to
       64). Does not change the result.
 
+  Returns:
+    Array of x's shape and dtype, bit-identical to :func:`jaxlp.formats.quantize`
+    (straight-through gradient).
+
   Raises:
     ValueError: ``fmt`` is a block layout the kernels do not implement (see
-      :func:`supports`), plus every error :func:`jaxlp.formats.quantize` raises.
+      :func:`supports`: e.g. blocks along another axis than the last, whole-tensor blocks,
+      ``qpytorch_block``), or ``block_size`` is not a positive int; and the rounding, key
+      and ``rand_bits`` errors of :func:`jaxlp.formats.quantize`.
+    jaxlp.formats.DTypeError: ``x`` is not float32, float16 or bfloat16.
+    TypeError: ``fmt`` is not a jaxlp format.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp import pallas
+    >>> x = jnp.array([[1.0, 0.3, -2.5, 3.0]])
+    >>> # MXFP4 block of 4: scale 0.5; -2.5 / 0.5 = -5 is a tie between -4 and -6: to even
+    >>> pallas.quantize(x, F.mx(F.E2M1FN, 4), interpret=True)
+    Array([[ 1.  ,  0.25, -2.  ,  3.  ]], dtype=float32)
+    >>> pallas.quantize(jnp.array([1.0625, 1.1875]), F.E4M3, interpret=True)
+    Array([1.  , 1.25], dtype=float32)
   """
   x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
   if not supports(fmt, x.shape):

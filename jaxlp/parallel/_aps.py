@@ -25,6 +25,21 @@ def format_emax(fmt) -> int:
 
   ``FloatFormat``: ``fmt.emax``; ``cpd_float(E, M)``: ``2**(E-1) - 1`` (CPD's ``U``);
   ``qpytorch_float(E, M)``: ``min(2**(E-1), 127)``; ``FixedPoint``: ``wl - fl - 2``.
+
+  Args:
+    fmt: a ``FloatFormat``, ``cpd_float``, ``qpytorch_float`` or ``FixedPoint`` format.
+
+  Returns:
+    The exponent U (an int).
+
+  Raises:
+    TypeError: ``fmt`` is of another type (e.g. a block format).
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> from jaxlp import formats as F
+    >>> P.format_emax(F.E4M3), P.format_emax(F.BF16), P.format_emax(F.cpd_float(5, 2))
+    (7, 127, 15)
   """
   if isinstance(fmt, FloatFormat):
     return fmt.emax

@@ -31,6 +31,25 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       ``jax_cpu_collectives_implementation``; ``"gloo"`` works on loopback/TCP, ``"mpi"``
       needs an MPI library; ``None`` leaves the config alone). Ignored by GPU/TPU backends.
     **kwargs: passed to ``jax.distributed.initialize``.
+
+  Returns:
+    None.
+
+  Raises:
+    RuntimeError: from ``jax.distributed.initialize``, e.g. when JAX has already initialised
+      a backend in this process (any computation, ``jax.devices()``, ...) or when
+      :func:`initialize` was already called.
+
+  Example:
+    Not run here: it must be the first JAX call of the process (this documentation's
+    examples have already run JAX computations, so it raises ``RuntimeError``), and it
+    waits for all ``num_processes`` processes to connect to the coordinator:
+
+    >>> from jaxlp import parallel as P
+    >>> P.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
+    >>> import jax
+    >>> jax.process_count()  # doctest: +SKIP
+    2
   """
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -40,5 +59,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 
 
 def shutdown() -> None:
-  """``jax.distributed.shutdown()``."""
+  """``jax.distributed.shutdown()``: leave the multi-process runtime of :func:`initialize`.
+
+  Call it once at the end of every process (a no-op when :func:`initialize` was not called).
+
+  Returns:
+    None.
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> P.shutdown()  # nothing to shut down in a single process
+  """
   jax.distributed.shutdown()

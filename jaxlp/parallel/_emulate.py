@@ -31,6 +31,20 @@ def emulate(step_fn, num_nodes: int, axis_name="node", *, batch_argnums=(-1,), o
 
   Returns:
     A function with ``step_fn``'s arguments.
+
+  Raises:
+    ValueError: ``num_nodes`` is not a positive int (at once); a leaf of a split argument is
+      a scalar or its leading axis is not divisible by ``num_nodes`` (when the returned
+      function is called).
+
+  Example:
+    Eight rows split over four emulated workers (two rows each), summed over the workers:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp import parallel as P
+    >>> step = P.emulate(lambda x: jax.lax.psum(x.sum(), "node"), 4)
+    >>> step(jnp.arange(8.0))
+    Array([28., 28., 28., 28.], dtype=float32)
   """
   if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
     raise ValueError(f"emulate: num_nodes must be a positive int, got num_nodes={num_nodes!r}")

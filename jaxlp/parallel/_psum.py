@@ -104,6 +104,26 @@ def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
 
   Returns:
     Pytree of the same structure, shapes and dtypes; identical bits on every worker.
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format, or not an elementwise one; a leaf is not
+      float32/float16/bfloat16.
+    ValueError: ``order`` is not in :data:`ORDERS`; ``kahan=True`` with ``"tree"`` or
+      ``"native"``; an unknown ``rounding`` or one ``fmt`` does not support;
+      ``rounding="stochastic"`` without ``key``; ``aps=True`` with 65536 or more workers.
+
+  Example:
+    Four workers (a named ``vmap``) with four values each; every partial sum is rounded to
+    E4M3, so the result differs from the float32 sum ``[11.6, 22.7, 33.8, 44.9]``:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlp import parallel as P
+    >>> from jaxlp import formats as F
+    >>> g = jnp.array([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4],
+    ...                [10.0, 20.0, 30.0, 40.0], [0.5, 0.5, 0.5, 0.5]])
+    >>> f = lambda x: P.psum(x, "w", fmt=F.E4M3, order="chain")
+    >>> jax.vmap(f, axis_name="w")(g)[0]
+    Array([12., 22., 32., 44.], dtype=float32)
   """
   _check(fmt, order, kahan, rounding, key)
   w = _axes.axis_size(axis_name)
@@ -235,6 +255,29 @@ def payload_bytes(size: int, w: int, fmt, order: str = "ring", *, kahan: bool = 
   W-1 peers; chain/tree: its whole leaf to W-1 peers (bit-packed only with APS, where the
   addends are on the format's grid); native: float32 ring all-reduce, 2(W-1)/W * 4 bytes
   per element. APS adds one int32 pair to the max-reduction (not counted).
+
+  Args:
+    size: number of elements of the leaf.
+    w: number of workers W.
+    fmt: elementwise jaxlp format of the partial sums (decides the packed word size).
+    order: ``"ring"`` | ``"chain"`` | ``"tree"`` | ``"native"``; any other value counts as
+      ``"native"``.
+    kahan: compensated summation (ring: two payloads per hop).
+    aps: Auto Precision Scaling (chain/tree: packed addends).
+    pack: payloads bit-packed in 8/16-bit words when the format fits (as in :func:`psum`).
+
+  Returns:
+    The number of bytes (an int).
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> from jaxlp import formats as F
+    >>> P.payload_bytes(1024, 4, F.BF16)  # ring: 3 hops + 3 gathers of 256 16-bit words
+    3072
+    >>> P.payload_bytes(1024, 4, F.BF16, "chain")
+    12288
+    >>> P.payload_bytes(1024, 4, F.BF16, "native")
+    6144
   """
   codec = codec_for(fmt) if pack else None
   wb = 4 if codec is None else jnp.dtype(codec.dtype).itemsize

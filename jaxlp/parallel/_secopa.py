@@ -30,13 +30,28 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class LinearCost:
-  """``c(x) = overhead if x < theta else weight*x + bias``."""
+  """A SeCoPa cost primitive: ``c(x) = overhead if x < theta else weight*x + bias``.
+
+  ``theta`` is :attr:`threshold`; x is an fp32 element count and the cost is in ms.
+
+  Attributes:
+    weight: ms per element above the threshold.
+    bias: ms at x = 0 of the linear part.
+    overhead: ms of every call below the threshold (a fixed launch/latency cost).
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> c = P.LinearCost(weight=0.001, bias=0.5, overhead=1.0)
+    >>> c.threshold, c(100), c(1000)
+    (500.0, 1.0, 1.5)
+  """
   weight: float
   bias: float
   overhead: float
 
   @property
   def threshold(self) -> float:
+    """``theta = max(0, (overhead - bias)/weight)``; 0 when ``weight == 0``."""
     if self.weight == 0:
       return 0.0
     return max(0.0, (self.overhead - self.bias) / self.weight)
@@ -47,7 +62,23 @@ class LinearCost:
 
 @dataclasses.dataclass(frozen=True)
 class SeCoPaCosts:
-  """Cost primitives of the SeCoPa model (ms as a function of fp32 element counts)."""
+  """Cost primitives of the SeCoPa model (ms as a function of fp32 element counts).
+
+  Attributes:
+    encode: compressing x elements.
+    decode: decompressing a payload of x fp32-element equivalents (``r * S / K``).
+    aggregate: adding two gradients of x elements.
+    ring_send: one ring hop of x elements.
+    gather: parameter-server gather of x elements (from the other N-1 nodes).
+    broadcast: parameter-server broadcast of x elements (to the other N-1 nodes).
+    ratio: compression ratio r (compressed bytes / fp32 bytes).
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> costs = P.hipress_costs(4)
+    >>> costs.ratio, costs.aggregate
+    (0.0625, LinearCost(weight=0.0, bias=0.0, overhead=0.0))
+  """
   encode: LinearCost
   decode: LinearCost
   aggregate: LinearCost
@@ -69,7 +100,26 @@ _GB = {
 
 
 def hipress_costs(num_nodes: int) -> SeCoPaCosts:
-  """The constants published in HiPress ``SeCoPa.py`` (N = 4, 8, 16 only; ratio 1/16)."""
+  """The constants published in HiPress ``SeCoPa.py`` (N = 4, 8, 16 only; ratio 1/16).
+
+  :data:`HIPRESS_COSTS` holds the three of them, keyed by ``num_nodes``.
+
+  Args:
+    num_nodes: N, one of 4, 8, 16.
+
+  Returns:
+    A :class:`SeCoPaCosts`.
+
+  Raises:
+    ValueError: ``num_nodes`` is not 4, 8 or 16.
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> P.hipress_costs(8).ring_send
+    LinearCost(weight=8.5005e-07, bias=0.20337, overhead=0.09766)
+    >>> sorted(P.HIPRESS_COSTS)
+    [4, 8, 16]
+  """
   if num_nodes not in _GB:
     raise ValueError(f"{num_nodes=}: HiPress published costs only for 4, 8 and 16 nodes")
   g, b = _GB[num_nodes]
@@ -80,7 +130,20 @@ HIPRESS_COSTS = {n: hipress_costs(n) for n in _GB}
 
 
 class PlanEntry(NamedTuple):
-  """One leaf's decision: compress or not, and the number of partitions K."""
+  """One leaf's decision: compress or not, and the number of partitions K.
+
+  Attributes:
+    compress: True when the compressed branch is strictly cheaper.
+    partitions: K, the argmin over 1..N of the chosen branch (smallest K on ties).
+    t_orig: minimum modelled time (ms) of the uncompressed branch.
+    t_comp: minimum modelled time (ms) of the compressed branch.
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> entry = P.secopa_plan([2 ** 22], num_nodes=4)[0]
+    >>> entry.compress, entry.partitions, round(entry.t_orig, 3), round(entry.t_comp, 3)
+    (True, 4, 6.336, 2.132)
+  """
   compress: bool
   partitions: int
   t_orig: float
@@ -125,6 +188,22 @@ def secopa_plan(sizes, *, topology: str = "ps", num_nodes: int, costs: SeCoPaCos
   Returns:
     A list of :class:`PlanEntry` ``(compress, partitions, t_orig, t_comp)``; pass it as
     ``plan=`` to :func:`jaxlp.parallel.compressed_allreduce`.
+
+  Raises:
+    ValueError: ``topology`` is not ``"ps"``/``"ring"``; ``num_nodes < 1``; ``costs=None``
+      and ``num_nodes`` is not 4, 8 or 16.
+
+  Example:
+    A 1000-element bias stays uncompressed, a 2048 x 2048 weight is compressed in 6 parts:
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import parallel as P
+    >>> params = {"b": jnp.zeros(1000), "w": jnp.zeros((2048, 2048))}
+    >>> [(e.compress, e.partitions) for e in P.secopa_plan(params, num_nodes=16)]
+    [(False, 16), (True, 6)]
+    >>> [(e.compress, e.partitions) for e in P.secopa_plan([1000, 2 ** 22], topology="ring",
+    ...                                                     num_nodes=8)]
+    [(False, 8), (True, 8)]
   """
   topology = topology.lower()
   if topology not in ("ps", "ring"):
@@ -157,6 +236,27 @@ def measure_costs(compressor, *, sizes=(2 ** 12, 2 ** 15, 2 ** 18, 2 ** 20), rep
   modelled from ``bandwidth_gbps`` and ``latency_ms`` (``send(x) = latency + 4x/bandwidth``,
   gather/broadcast = ``(N-1)`` sends into/out of one node). ``ratio`` defaults to the
   compressor's ``wire_bytes / (4*numel)`` at the largest size.
+
+  Args:
+    compressor: a compressor from :mod:`jaxlp.parallel.compressors`.
+    sizes: element counts to time (at least two distinct ones, for the linear fit).
+    repeats: timed runs per size (the median is used).
+    bandwidth_gbps: modelled link bandwidth in Gbit/s.
+    latency_ms: modelled per-message latency in ms.
+    num_nodes: N of the modelled gather/broadcast.
+    ratio: compression ratio r; None = measured from ``compressor.wire_bytes``.
+
+  Returns:
+    A :class:`SeCoPaCosts` (pass it as ``costs=`` to :func:`secopa_plan`). The encode and
+    decode fits are timings, so they differ between runs and machines.
+
+  Example:
+    >>> from jaxlp import parallel as P
+    >>> costs = P.measure_costs(P.compressors.cgx(bits=4), sizes=(1024, 4096), repeats=1)
+    >>> costs.ratio  # (4 bits + 8 bytes per 512-element bucket) / 32 bits
+    0.12890625
+    >>> costs.ring_send  # 10 Gbit/s, 0.05 ms
+    LinearCost(weight=3.2000000000000003e-06, bias=0.05, overhead=0.05)
   """
   import jax
   import jax.numpy as jnp

@@ -76,7 +76,17 @@ def to_jax(t) -> jax.Array:
   Raises:
     TypeError: ``t`` is not a tensor or has a dtype JAX cannot import (64-bit dtypes need
       ``jax_enable_x64``).
-    ValueError: ``t`` lives on a device JAX cannot read (e.g. 'mps', 'meta').
+    ValueError: ``t`` lives on a device JAX cannot read (e.g. 'mps', 'meta'), or on a CUDA
+      device while JAX has no GPU backend (or no matching GPU).
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import to_jax
+    >>> a = to_jax(torch.tensor([1.0, 2.0, 3.0]))
+    >>> a.shape, a.dtype
+    ((3,), dtype('float32'))
+    >>> print(a)
+    [1. 2. 3.]
   """
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"jaxlp.torch.to_jax: expected a torch.Tensor, got {type(t).__name__}")
@@ -103,9 +113,21 @@ def to_torch(a) -> torch.Tensor:
   The returned tensor owns a reference to the JAX buffer. JAX treats arrays as immutable:
   modify the tensor in place only if nothing else uses the array.
 
+  Args:
+    a: a ``jax.Array`` committed to one device (CPU or GPU).
+
+  Returns:
+    A ``torch.Tensor`` of the same shape and dtype on the matching torch device.
+
   Raises:
     TypeError: ``a`` is not a ``jax.Array``.
     ValueError: ``a`` is sharded over several devices (gather it first).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.torch import to_torch
+    >>> to_torch(jnp.arange(3.0))
+    tensor([0., 1., 2.])
   """
   if not isinstance(a, jax.Array):
     raise TypeError(f"jaxlp.torch.to_torch: expected a jax.Array, got {type(a).__name__}")

@@ -43,6 +43,27 @@ class QPyTorchFixedPoint:
   QPyTorch's ``nearbyint(y + u - 0.5)`` with a float32 ``u`` is the same distribution up to
   the float32 rounding of ``y + u``, but not the same draws.
 
+  Args:
+    wl: word length, the total number of bits including the sign (1..64).
+    fl: number of fractional bits (-100..149); values are multiples of ``2**-fl``.
+    clamp: clamp (saturate) to ``[t_min, t_max]`` after rounding; False lets values
+      outside the range through unchanged apart from the rounding.
+    symmetric: raise the lower bound by ``2**-fl`` (a range symmetric about zero).
+
+  Raises:
+    ValueError: ``wl`` is not an int in 1..64, ``fl`` is not an int in -100..149, or
+      ``2**(wl-fl-1)`` exceeds the float32 range (``wl - fl - 1 > 127``).
+    TypeError: ``clamp`` or ``symmetric`` is not a bool.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import QPyTorchFixedPoint, quantize
+    >>> fmt = QPyTorchFixedPoint(wl=8, fl=4)
+    >>> quantize(torch.tensor([0.1, 1.3, -2.7, 100.0]), fmt)
+    tensor([ 0.1250,  1.3125, -2.6875,  7.9375])
+    >>> fmt.supported_roundings
+    ('nearest', 'stochastic')
+
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp``
     (``fixed_point_quantize_nearest``), ``sim_helper.cpp`` (``round``, ``fixed_min_max``).

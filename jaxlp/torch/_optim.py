@@ -27,6 +27,25 @@ class OptimLP(torch.optim.Optimizer):
       ``lambda t: jaxlp.torch.float_quantize(t, 5, 2, "nearest")``) or None (no quantization).
     grad_scaling: positive factor applied before ``grad_quant``.
 
+  Raises:
+    TypeError: ``optim`` is not exactly a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (a
+      subclass is rejected), or a quantizer is neither callable nor None.
+    ValueError: ``grad_scaling`` is not positive.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import OptimLP, float_quantize
+    >>> w = torch.nn.Parameter(torch.tensor([1.0, -0.5]))
+    >>> q = lambda t: float_quantize(t, 5, 2, "nearest")
+    >>> opt = OptimLP(torch.optim.SGD([w], lr=0.1, momentum=0.9), weight_quant=q,
+    ...               momentum_quant=q)
+    >>> (w ** 2).sum().backward()
+    >>> opt.step()
+    >>> w.data  # 1 - 0.1 * 2 = 0.8 rounds to 0.75 with 2 mantissa bits
+    tensor([ 0.7500, -0.3750])
+    >>> opt.optim.state[w]["momentum_buffer"]
+    tensor([ 2., -1.])
+
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/optim/optim_low.py``.
   """

@@ -45,6 +45,35 @@ def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=N
   Nearest: round half away from zero, saturating, QPyTorch's subnormal trick, bit for bit.
   ``man=23`` is the identity (QPyTorch's x86 CPU build flips the sign there: undefined
   behaviour, not reproduced).
+
+  Args:
+    x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
+    exp: exponent bits (1..8).
+    man: mantissa bits (0..23).
+    rounding: "stochastic" (default, as QPyTorch) or "nearest".
+    generator: optional ``torch.Generator`` for the stochastic key (default: torch's global
+      RNG, see :func:`jaxlp.torch.draw_key`).
+    seed: optional int seed for the stochastic key (exclusive with ``generator``).
+
+  Returns:
+    The quantized tensor: same shape, dtype and device as ``x``.
+
+  Raises:
+    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
+      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+      ``seed`` is not an int.
+    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
+      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``exp`` / ``man`` is
+      not an int in range.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import float_quantize
+    >>> x = torch.tensor([0.1, 1.3, -2.7, 100.0])
+    >>> float_quantize(x, exp=5, man=2, rounding="nearest")
+    tensor([ 9.3750e-02,  1.2500e+00, -2.5000e+00,  9.6000e+01])
+    >>> float_quantize(x, 5, 2, seed=0)  # stochastic, reproducible with a seed
+    tensor([ 9.3750e-02,  1.2500e+00, -2.5000e+00,  9.6000e+01])
   """
   _check(x, rounding, "float_quantize")
   fmt = qpytorch_float(exp, man)
@@ -55,6 +84,35 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
   """QPyTorch's ``block_quantize(x, wl, dim, rounding)`` (format :func:`qpytorch_block`).
 
   ``dim=-1``: one shared exponent for the whole tensor; ``dim=d``: one per index of axis d.
+
+  Args:
+    x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
+    wl: word length of each element (sign and mantissa bits, 2..23).
+    dim: the axis whose indices get their own shared exponent, or -1 for one exponent.
+    rounding: "stochastic" (default, as QPyTorch) or "nearest".
+    generator: optional ``torch.Generator`` for the stochastic key (default: torch's global
+      RNG, see :func:`jaxlp.torch.draw_key`).
+    seed: optional int seed for the stochastic key (exclusive with ``generator``).
+
+  Returns:
+    The quantized tensor: same shape, dtype and device as ``x``.
+
+  Raises:
+    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
+      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+      ``seed`` is not an int.
+    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
+      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, ``wl`` is not an int in
+      2..23, or ``dim`` is below -1 or not below ``x.dim()``.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import block_quantize
+    >>> block_quantize(torch.tensor([0.1, 1.3, -2.7, 100.0]), wl=8, rounding="nearest")
+    tensor([  0.,   1.,  -3., 100.])
+    >>> block_quantize(torch.tensor([[0.1, 1.3], [-2.7, 100.0]]), 4, dim=0, rounding="nearest")
+    tensor([[ 0.0000,  1.2500],
+            [ 0.0000, 96.0000]])
   """
   _check(x, rounding, "block_quantize")
   fmt = qpytorch_block(wl, dim)
@@ -63,7 +121,40 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
 
 def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stochastic", *,
                          generator=None, seed=None):
-  """QPyTorch's ``fixed_point_quantize`` (CPU semantics, :class:`QPyTorchFixedPoint`)."""
+  """QPyTorch's ``fixed_point_quantize`` (CPU semantics, :class:`QPyTorchFixedPoint`).
+
+  Args:
+    x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
+    wl: word length, total bits including the sign (1..64).
+    fl: fractional bits (-100..149): values are multiples of ``2**-fl``.
+    clamp: saturate to the representable range after rounding.
+    symmetric: make the range symmetric (lower bound ``-2**(wl-fl-1) + 2**-fl``).
+    rounding: "stochastic" (default, as QPyTorch) or "nearest".
+    generator: optional ``torch.Generator`` for the stochastic key (default: torch's global
+      RNG, see :func:`jaxlp.torch.draw_key`).
+    seed: optional int seed for the stochastic key (exclusive with ``generator``).
+
+  Returns:
+    The quantized tensor: same shape, dtype and device as ``x``.
+
+  Raises:
+    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
+      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+      ``seed`` is not an int.
+    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
+      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``wl`` / ``fl`` is
+      out of range (see :class:`QPyTorchFixedPoint`); TypeError also when ``clamp`` or
+      ``symmetric`` is not a bool.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import fixed_point_quantize
+    >>> x = torch.tensor([0.1, 1.3, -2.7, 100.0])
+    >>> fixed_point_quantize(x, wl=8, fl=4, rounding="nearest")  # 100 clamps to 7.9375
+    tensor([ 0.1250,  1.3125, -2.6875,  7.9375])
+    >>> fixed_point_quantize(x, 8, 4, clamp=False, rounding="nearest")
+    tensor([  0.1250,   1.3125,  -2.6875, 100.0000])
+  """
   _check(x, rounding, "fixed_point_quantize")
   fmt = QPyTorchFixedPoint(wl, fl, clamp, symmetric)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
@@ -76,6 +167,28 @@ def as_format(number, what="quantizer"):
   ``qtorch.BlockFloatingPoint(wl, dim)`` -> ``qpytorch_block(wl, dim)``,
   ``qtorch.FixedPoint(wl, fl, clamp, symmetric)`` -> :class:`QPyTorchFixedPoint`.
   QPyTorch objects are recognised by class name and attributes, so qtorch is not needed.
+
+  Args:
+    number: None, a jaxlp format, or a QPyTorch ``FloatingPoint``, ``BlockFloatingPoint``
+      or ``FixedPoint`` (or any object of that class name with the same attributes).
+    what: the function name used in error messages.
+
+  Returns:
+    The jaxlp format (``number`` itself when it already is one), or None.
+
+  Raises:
+    TypeError: ``number`` is none of the above.
+    ValueError: the QPyTorch number's parameters are out of range for the jaxlp format.
+
+  Example:
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.torch import as_format
+    >>> as_format(None) is None, as_format(E4M3) is E4M3
+    (True, True)
+    >>> class FixedPoint:  # stands in for qtorch.FixedPoint(8, 4)
+    ...   wl, fl, clamp, symmetric = 8, 4, True, False
+    >>> as_format(FixedPoint())
+    QPyTorchFixedPoint(wl=8, fl=4, clamp=True, symmetric=False)
   """
   if number is None or isinstance(number, TORCH_FORMAT_TYPES):
     return number
@@ -118,7 +231,29 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
     generator: optional ``torch.Generator`` for stochastic keys (default: global RNG).
 
   Returns:
-    A function tensor -> tensor (``torch.autograd.Function.apply``).
+    A function tensor -> tensor (``torch.autograd.Function.apply``). Calling it raises a
+    ``TypeError`` when a quantized tensor is not float32, float16 or bfloat16.
+
+  Raises:
+    TypeError: a number is not None, a jaxlp format or a QPyTorch number (see
+      :func:`as_format`), or ``generator`` is not a ``torch.Generator`` (raised on the
+      first stochastic call).
+    ValueError: a rounding is unknown or unsupported by its format, a number's parameters
+      are out of range, or ``clamping_grad_zero=True`` with a forward number that is not a
+      clamping fixed-point format.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.formats import qpytorch_float
+    >>> from jaxlp.torch import quantizer
+    >>> q = quantizer(qpytorch_float(5, 2), qpytorch_float(5, 2), "nearest", "nearest")
+    >>> t = torch.tensor([0.1, 1.3], requires_grad=True)
+    >>> y = q(t)
+    >>> y
+    tensor([0.0938, 1.2500], grad_fn=<RoundingBackward>)
+    >>> y.backward(torch.tensor([0.3, 3.3]))
+    >>> t.grad  # the gradient is quantized too
+    tensor([0.3125, 3.5000])
   """
   fwd = as_format(forward_number)
   bwd = as_format(backward_number)
@@ -174,7 +309,25 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
 
 
 class Quantizer(torch.nn.Module):
-  """QPyTorch's ``Quantizer`` module: applies :func:`quantizer` in ``forward``."""
+  """QPyTorch's ``Quantizer`` module: applies :func:`quantizer` in ``forward``.
+
+  Args:
+    forward_number, backward_number, forward_rounding, backward_rounding: as
+      :func:`quantizer`.
+    **kwargs: the other keyword arguments of :func:`quantizer` (``clamping_grad_zero``,
+      ``backward_hooks``, ``generator``).
+
+  Raises:
+    TypeError, ValueError: as :func:`quantizer`.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.formats import qpytorch_float
+    >>> from jaxlp.torch import Quantizer
+    >>> layer = Quantizer(forward_number=qpytorch_float(5, 2), forward_rounding="nearest")
+    >>> layer(torch.tensor([0.1, 1.3]))
+    tensor([0.0938, 1.2500])
+  """
 
   def __init__(self, forward_number=None, backward_number=None, forward_rounding="stochastic",
                backward_rounding="stochastic", **kwargs):

@@ -40,6 +40,23 @@ def seed_to_key(seed: int) -> np.ndarray:
   ``0 <= seed < 2**32`` (and up to ``2**64`` with ``jax_enable_x64``), so
   ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the
   same bits as ``jaxlp.quantize(to_jax(t), fmt, "stochastic", key=jax.random.PRNGKey(s))``.
+
+  Args:
+    seed: a Python or NumPy integer in ``[0, 2**64)``.
+
+  Returns:
+    A ``numpy.ndarray`` of dtype uint32 and shape ``(2,)``.
+
+  Raises:
+    TypeError: ``seed`` is not an integer (bools are rejected).
+    ValueError: ``seed`` is negative or not below ``2**64``.
+
+  Example:
+    >>> from jaxlp.torch import seed_to_key
+    >>> seed_to_key(42)
+    array([ 0, 42], dtype=uint32)
+    >>> seed_to_key(2**32 + 7)
+    array([1, 7], dtype=uint32)
   """
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise TypeError(f"jaxlp.torch: seed must be an int, got seed={seed!r}")
@@ -55,6 +72,24 @@ def draw_key(generator=None) -> np.ndarray:
   The two words are ``torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)``
   (one draw, advancing the generator), so ``torch.manual_seed(s)`` makes stochastic rounding
   reproducible exactly as it does for torch's own random ops.
+
+  Args:
+    generator: optional ``torch.Generator`` (CPU or CUDA); None uses torch's global RNG.
+
+  Returns:
+    A ``numpy.ndarray`` of dtype uint32 and shape ``(2,)``.
+
+  Raises:
+    TypeError: ``generator`` is neither None nor a ``torch.Generator``.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import draw_key
+    >>> draw_key(torch.Generator().manual_seed(0))
+    array([2546248239, 3626093760], dtype=uint32)
+    >>> _ = torch.manual_seed(0)
+    >>> draw_key()  # the global RNG, same seed, same words
+    array([2546248239, 3626093760], dtype=uint32)
   """
   if generator is not None and not isinstance(generator, torch.Generator):
     raise TypeError(f"jaxlp.torch: generator must be a torch.Generator, got {generator!r}")
@@ -151,6 +186,23 @@ def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
 
   Returns:
     The quantized tensor. Under autograd the gradient is the identity (straight-through).
+
+  Raises:
+    TypeError: ``t`` is not a tensor, its dtype is not float32, float16 or bfloat16, ``fmt``
+      is not a jaxlp format, or (stochastic rounding) ``generator`` is not a
+      ``torch.Generator`` or ``seed`` is not an int.
+    ValueError: ``rounding`` is unknown or not supported by ``fmt``, both ``generator`` and
+      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or the tensor's
+      device cannot be shared with JAX (see :func:`to_jax`).
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.torch import quantize
+    >>> quantize(torch.tensor([0.1, 1.3, -2.7]), E4M3)
+    tensor([ 0.1016,  1.2500, -2.7500])
+    >>> quantize(torch.tensor([0.1, 1.3]), E4M3, "stochastic", seed=0)
+    tensor([0.1016, 1.2500])
   """
   if not isinstance(t, torch.Tensor):
     raise TypeError(f"jaxlp.torch.quantize: expected a torch.Tensor, got {type(t).__name__}")

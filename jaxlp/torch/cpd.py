@@ -29,6 +29,26 @@ def float_quantize(x, exp, man):
 
   Always applies the cast, even for (8, 23) (so float32 subnormals become +0, as in CPD).
   Unlike CPD's CUDA kernel the input is not modified in place, and CPU tensors work.
+
+  Args:
+    x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
+    exp: exponent bits (1..8).
+    man: mantissa bits (0..23).
+
+  Returns:
+    The cast tensor (round to nearest even): same shape, dtype and device as ``x``.
+
+  Raises:
+    TypeError: ``x`` is not a tensor, or its dtype is not float32, float16 or bfloat16.
+    ValueError: ``exp`` or ``man`` is not an int in range.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> cpd.float_quantize(torch.tensor([0.1, 1.3, -2.7, 100.0]), exp=5, man=2)
+    tensor([ 9.3750e-02,  1.2500e+00, -2.5000e+00,  9.6000e+01])
+    >>> cpd.float_quantize(torch.tensor([1e-40, 1.0]), 8, 23)  # subnormals flush to +0
+    tensor([0., 1.])
   """
   if not isinstance(x, torch.Tensor):
     raise TypeError(f"jaxlp.torch.cpd.float_quantize: x must be a torch.Tensor, got "
@@ -41,6 +61,30 @@ def quantizer(forward_exp=8, forward_man=23, backward_exp=8, backward_man=23):
   """CPD's ``quantizer``: forward ``Q_{fe,fm}(x)``, backward ``Q_{be,bm}(grad)``.
 
   A pair equal to (8, 23) is the exact identity (no cast, as in CPD).
+
+  Args:
+    forward_exp, forward_man: exponent and mantissa bits of the forward cast.
+    backward_exp, backward_man: exponent and mantissa bits of the gradient cast.
+
+  Returns:
+    A function tensor -> tensor (``torch.autograd.Function.apply``). Calling it raises a
+    ``TypeError`` when a cast tensor is not float32, float16 or bfloat16.
+
+  Raises:
+    ValueError: an exponent / mantissa pair other than (8, 23) is out of range (exponent
+      1..8, mantissa 0..23).
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> q = cpd.quantizer(forward_exp=5, forward_man=2, backward_exp=5, backward_man=2)
+    >>> t = torch.tensor([0.1, 1.3], requires_grad=True)
+    >>> y = q(t)
+    >>> y
+    tensor([0.0938, 1.2500], grad_fn=<RoundingBackward>)
+    >>> y.backward(torch.tensor([0.3, 3.3]))
+    >>> t.grad
+    tensor([0.3125, 3.5000])
   """
   fwd = None if (forward_exp, forward_man) == (8, 23) else cpd_float(forward_exp, forward_man)
   bwd = None if (backward_exp, backward_man) == (8, 23) else cpd_float(backward_exp,
@@ -69,7 +113,20 @@ def quantizer(forward_exp=8, forward_man=23, backward_exp=8, backward_man=23):
 
 
 class Quantizer(torch.nn.Module):
-  """CPD's ``Quantizer`` module (applies :func:`quantizer`)."""
+  """CPD's ``Quantizer`` module (applies :func:`quantizer`).
+
+  Args:
+    forward_exp, forward_man, backward_exp, backward_man: as :func:`quantizer`.
+
+  Raises:
+    ValueError: as :func:`quantizer`.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> cpd.Quantizer(forward_exp=5, forward_man=2)(torch.tensor([0.1, 1.3]))
+    tensor([0.0938, 1.2500])
+  """
 
   def __init__(self, forward_exp=8, forward_man=23, backward_exp=8, backward_man=23):
     super().__init__()
@@ -94,6 +151,27 @@ def quant_gemm(a, b, man=23, exp=8):
   ``jaxlp.matmul(a, b, mul=cpd_float(exp, man), acc=cpd_float(exp, man), algorithm="kahan")``;
   CPU and CUDA tensors, without CPD's tail-tile bug (its last partial 16-row tile reads an
   uninitialised compensation array).
+
+  Args:
+    a: 2-D float32 tensor ``(M, K)``.
+    b: 2-D float32 tensor ``(K, N)`` on the same device.
+    man: mantissa bits of the cast (0..23).
+    exp: exponent bits of the cast (1..8).
+
+  Returns:
+    The ``(M, N)`` float32 product.
+
+  Raises:
+    TypeError: ``a`` or ``b`` is not a 2-D float32 tensor.
+    ValueError: the inner dimensions differ, or ``exp`` / ``man`` is out of range.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> a = torch.tensor([[1.0, 2.0, 3.0]])
+    >>> b = torch.tensor([[0.1], [0.2], [0.3]])
+    >>> cpd.quant_gemm(a, b, man=2, exp=5)  # exact: 1.4
+    tensor([[1.5000]])
   """
   for name, t in (("a", a), ("b", b)):
     if not isinstance(t, torch.Tensor):
@@ -133,6 +211,24 @@ class Quant_Linear(torch.nn.Linear):  # noqa: N801 (CPD's name)
 
   Forward ``quant_gemm(x, W^T) + bias`` (bias add fp32); backward ``dX = quant_gemm(dY, W)``,
   ``dW = quant_gemm(dY^T, X)``, ``db = Q(sum_batch dY)``. Initialisation as ``nn.Linear``.
+
+  Args:
+    in_features, out_features, bias: as ``torch.nn.Linear``.
+    exp, man: exponent and mantissa bits of every GEMM operation.
+
+  Raises:
+    TypeError: in ``forward``, an input that is not a 2-D float32 tensor.
+    ValueError: in ``forward``, the input's last dimension is not ``in_features``, or
+      ``exp`` / ``man`` is out of range.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> layer = cpd.Quant_Linear(3, 1, bias=False, exp=5, man=2)
+    >>> with torch.no_grad():
+    ...   _ = layer.weight.copy_(torch.tensor([[0.1, 0.2, 0.3]]))
+    >>> layer(torch.tensor([[1.0, 2.0, 3.0]]))
+    tensor([[1.5000]], grad_fn=<_QuantLinearFunctionBackward>)
   """
 
   def __init__(self, in_features, out_features, bias=True, exp=8, man=23):
@@ -150,6 +246,29 @@ class Quant_Conv(torch.nn.Conv2d):  # noqa: N801 (CPD's name)
   ``W.view(out, -1)``. As in CPD, dilation and groups are ignored by the computation (a
   ``ValueError`` is raised for values other than 1 rather than silently computing something
   else).
+
+  Args:
+    in_channels, out_channels, kernel_size, stride, padding, bias: as ``torch.nn.Conv2d``
+      (NCHW inputs, integer padding only).
+    dilation, groups: must be 1.
+    exp, man: exponent and mantissa bits of every GEMM operation.
+
+  Raises:
+    ValueError: ``dilation`` or ``groups`` is not 1; in ``forward``, ``exp`` / ``man`` out
+      of range.
+    TypeError: in ``forward``, an input whose dtype is not float32.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> conv = cpd.Quant_Conv(1, 1, 3, padding=1, bias=False, exp=5, man=2)
+    >>> with torch.no_grad():
+    ...   _ = conv.weight.fill_(1.0)
+    >>> conv(torch.ones(1, 1, 4, 4))  # 9 is not representable with 2 mantissa bits
+    tensor([[[[4., 6., 6., 4.],
+              [6., 8., 8., 6.],
+              [6., 8., 8., 6.],
+              [4., 6., 6., 4.]]]], grad_fn=<ViewBackward0>)
   """
 
   def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
@@ -176,6 +295,39 @@ class Quant_Conv(torch.nn.Conv2d):  # noqa: N801 (CPD's name)
 
 def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,  # noqa: N803
                   group=None):
-  """CPD's ``dist_util.sum_gradients`` (see :func:`jaxlp.torch.ddp.sum_gradients`)."""
+  """CPD's ``dist_util.sum_gradients`` (see :func:`jaxlp.torch.ddp.sum_gradients`).
+
+  Args:
+    model: a ``torch.nn.Module`` whose parameters' ``.grad`` are summed in place.
+    use_APS: Auto-Precision Scaling (one exponent per parameter).
+    grad_exp, grad_man: exponent and mantissa bits of the reduction format.
+    use_kahan: Kahan-compensated chain sum.
+    group: the process group (None = default group).
+
+  Returns:
+    ``model``.
+
+  Raises:
+    ValueError: ``torch.distributed`` is not initialized, or ``grad_exp`` / ``grad_man`` is
+      out of range.
+    TypeError: a gradient is not float32.
+
+  Example:
+    The reduction needs an initialised process group (``torch.distributed``, e.g. gloo), so
+    the call itself is skipped here; without one it raises:
+
+    >>> import torch
+    >>> from jaxlp.torch import cpd
+    >>> model = torch.nn.Linear(2, 1)
+    >>> cpd.sum_gradients(model, use_APS=True, grad_exp=5, grad_man=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: jaxlp.torch.ddp.sum_gradients: torch.distributed is not initialized
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo")  # doctest: +SKIP
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> cpd.sum_gradients(model, use_APS=True, use_kahan=True)  # doctest: +SKIP
+    Linear(in_features=2, out_features=1, bias=True)
+  """
   from jaxlp.torch.ddp import sum_gradients as impl  # noqa: PLC0415
   return impl(model, use_APS, grad_exp, grad_man, use_kahan, group)

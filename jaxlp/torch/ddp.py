@@ -81,6 +81,28 @@ def chain_sum(stack, fmt, kahan: bool = False):
   ``res = 0; for r: res = Q(res + g_r)``; with ``kahan``: ``y = Q(g_r - c); t = Q(res + y);
   c = Q(Q(t - res) - y); res = t`` (compensation not added back). Returns ``res`` (a SUM).
   Accepts and returns torch tensors (or JAX arrays).
+
+  Args:
+    stack: ``(W, ...)`` float32 ``torch.Tensor`` (or array-like, converted to a float32 JAX
+      array): one row per rank, in rank order.
+    fmt: an elementwise jaxlp format ``Q`` (``cpd_float(5, 2)``, ``E4M3``, ...).
+    kahan: Kahan-compensated chain.
+
+  Returns:
+    The SUM over the first axis, a torch tensor for a tensor input, else a JAX array.
+
+  Raises:
+    TypeError: ``fmt`` is not a jaxlp format.
+
+  Example:
+    >>> import torch
+    >>> from jaxlp.formats import cpd_float
+    >>> from jaxlp.torch.ddp import chain_sum
+    >>> stack = torch.tensor([[1.0], [0.125], [0.125], [0.125], [0.125]])  # W = 5 ranks
+    >>> chain_sum(stack, cpd_float(5, 2))  # each 1 + 0.125 rounds back to 1
+    tensor([1.])
+    >>> chain_sum(stack, cpd_float(5, 2), kahan=True)  # the exact 1.5
+    tensor([1.5000])
   """
   if isinstance(stack, torch.Tensor):
     return to_torch(_chain_fn(fmt, bool(kahan))(to_jax(stack.contiguous())))
@@ -147,6 +169,40 @@ def sum_gradients(model, use_APS=False, grad_exp=5, grad_man=2, use_kahan=False,
   unscaled after (``U = 2**(grad_exp-1) - 1``). ``(8, 23)`` without Kahan is a plain
   ``dist.all_reduce`` (as CPD). Deviation: an all-zero gradient under APS stays zero (CPD
   produces NaN). Scale the loss by ``1/W`` for a mean, as CPD's examples do.
+
+  Args:
+    model: a ``torch.nn.Module`` whose parameters' ``.grad`` are summed in place.
+    use_APS: Auto-Precision Scaling (one exponent per parameter, Han et al.,
+      arXiv:1911.08907).
+    grad_exp, grad_man: exponent and mantissa bits of ``Q = cpd_float(grad_exp, grad_man)``.
+    use_kahan: Kahan-compensated chain sum.
+    group: the process group (None = default group).
+
+  Returns:
+    ``model`` (its gradients modified in place).
+
+  Raises:
+    ValueError: ``torch.distributed`` is not initialized, or ``grad_exp`` / ``grad_man`` is
+      out of range (exponent 1..8, mantissa 0..23).
+    TypeError: a gradient is not float32.
+
+  Example:
+    Every rank calls it after ``backward()``; this needs an initialised process group
+    (``torch.distributed.init_process_group``), so those lines are skipped here. Without
+    one it raises:
+
+    >>> import torch
+    >>> from jaxlp.torch.ddp import sum_gradients
+    >>> model = torch.nn.Linear(2, 1)
+    >>> sum_gradients(model)
+    Traceback (most recent call last):
+    ...
+    ValueError: jaxlp.torch.ddp.sum_gradients: torch.distributed is not initialized
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo")  # doctest: +SKIP
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> sum_gradients(model, grad_exp=5, grad_man=2, use_kahan=True)  # doctest: +SKIP
+    Linear(in_features=2, out_features=1, bias=True)
   """
   if not dist.is_initialized():
     raise ValueError("jaxlp.torch.ddp.sum_gradients: torch.distributed is not initialized")
@@ -263,6 +319,27 @@ class CommState:
 
   With neither ``compressor`` nor ``fmt`` the hook is PyTorch's ``allreduce_hook`` (divide by
   W, fp32 sum).
+
+  Raises:
+    ValueError: both ``compressor`` and ``fmt`` are given; ``aps`` is not one of False,
+      True, "parameter", "bucket"; ``aps`` or ``kahan`` is set without ``fmt``; ``order`` is
+      not "chain" or "allreduce"; ``layer_min_size`` is negative; or ``fmt`` is a format
+      whose parameters or roundings are invalid.
+    TypeError: ``compressor`` lacks the compressor interface (``init``, ``encode``,
+      ``decode``, ``kind``), or ``fmt`` is not a jaxlp format.
+
+  Example:
+    Construction needs no process group (registering the hook on a DDP model does; see
+    :func:`comm_hook`):
+
+    >>> from jaxlp.formats import cpd_float
+    >>> from jaxlp.parallel.compressors import topk
+    >>> from jaxlp.torch.ddp import CommState
+    >>> state = CommState(fmt=cpd_float(5, 2), aps=True, kahan=True)
+    >>> state.fmt, state.aps, state.kahan, state.order, state.step
+    (CPDFloat(exp_bits=5, man_bits=2), 'parameter', True, 'chain', 0)
+    >>> CommState(compressor=topk(0.1)).compressor
+    TopK(ratio=0.1, error_feedback=True)
   """
 
   def __init__(self, compressor=None, fmt=None, aps=False, kahan=False, layer_min_size=1024,
@@ -430,6 +507,33 @@ def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
   done synchronously (gathers, JAX encode/decode, rank-order sums) and an already completed
   future is returned; the result is bit-identical on every rank. (This module deliberately
   has no ``from __future__ import annotations``: DDP checks the return annotation object.)
+
+  Args:
+    state: the :class:`CommState` given to ``register_comm_hook``.
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed ``torch.futures.Future`` holding the bucket buffer, overwritten with the
+    mean over ranks.
+
+  Raises:
+    TypeError: ``state`` is not a :class:`CommState`, or the bucket is not float32.
+
+  Example:
+    The hook runs inside DDP's backward, which needs an initialised process group, so the
+    lines that need one are skipped here:
+
+    >>> import torch
+    >>> from jaxlp.formats import cpd_float
+    >>> from jaxlp.torch.ddp import CommState, comm_hook
+    >>> state = CommState(fmt=cpd_float(5, 2), aps=True)
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo")  # doctest: +SKIP
+    >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))  # doctest: +SKIP
+    >>> ddp.register_comm_hook(state, comm_hook)  # doctest: +SKIP
+    >>> ddp(torch.ones(1, 2)).sum().backward()  # doctest: +SKIP
+    >>> state.step  # doctest: +SKIP
+    1
   """
   if not isinstance(state, CommState):
     raise TypeError(f"jaxlp.torch.ddp.comm_hook: state must be a CommState, got {state!r}")

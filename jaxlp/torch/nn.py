@@ -130,6 +130,26 @@ class Linear(torch.nn.Linear):
   Args:
     in_features, out_features, bias, device, dtype: as ``torch.nn.Linear`` (float32 only).
     policy: a :class:`jaxlp.DotPolicy` (None = unquantized, the plain lax GEMM).
+
+  Raises:
+    TypeError: ``policy`` is neither None nor a :class:`jaxlp.DotPolicy`; in ``forward``,
+      an input whose dtype is not float32.
+
+  Example:
+    >>> import torch
+    >>> import jaxlp
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.torch.nn import Linear
+    >>> layer = Linear(3, 2, bias=False, policy=jaxlp.float_policy(E4M3))
+    >>> with torch.no_grad():
+    ...   _ = layer.weight.copy_(torch.tensor([[0.5, -1.0, 0.25], [1.0, 1.0, 1.0]]))
+    >>> x = torch.tensor([[0.1, 1.3, -2.7]], requires_grad=True)
+    >>> y = layer(x)  # x rounds to [0.1016, 1.25, -2.75] in E4M3
+    >>> y
+    tensor([[-1.8867, -1.3984]], grad_fn=<_PolicyOpBackward>)
+    >>> y.sum().backward()
+    >>> x.grad  # dx = grad @ Q(W)
+    tensor([[1.5000, 0.0000, 1.2500]])
   """
 
   def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
@@ -159,6 +179,26 @@ class Conv2d(torch.nn.Conv2d):
       device, dtype: as ``torch.nn.Conv2d`` (padding may be an int, a pair, "same" or
       "valid").
     policy: a :class:`jaxlp.DotPolicy` (None = unquantized).
+
+  Raises:
+    ValueError: ``padding_mode`` is not "zeros"; in ``forward``, an input that is not 4-D
+      (NCHW) or a ``stride`` / ``padding`` / ``dilation`` that is not an int or a pair.
+    TypeError: ``policy`` is neither None nor a :class:`jaxlp.DotPolicy`; in ``forward``,
+      an input whose dtype is not float32.
+
+  Example:
+    >>> import torch
+    >>> import jaxlp
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.torch.nn import Conv2d
+    >>> conv = Conv2d(1, 1, 3, padding=1, bias=False, policy=jaxlp.float_policy(E4M3))
+    >>> with torch.no_grad():
+    ...   _ = conv.weight.fill_(1.0)
+    >>> conv(torch.ones(1, 1, 4, 4))
+    tensor([[[[4., 6., 6., 4.],
+              [6., 9., 9., 6.],
+              [6., 9., 9., 6.],
+              [4., 6., 6., 4.]]]], grad_fn=<_PolicyOpBackward>)
   """
 
   def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
@@ -209,6 +249,23 @@ def quantize_model(module, policy, include=None, exclude=None):
 
   Returns:
     ``module`` (modified in place; a bare Linear/Conv2d is returned as a new layer).
+
+  Raises:
+    TypeError: ``module`` is not a ``torch.nn.Module``, or ``policy`` is not None, a
+      :class:`jaxlp.DotPolicy` or a callable.
+
+  Example:
+    >>> import torch
+    >>> import jaxlp
+    >>> from jaxlp.formats import E4M3
+    >>> from jaxlp.torch.nn import quantize_model
+    >>> _ = torch.manual_seed(0)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> net = quantize_model(net, jaxlp.float_policy(E4M3), exclude=["2"])  # keep the last
+    >>> [type(m).__module__ for m in net]
+    ['jaxlp.torch.nn', 'torch.nn.modules.activation', 'torch.nn.modules.linear']
+    >>> net(torch.ones(1, 4)).shape
+    torch.Size([1, 2])
   """
   if not isinstance(module, torch.nn.Module):
     raise TypeError(f"jaxlp.torch.nn.quantize_model: module must be a torch.nn.Module, got "

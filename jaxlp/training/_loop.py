@@ -190,7 +190,22 @@ def _parse_compress(spec: str):
 
 
 class Trainer:
-  """Builds the model, the jitted data-parallel step and runs epochs."""
+  """The training loop one epoch at a time: builds the data, the model, the optimizer and the
+  jitted data-parallel step of a :class:`TrainConfig`.
+
+  Args:
+    cfg: the run.
+
+  Raises:
+    ValueError: an invalid configuration (the message names the flag).
+
+  Example:
+    >>> from jaxlp.training import TrainConfig, Trainer
+    >>> t = Trainer(TrainConfig(nodes=2, max_steps_per_epoch=1, quiet=True))
+    >>> m = t.run_epoch()
+    >>> m["epoch"], t.epoch
+    (1, 1)
+  """
 
   def __init__(self, cfg: TrainConfig):
     import optax

@@ -9,7 +9,26 @@ MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19")
 
 def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
           width: int = 64) -> Any:
-  """Return a linen Module; ``dot_general``/``conv_general_dilated`` go into every Dense/Conv."""
+  """A built-in model (exported as ``jaxlp.training.build_model``).
+
+  Args:
+    name: one of ``MODELS`` (``"mlp"``, ``"cnn"``, ``"resnet9"``, ``"resnet18"``, ``"vgg19"``).
+    num_classes: outputs of the last layer.
+    dot_general, conv_general_dilated: passed to every Dense / Conv (e.g.
+      ``jaxlp.dot_general(policy)``); None: the Flax defaults.
+    width: base channel width of the convolutional models.
+
+  Returns:
+    A ``flax.linen.Module``.
+
+  Raises:
+    ValueError: an unknown name.
+
+  Example:
+    >>> from jaxlp.training import build_model
+    >>> type(build_model("mlp", 10)).__name__
+    'MLP'
+  """
   import flax.linen as nn
   import jax.numpy as jnp
 

@@ -7,13 +7,47 @@ import os
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-  """The per-epoch metrics of a run folder (its ``metrics.jsonl``), as a list of dicts."""
+  r"""The per-epoch metrics of a run folder (its ``metrics.jsonl``).
+
+  Args:
+    run_dir: the run folder.
+
+  Returns:
+    One dict per line of ``metrics.jsonl``.
+
+  Example:
+    >>> import json, os, tempfile
+    >>> from jaxlp.training import read_metrics
+    >>> run = tempfile.mkdtemp()
+    >>> with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+    ...   _ = f.write(json.dumps({"epoch": 1, "test_accuracy": 0.9}) + "\n")
+    >>> read_metrics(run)
+    [{'epoch': 1, 'test_accuracy': 0.9}]
+  """
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
 def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:
-  """Write ``accuracy_vs_epoch.png`` and ``accuracy_vs_wire_bytes.png``; return their paths."""
+  r"""Write ``accuracy_vs_epoch.png`` and ``accuracy_vs_wire_bytes.png``; return their paths.
+
+  Args:
+    dirs: run folders (each with a ``metrics.jsonl``).
+    out_dir: where the two PNG files go.
+    labels: a legend label per run (default: the folder names).
+
+  Returns:
+    The paths of the two files.
+
+  Example:
+    >>> import json, os, tempfile
+    >>> from jaxlp.training import plot_runs
+    >>> run = tempfile.mkdtemp()
+    >>> with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+    ...   _ = f.write(json.dumps({"epoch": 1, "test_accuracy": 0.9, "wire_bytes": 1000}) + "\n")
+    >>> [os.path.basename(p) for p in plot_runs([run], run)]
+    ['accuracy_vs_epoch.png', 'accuracy_vs_wire_bytes.png']
+  """
   try:
     import matplotlib
 

@@ -7,8 +7,8 @@ import pickle
 import numpy as np
 import pytest
 
-from jaxlp.training import _data as D
 from jaxlp.cli import main
+from jaxlp.training import _data as D
 
 
 def _write_cifar(root, n=20):

@@ -45,6 +45,27 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
   ``t % 8`` of byte ``t // 8``. This is CGX's layout (groups of 8 codes in ``bits`` bytes,
   ``value |= level_j << (j*bits)``) and, for 2 bits, HiPress TBQ's (4 codes per byte, LSB first).
   A partial last byte is filled with ``pad_code``.
+
+  Args:
+    codes: array of unsigned codes (any shape, flattened in C order), each < ``2**bits``.
+    bits: bits per code, 1 to 8.
+    pad_code: code filling the unused slots of the last byte (when ``bits`` divides 8).
+
+  Returns:
+    uint8 array of ``ceil(n * bits / 8)`` bytes.
+
+  Raises:
+    ValueError: ``bits`` is not in 1..8.
+
+  Example:
+    Codes 1, 2, 3, 0 fill the first byte (``1 + 2*4 + 3*16 = 57``), code 1 the second:
+
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.pack_bits(jnp.array([1, 2, 3, 0, 1]), 2)
+    Array([57,  1], dtype=uint8)
+    >>> compressors.pack_bits(jnp.array([5, 7, 1]), 3)  # 9 bits: 5 | 7 << 3 | 1 << 6, 0
+    Array([125,   0], dtype=uint8)
   """
   if not 1 <= bits <= 8:
     raise ValueError(f"{bits=} must be in 1..8")
@@ -65,7 +86,23 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
 
 
 def unpack_bits(packed, bits: int, n: int):
-  """Inverse of :func:`pack_bits`: the first ``n`` codes as uint32."""
+  """Inverse of :func:`pack_bits`: the first ``n`` codes as uint32.
+
+  Args:
+    packed: uint8 bit stream from :func:`pack_bits`.
+    bits: bits per code, 1 to 8 (as given to :func:`pack_bits`).
+    n: number of codes to read.
+
+  Returns:
+    uint32 array of ``n`` codes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.parallel import compressors
+    >>> packed = compressors.pack_bits(jnp.array([5, 7, 1]), 3)
+    >>> compressors.unpack_bits(packed, 3, 3)
+    Array([5, 7, 1], dtype=uint32)
+  """
   packed = packed.astype(jnp.uint32)
   if 8 % bits == 0:
     per = 8 // bits
@@ -109,7 +146,22 @@ def det_sum(x, axis=-1):
 
 
 def payload_nbytes(payload) -> int:
-  """Sum of ``nbytes`` of the payload's arrays (works on arrays and ShapeDtypeStructs)."""
+  """Sum of ``nbytes`` of the payload's arrays (works on arrays and ShapeDtypeStructs).
+
+  Args:
+    payload: a pytree (e.g. an ``encode`` payload dict) of arrays or ShapeDtypeStructs.
+
+  Returns:
+    The number of bytes (an int); for a compressor's payload it equals its ``wire_bytes``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.parallel import compressors
+    >>> c = compressors.cgx(bits=4, bucket_size=512)
+    >>> payload, _ = c.encode(jnp.ones(1024), c.init((1024,)))
+    >>> compressors.payload_nbytes(payload), c.wire_bytes((1024,))
+    (528, 528)
+  """
   return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                  for a in jax.tree_util.tree_leaves(payload)))
 

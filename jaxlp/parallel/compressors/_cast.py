@@ -145,5 +145,32 @@ class Cast:
 
 
 def cast(fmt="bf16") -> Cast:
-  """A :class:`Cast` compressor to ``fmt`` (dtype name, preset name or FloatFormat)."""
+  """A :class:`Cast` compressor to ``fmt`` (dtype name, preset name or FloatFormat).
+
+  PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook`` generalised: round to nearest
+  even, divide by W, sum (the full specification is the docstring of the returned object's
+  class).
+
+  Args:
+    fmt: a dtype name (``"bf16"``, ``"fp16"``, ``"float8_e4m3fn"``, ...), a preset name
+      (``"E4M3FN"``) or any :class:`~jaxlp.formats.FloatFormat`.
+
+  Returns:
+    The compressor (a frozen dataclass; pass it to :func:`jaxlp.parallel.reduce_gradients`
+    or :func:`jaxlp.parallel.compressed_allreduce`).
+
+  Raises:
+    ValueError: ``fmt`` is not a FloatFormat, a known preset name or a float dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp import formats as F
+    >>> from jaxlp.parallel import compressors
+    >>> c = compressors.cast("bf16")
+    >>> payload, _ = c.encode(jnp.array([1.0, 1.00390625, 3.14159]), ())
+    >>> c.decode(payload, (3,))
+    Array([1.      , 1.      , 3.140625], dtype=float32)
+    >>> c.wire_bytes((1000,)), compressors.cast(F.FloatFormat(3, 3)).wire_bytes((1000,))
+    (2000, 875)
+  """
   return Cast(fmt)

@@ -38,6 +38,22 @@ def orthogonalize(x):
   projection), with the dot products as fixed pairwise sums (the same bits in every execution
   mode). PyTorch (eps = 0) turns an all-zero column into NaN; here it stays zero.
 
+  Args:
+    x: float32 array of shape ``(..., n, r)`` (leading axes are a batch).
+
+  Returns:
+    An array of ``x``'s shape whose nonzero columns are orthonormal.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.orthogonalize(jnp.array([[3.0, 4.0], [4.0, -3.0]]))
+    Array([[ 0.6,  0.8],
+           [ 0.8, -0.6]], dtype=float32)
+    >>> compressors.orthogonalize(jnp.array([[3.0, 0.0], [4.0, 0.0]]))  # zero column stays
+    Array([[0.6, 0. ],
+           [0.8, 0. ]], dtype=float32)
+
   References:
     PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``.
   """
