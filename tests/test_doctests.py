@@ -30,8 +30,9 @@ def test_docstring_examples(name):
   for prefix, dep in _OPTIONAL.items():
     if name == prefix or name.startswith(prefix + "."):
       pytest.importorskip(dep)
-  if name.startswith("jaxlp.cli"):
-    pytest.importorskip("sklearn")
+  if name.startswith(("jaxlp.cli", "jaxlp.training")):  # built-in data, flax models
+    for dep in ("sklearn", "flax", "optax"):
+      pytest.importorskip(dep)
   module = importlib.import_module(name)
   finder = doctest.DocTestFinder(exclude_empty=True)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
