@@ -47,7 +47,7 @@ def quantize_model(model, policy, *, include=None, exclude=None, **kwargs):
     >>> from jaxlp.flax.models import MLP
     >>> policy = jaxlp.float_policy(E4M3)
     >>> qm = quantize_model(MLP(features=(4, 2)), policy, exclude="Dense_1")  # linen
-    >>> qm.quantized_paths(jax.random.PRNGKey(0), jnp.ones((1, 3)))
+    >>> qm.quantized_paths(jax.random.key(0), jnp.ones((1, 3)))
     ['Dense_0']
     >>> layer = quantize_model(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), policy)  # nnx
     >>> layer(jnp.ones((1, 3))).shape

@@ -62,10 +62,10 @@ class QuantizedModel:
     >>> policy = jaxlp.float_policy(E4M3, rounding="stochastic")
     >>> qm = QuantizedModel(MLP(features=(4, 2)), policy)
     >>> x = jnp.ones((1, 3))
-    >>> variables = qm.init(jax.random.PRNGKey(0), x)  # the original model's variables
+    >>> variables = qm.init(jax.random.key(0), x)  # the original model's variables
     >>> jax.tree_util.tree_map(jnp.shape, variables["params"]["Dense_1"])
     {'bias': (2,), 'kernel': (4, 2)}
-    >>> qm.apply(variables, x, rngs={"quantize": jax.random.PRNGKey(1)}).shape
+    >>> qm.apply(variables, x, rngs={"quantize": jax.random.key(1)}).shape
     (1, 2)
   """
 
@@ -174,9 +174,9 @@ def quantize_model(model: nn.Module, policy: DotPolicy, *, include=None, exclude
     >>> from jaxlp.flax.models import MLP
     >>> qm = quantize_model(MLP(features=(4, 2)), jaxlp.float_policy(E4M3), exclude="Dense_1")
     >>> x = jnp.ones((1, 3))
-    >>> qm.quantized_paths(jax.random.PRNGKey(0), x)
+    >>> qm.quantized_paths(jax.random.key(0), x)
     ['Dense_0']
-    >>> variables = qm.init(jax.random.PRNGKey(0), x)
+    >>> variables = qm.init(jax.random.key(0), x)
     >>> qm.apply(variables, x).shape
     (1, 2)
   """

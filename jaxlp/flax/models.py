@@ -26,7 +26,7 @@ class BasicBlock(nn.Module):
     >>> from jaxlp.flax.models import BasicBlock
     >>> block = BasicBlock(features=8, strides=2)
     >>> x = jnp.ones((1, 8, 8, 4))
-    >>> y, variables = jax.eval_shape(lambda: block.init_with_output(jax.random.PRNGKey(0), x))
+    >>> y, variables = jax.eval_shape(lambda: block.init_with_output(jax.random.key(0), x))
     >>> y.shape, sorted(variables)
     ((1, 4, 4, 8), ['batch_stats', 'params'])
   """
@@ -67,7 +67,7 @@ class ResNet18(nn.Module):
     >>> model = ResNet18(num_classes=10, width=2)
     >>> x = jnp.ones((1, 8, 8, 3))
     >>> logits, variables = jax.eval_shape(
-    ...     lambda: model.init_with_output(jax.random.PRNGKey(0), x, train=False))
+    ...     lambda: model.init_with_output(jax.random.key(0), x, train=False))
     >>> logits.shape, sorted(variables)
     ((1, 10), ['batch_stats', 'params'])
 
@@ -104,7 +104,7 @@ class MLP(nn.Module):
     >>> from jaxlp.flax.models import MLP
     >>> model = MLP(features=(16, 10))
     >>> x = jnp.ones((2, 4, 4))
-    >>> variables = model.init(jax.random.PRNGKey(0), x)
+    >>> variables = model.init(jax.random.key(0), x)
     >>> model.apply(variables, x).shape
     (2, 10)
     >>> variables["params"]["Dense_0"]["kernel"].shape

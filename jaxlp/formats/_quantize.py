@@ -95,6 +95,24 @@ def key_words(key) -> tuple[jax.Array, jax.Array]:
   return w[0], w[1]
 
 
+def typed_key(key, who: str):
+  """``key`` as a typed scalar PRNG key: a ``jax.random.key(...)`` passes unchanged; a legacy
+  uint32[2] ``PRNGKey`` (which ``jax.random`` still accepts) is wrapped, with the same key data
+  and so the same random bits; anything else is a ``ValueError`` naming ``who``."""
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"{who}: key must be a single PRNG key, got key shape {key.shape}")
+    return key
+  try:
+    k = jnp.asarray(key)
+  except TypeError as e:
+    raise ValueError(f"{who}: key must be a jax.random.key(...), got {key!r}") from e
+  if k.dtype != jnp.uint32 or k.shape != (2,):
+    raise ValueError(f"{who}: key must be a jax.random.key(...), got dtype={k.dtype}, "
+                     f"shape={k.shape}")
+  return jax.random.wrap_key_data(k, impl="threefry2x32")
+
+
 def element_index(shape) -> jax.Array:
   """uint32 flat C-order index of every element of ``shape``."""
   size = int(np.prod(shape, dtype=np.int64))

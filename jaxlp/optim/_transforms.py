@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlp._deprecation import renamed_kwargs
-from jaxlp.formats._quantize import check_format
+from jaxlp.formats._quantize import check_format, typed_key
 from jaxlp.ops._quantize import quantize as _quantize  # kernel on a GPU where faster
 
 
@@ -19,10 +19,14 @@ def _check(fmt, rounding, name):
 
 
 def _needs_key(rounding, key, who):
+  """The state's key: a typed key for stochastic rounding, None (no key) for nearest."""
   if rounding == "stochastic" and key is None:
     raise ValueError(f"{who}: rounding='stochastic' needs key=jax.random.key(...) (kept in the "
                      "optimizer state and split every step)")
-  return jnp.zeros((2,), jnp.uint32) if key is None else key
+  if key is None:
+    return None
+  key = typed_key(key, who)
+  return key if rounding == "stochastic" else None
 
 
 def _tree_quantize(tree, fmt, rounding, key):
@@ -54,7 +58,8 @@ class MasterWeightsState(NamedTuple):
   Attributes:
     wide: the stored copy of the parameters, rounded to ``wide_fmt`` (params' dtypes).
     inner_state: the inner transformation's state.
-    key: PRNG key of the next step's roundings (split every step with stochastic rounding).
+    key: typed PRNG key of the next step's roundings (split every step with stochastic
+      rounding), or None when the rounding is not stochastic.
 
   Example:
     >>> import jax.numpy as jnp
@@ -68,7 +73,7 @@ class MasterWeightsState(NamedTuple):
 
   wide: Any
   inner_state: Any
-  key: jax.Array
+  key: jax.Array | None
 
 
 @renamed_kwargs(narrow="fmt", wide="wide_fmt")
@@ -93,7 +98,8 @@ def master_weights(inner: optax.GradientTransformation, fmt=None, wide_fmt=None,
     wide_fmt: format of the stored copy (e.g. ``hbfp(15, 24)``), None = FP32. Formerly
       ``wide`` (still accepted, deprecated).
     rounding: rounding of both quantizations.
-    key: PRNG key (required for stochastic rounding).
+    key: a typed PRNG key, ``jax.random.key(...)`` (required for stochastic rounding; a
+      legacy uint32[2] key is accepted and stored as a typed key).
 
   Returns:
     ``optax.GradientTransformation`` with state :class:`MasterWeightsState`.
@@ -102,7 +108,8 @@ def master_weights(inner: optax.GradientTransformation, fmt=None, wide_fmt=None,
     TypeError: ``fmt`` or ``wide_fmt`` is not a jaxlp format (or None); both a new keyword
       and its deprecated name are given.
     ValueError: an unknown ``rounding`` or one a format does not support;
-      ``rounding="stochastic"`` without ``key``; ``update`` is called without ``params``.
+      ``rounding="stochastic"`` without ``key`` (or with a key that is not a PRNG key);
+      ``update`` is called without ``params``.
 
   Example:
     The narrow (E4M3) parameters stay at 1 and 2 while the FP32 wide copy takes the SGD
@@ -152,18 +159,18 @@ class QuantizeUpdatesState(NamedTuple):
   """State of :func:`quantize_updates`: the noise key (split every step).
 
   Attributes:
-    key: PRNG key of the next step's rounding (a zero uint32[2] placeholder, never split,
-      unless the rounding is stochastic).
+    key: typed PRNG key of the next step's rounding (``jax.random.key``), or None when the
+      rounding is not stochastic.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from jaxlp import formats as F
     >>> from jaxlp import optim
     >>> optim.quantize_updates(F.E4M3).init({"w": jnp.zeros(2)})
-    QuantizeUpdatesState(key=Array([0, 0], dtype=uint32))
+    QuantizeUpdatesState(key=None)
   """
 
-  key: jax.Array
+  key: jax.Array | None
 
 
 def quantize_updates(fmt, rounding: str = "nearest", *, key=None
@@ -173,7 +180,8 @@ def quantize_updates(fmt, rounding: str = "nearest", *, key=None
   Args:
     fmt: a jaxlp format.
     rounding: rounding mode.
-    key: PRNG key (required for stochastic rounding).
+    key: a typed PRNG key, ``jax.random.key(...)`` (required for stochastic rounding; a
+      legacy uint32[2] key is accepted and stored as a typed key).
 
   Returns:
     ``optax.GradientTransformation`` with state :class:`QuantizeUpdatesState`.
@@ -181,7 +189,7 @@ def quantize_updates(fmt, rounding: str = "nearest", *, key=None
   Raises:
     TypeError: ``fmt`` is not a jaxlp format.
     ValueError: an unknown ``rounding`` or one ``fmt`` does not support;
-      ``rounding="stochastic"`` without ``key``.
+      ``rounding="stochastic"`` without ``key`` (or with a key that is not a PRNG key).
 
   Example:
     >>> import jax.numpy as jnp
@@ -212,7 +220,8 @@ class LowPrecisionTraceState(NamedTuple):
 
   Attributes:
     trace: the momentum buffers ``m`` (float32, values representable in ``fmt``).
-    key: PRNG key of the next step's rounding (split every step with stochastic rounding).
+    key: typed PRNG key of the next step's rounding (split every step with stochastic
+      rounding), or None when the rounding is not stochastic.
 
   Example:
     >>> import jax.numpy as jnp
@@ -223,7 +232,7 @@ class LowPrecisionTraceState(NamedTuple):
   """
 
   trace: Any
-  key: jax.Array
+  key: jax.Array | None
 
 
 @renamed_kwargs(format="fmt")
@@ -241,7 +250,8 @@ def trace(decay: float, nesterov: bool = False, *, fmt=None,
     fmt: storage format of the buffer (None = FP32, i.e. ``optax.trace``). Formerly
       ``format`` (still accepted, deprecated).
     rounding: rounding mode of the buffer writes.
-    key: PRNG key (required for stochastic rounding with a format).
+    key: a typed PRNG key, ``jax.random.key(...)`` (required for stochastic rounding with a
+      format; a legacy uint32[2] key is accepted and stored as a typed key).
 
   Returns:
     ``optax.GradientTransformation`` with state :class:`LowPrecisionTraceState`.
@@ -250,7 +260,8 @@ def trace(decay: float, nesterov: bool = False, *, fmt=None,
     TypeError: ``fmt`` is not a jaxlp format (or None); both ``fmt`` and ``format`` are
       given.
     ValueError: an unknown ``rounding`` or one ``fmt`` does not support;
-      ``rounding="stochastic"`` (the default) with a format but without ``key``.
+      ``rounding="stochastic"`` (the default) with a format but without ``key`` (or with a
+      key that is not a PRNG key).
 
   Example:
     Two steps with the buffer in E4M3 (round to nearest: ``Q(0.3 + 0.9 * 0.3125) = 0.5625``):
@@ -296,7 +307,8 @@ class LowPrecisionAdamState(NamedTuple):
     count: int32 number of updates so far (for the bias correction).
     mu: first moments (float32, values representable in ``mu_fmt``).
     nu: second moments (float32, values representable in ``nu_fmt``).
-    key: PRNG key of the next step's roundings (split every step with stochastic rounding).
+    key: typed PRNG key of the next step's roundings (split every step with stochastic
+      rounding), or None when the rounding is not stochastic.
 
   Example:
     >>> import jax.numpy as jnp
@@ -309,7 +321,7 @@ class LowPrecisionAdamState(NamedTuple):
   count: jax.Array
   mu: Any
   nu: Any
-  key: jax.Array
+  key: jax.Array | None
 
 
 @renamed_kwargs(mu_format="mu_fmt", nu_format="nu_fmt")
@@ -328,7 +340,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     mu_fmt, nu_fmt: storage formats (None = FP32). Formerly ``mu_format``/``nu_format``
       (still accepted, deprecated).
     rounding: rounding of the moment writes (default stochastic: unbiased).
-    key: PRNG key (required for stochastic rounding with a format).
+    key: a typed PRNG key, ``jax.random.key(...)`` (required for stochastic rounding with a
+      format; a legacy uint32[2] key is accepted and stored as a typed key).
 
   Returns:
     ``optax.GradientTransformation`` with state :class:`LowPrecisionAdamState`.
@@ -337,7 +350,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     TypeError: ``mu_fmt`` or ``nu_fmt`` is not a jaxlp format (or None); both a new keyword
       and its deprecated name are given.
     ValueError: an unknown ``rounding`` or one a format does not support;
-      ``rounding="stochastic"`` (the default) with a format but without ``key``.
+      ``rounding="stochastic"`` (the default) with a format but without ``key`` (or with a
+      key that is not a PRNG key).
 
   Example:
     Moments stored in bfloat16, rounded to nearest (``0.1 * 0.3`` is stored as

@@ -33,30 +33,11 @@ def check_torch_format(fmt, rounding: str, what: str = "quantize") -> None:
         f"{fmt.supported_roundings}, got rounding={rounding!r}")
 
 
-def seed_to_key(seed: int) -> np.ndarray:
-  """The legacy uint32[2] JAX key of an integer seed: ``[seed >> 32, seed & 0xFFFFFFFF]``.
+def seed_words(seed: int) -> np.ndarray:
+  """The key data of ``jax.random.key(seed)`` as numpy: uint32 ``[seed >> 32, seed & 0xFFFFFFFF]``.
 
-  This equals ``jax.random.PRNGKey(seed)`` (default threefry implementation) for
-  ``0 <= seed < 2**32`` (and up to ``2**64`` with ``jax_enable_x64``), so
-  ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the
-  same bits as ``jaxlp.quantize(to_jax(t), fmt, "stochastic", key=jax.random.PRNGKey(s))``.
-
-  Args:
-    seed: a Python or NumPy integer in ``[0, 2**64)``.
-
-  Returns:
-    A ``numpy.ndarray`` of dtype uint32 and shape ``(2,)``.
-
-  Raises:
-    TypeError: ``seed`` is not an integer (bools are rejected).
-    ValueError: ``seed`` is negative or not below ``2**64``.
-
-  Example:
-    >>> from jaxlp.torch import seed_to_key
-    >>> seed_to_key(42)
-    array([ 0, 42], dtype=uint32)
-    >>> seed_to_key(2**32 + 7)
-    array([1, 7], dtype=uint32)
+  What the bridge passes to its jitted functions (a host array moves to the tensor's device
+  with the data; a typed key would first be placed on JAX's default device).
   """
   if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
     raise TypeError(f"jaxlp.torch: seed must be an int, got seed={seed!r}")
@@ -66,31 +47,8 @@ def seed_to_key(seed: int) -> np.ndarray:
   return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-def draw_key(generator=None) -> np.ndarray:
-  """A uint32[2] JAX key drawn from a torch RNG (the global one when ``generator`` is None).
-
-  The two words are ``torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)``
-  (one draw, advancing the generator), so ``torch.manual_seed(s)`` makes stochastic rounding
-  reproducible exactly as it does for torch's own random ops.
-
-  Args:
-    generator: optional ``torch.Generator`` (CPU or CUDA); None uses torch's global RNG.
-
-  Returns:
-    A ``numpy.ndarray`` of dtype uint32 and shape ``(2,)``.
-
-  Raises:
-    TypeError: ``generator`` is neither None nor a ``torch.Generator``.
-
-  Example:
-    >>> import torch
-    >>> from jaxlp.torch import draw_key
-    >>> draw_key(torch.Generator().manual_seed(0))
-    array([2546248239, 3626093760], dtype=uint32)
-    >>> _ = torch.manual_seed(0)
-    >>> draw_key()  # the global RNG, same seed, same words
-    array([2546248239, 3626093760], dtype=uint32)
-  """
+def draw_words(generator=None) -> np.ndarray:
+  """Two uint32 words drawn from a torch RNG (see :func:`draw_key`), as numpy."""
   if generator is not None and not isinstance(generator, torch.Generator):
     raise TypeError(f"jaxlp.torch: generator must be a torch.Generator, got {generator!r}")
   if generator is not None and generator.device.type != "cpu":
@@ -101,6 +59,68 @@ def draw_key(generator=None) -> np.ndarray:
   return w.numpy().astype(np.uint32)
 
 
+def _typed(words: np.ndarray):
+  return jax.random.wrap_key_data(jnp.asarray(words), impl="threefry2x32")
+
+
+def seed_to_key(seed: int):
+  """The typed JAX key that ``seed=`` stands for in the torch bridge.
+
+  Its key data is ``[seed >> 32, seed & 0xFFFFFFFF]`` (threefry), so it equals
+  ``jax.random.key(seed)`` for ``0 <= seed < 2**32`` (and up to ``2**64`` with
+  ``jax_enable_x64``): ``jaxlp.torch.quantize(t, fmt, "stochastic", seed=s)`` has the same bits
+  as ``jaxlp.quantize(to_jax(t), fmt, "stochastic", key=jax.random.key(s))``.
+
+  Args:
+    seed: a Python or NumPy integer in ``[0, 2**64)``.
+
+  Returns:
+    A typed PRNG key (``jax.random.key``-style, scalar, threefry2x32).
+
+  Raises:
+    TypeError: ``seed`` is not an integer (bools are rejected).
+    ValueError: ``seed`` is negative or not below ``2**64``.
+
+  Example:
+    >>> import jax
+    >>> from jaxlp.torch import seed_to_key
+    >>> k = seed_to_key(42)
+    >>> bool((jax.random.key_data(k) == jax.random.key_data(jax.random.key(42))).all())
+    True
+    >>> jax.random.key_data(seed_to_key(2**32 + 7))
+    Array([1, 7], dtype=uint32)
+  """
+  return _typed(seed_words(seed))
+
+
+def draw_key(generator=None):
+  """A typed JAX key drawn from a torch RNG (the global one when ``generator`` is None).
+
+  The two key-data words are ``torch.randint(0, 2**32, (2,), dtype=torch.int64,
+  generator=generator)`` (one draw, advancing the generator), so ``torch.manual_seed(s)`` makes
+  stochastic rounding reproducible exactly as it does for torch's own random ops.
+
+  Args:
+    generator: optional ``torch.Generator`` (CPU or CUDA); None uses torch's global RNG.
+
+  Returns:
+    A typed PRNG key (scalar, threefry2x32).
+
+  Raises:
+    TypeError: ``generator`` is neither None nor a ``torch.Generator``.
+
+  Example:
+    >>> import jax, torch
+    >>> from jaxlp.torch import draw_key
+    >>> jax.random.key_data(draw_key(torch.Generator().manual_seed(0)))
+    Array([2546248239, 3626093760], dtype=uint32)
+    >>> _ = torch.manual_seed(0)
+    >>> jax.random.key_data(draw_key())  # the global RNG, same seed, same words
+    Array([2546248239, 3626093760], dtype=uint32)
+  """
+  return _typed(draw_words(generator))
+
+
 def resolve_key(rounding, generator, seed):
   """The key for one stochastic call (None when not stochastic)."""
   if generator is not None and seed is not None:
@@ -108,8 +128,8 @@ def resolve_key(rounding, generator, seed):
   if rounding != "stochastic":
     return None
   if seed is not None:
-    return seed_to_key(seed)
-  return draw_key(generator)
+    return seed_words(seed)
+  return draw_words(generator)
 
 
 def _kernel(fmt, rounding, with_mask, x, key):
@@ -170,7 +190,7 @@ def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
   quantized by a jitted JAX function cached per (format, rounding), and the result comes
   back as a tensor of the same shape, dtype and device.
 
-  Stochastic rounding: the JAX key is ``jax.random.PRNGKey(seed)`` when ``seed`` is given
+  Stochastic rounding: the JAX key is ``jax.random.key(seed)`` when ``seed`` is given
   (i.e. uint32 words ``[seed >> 32, seed & 0xFFFFFFFF]``), else two uint32 words drawn
   with ``torch.randint(0, 2**32, (2,), generator=generator)`` — from torch's global RNG
   when ``generator`` is None, so ``torch.manual_seed`` makes results reproducible.

@@ -28,7 +28,7 @@ from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._dot_general import dot_general
 from jaxlp.ops._policy import DotPolicy
 from jaxlp.torch._dlpack import to_jax, to_torch
-from jaxlp.torch._quantize import draw_key
+from jaxlp.torch._quantize import draw_words
 
 __all__ = ["Conv2d", "Linear", "quantize_model"]
 
@@ -159,7 +159,7 @@ class Linear(torch.nn.Linear):
 
   def forward(self, x):
     _check_input(x, "Linear")
-    key = draw_key() if self.policy.stochastic else None
+    key = draw_words() if self.policy.stochastic else None
     args = (self.policy, x.dim(), self.bias is not None)
     return _PolicyOp.apply(x.contiguous(), self.weight, self.bias, "linear", args, key)
 
@@ -221,7 +221,7 @@ class Conv2d(torch.nn.Conv2d):
     if x.dim() != 4:
       raise ValueError(f"jaxlp.torch.nn.Conv2d: input must be NCHW (4-D), got shape "
                        f"{tuple(x.shape)}")
-    key = draw_key() if self.policy.stochastic else None
+    key = draw_words() if self.policy.stochastic else None
     args = (self.policy, _pair(self.stride, "stride"), self._jax_padding(),
             _pair(self.dilation, "dilation"), int(self.groups), self.bias is not None)
     return _PolicyOp.apply(x.contiguous(), self.weight, self.bias, "conv", args, key)

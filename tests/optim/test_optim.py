@@ -120,3 +120,23 @@ def test_state_types_stable_and_no_recompilation(name):
   typ = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)
   assert typ(state0) == typ(state1) == typ(state3)
   assert jax.tree.structure(state0) == jax.tree.structure(state3)
+
+
+def test_state_keys_are_typed_and_legacy_keys_give_the_same_bits():
+  params = {"w": jnp.linspace(-1.0, 1.0, 16)}
+  g = {"w": jnp.linspace(0.3, -0.7, 16)}
+  outs = []
+  for key in (jax.random.key(5), jax.random.PRNGKey(5)):
+    tx = quantize_updates(E4M3, "stochastic", key=key)
+    st = tx.init(params)
+    assert jnp.issubdtype(st.key.dtype, jax.dtypes.prng_key) and st.key.shape == ()
+    u, st = tx.update(g, st)
+    u2, _ = tx.update(g, st)
+    outs.append((np.asarray(u["w"]), np.asarray(u2["w"])))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  np.testing.assert_array_equal(outs[0][1], outs[1][1])
+  # no stochastic rounding: no key in the state (not a placeholder array)
+  assert quantize_updates(E4M3).init(params).key is None
+  assert trace(0.9, fmt=E4M3, rounding="nearest", key=jax.random.key(0)).init(params).key is None
+  with pytest.raises(ValueError, match="quantize_updates: key must be a jax.random.key"):
+    quantize_updates(E4M3, "stochastic", key=jnp.zeros(3, jnp.int32))

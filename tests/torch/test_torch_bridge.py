@@ -7,6 +7,7 @@ import pytest
 import torch
 from _torch_testutil import assert_same_bits, special_data
 
+import jaxlp
 import jaxlp.torch as jt
 from jaxlp import formats as F
 
@@ -50,8 +51,14 @@ def test_half_dtypes_and_generator_mapping():
   out = jt.quantize(x, F.E5M2, "stochastic", generator=g)
   assert_same_bits(out.numpy(), _ref_sr(jnp.asarray(x.numpy()), jnp.asarray(words), F.E5M2,
                                         "stochastic"), "generator key mapping")
-  assert np.array_equal(jt.seed_to_key(2**31 + 5), np.asarray(jax.random.PRNGKey(2**31 + 5)))
-  assert jt.seed_to_key(2**40 + 5).tolist() == [256, 5]
+  k = jt.seed_to_key(2**31 + 5)
+  assert jnp.issubdtype(k.dtype, jax.dtypes.prng_key) and k.shape == ()
+  assert np.array_equal(jax.random.key_data(k), jax.random.key_data(jax.random.key(2**31 + 5)))
+  assert np.asarray(jax.random.key_data(jt.seed_to_key(2**40 + 5))).tolist() == [256, 5]
+  # the typed key and seed= give the same bits
+  assert_same_bits(jt.quantize(x, F.E5M2, "stochastic", seed=11).numpy(),
+                   np.asarray(jaxlp.quantize(jnp.asarray(x.numpy()), F.E5M2, "stochastic",
+                                             key=jt.seed_to_key(11))), "seed_to_key")
   torch.manual_seed(3)
   a = jt.quantize(x, F.E5M2, "stochastic")
   torch.manual_seed(3)
