@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -22,9 +23,39 @@ DEFAULT_COMPARE = [
 
 
 class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # exit code 2 with a clear message (argparse's contract)
-    self.print_usage(sys.stderr)
-    self.exit(2, f"{self.prog}: error: {message}\n")
+  def error(self, message):  # exit code 2 and one line naming the flag (argparse's contract)
+    self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int(lo: int):
+  """argparse type: an int >= lo (the error names the flag through argparse)."""
+  def parse(text):
+    try:
+      v = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < lo:
+      raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+    return v
+
+  parse.__name__ = "int"
+  return parse
+
+
+def _float(lo: float, *, lo_open=False, hi: float | None = None):
+  """argparse type: a finite float >= lo (> lo with lo_open), < hi."""
+  def parse(text):
+    try:
+      v = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v >= hi):
+      rng = f"{'>' if lo_open else '>='} {lo}" + (f" and < {hi}" if hi is not None else "")
+      raise argparse.ArgumentTypeError(f"must be a finite number {rng}, got {text}")
+    return v
+
+  parse.__name__ = "float"
+  return parse
 
 
 def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
@@ -36,16 +67,18 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g.add_argument("--data", choices=DATASETS, default="digits",
                  help="dataset; digits = scikit-learn's bundled 8x8 digits (no download)")
   g.add_argument("--data-dir", default=None, help="folder with CIFAR-10 pickles / MNIST IDX files")
-  g.add_argument("--width", type=int, default=16, help="base channel width of cnn/resnet18/vgg19")
+  g.add_argument("--width", type=_int(1), default=16,
+                 help="model width: mlp hidden units 8*W, cnn channels 2*W/4*W, resnet/vgg "
+                      "base channels W (default 16)")
   g = p.add_argument_group("workers and gradient reduction")
-  g.add_argument("--nodes", type=int, default=8,
+  g.add_argument("--nodes", type=_int(1), default=8,
                  help="number of data-parallel workers, emulated with named vmap (default: 8)")
-  g.add_argument("--devices", type=int, default=0,
+  g.add_argument("--devices", type=_int(0), default=0,
                  help="real devices to spread the workers over (default 0 = auto: as many as "
                       "divide --nodes); 1 = all emulated on one device")
-  g.add_argument("--grad-exp", type=int, default=None,
+  g.add_argument("--grad-exp", type=_int(1), default=None,
                  help="CPD gradient exponent bits (with --grad-man; 8/23 = fp32)")
-  g.add_argument("--grad-man", type=int, default=None, help="CPD gradient mantissa bits")
+  g.add_argument("--grad-man", type=_int(0), default=None, help="CPD gradient mantissa bits")
   g.add_argument("--grad-format", default=None, help="a preset gradient format, e.g. E4M3, BF16")
   g.add_argument("--order", choices=ORDERS, default="chain",
                  help="summation order of the low-precision all-reduce (default: chain = CPD)")
@@ -57,27 +90,42 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "dgc:ratio=0.001  onebit  topk:ratio=0.01; reduction options in the same "
                       "list: algorithm=sra|ring|allgather, bucket_mb=25, min_size=1024")
   g = p.add_argument_group("forward/backward quantization")
-  g.add_argument("--hbfp", type=int, default=None, metavar="MANT", help="HBFP mantissa bits")
-  g.add_argument("--tile", type=int, default=24, help="HBFP tile size (default 24)")
-  g.add_argument("--weight-man", type=int, default=None, metavar="MANT",
+  g.add_argument("--hbfp", type=_int(1), default=None, metavar="MANT",
+                 help="HBFP mantissa bits (activations, weights and gradients in tiles)")
+  g.add_argument("--tile", type=_int(0), default=None,
+                 help="HBFP tile size (default 24; 0 = one exponent per tensor); only with "
+                      "--hbfp or --policy hbfp8/hbfp12")
+  g.add_argument("--weight-man", type=_int(1), default=None, metavar="MANT",
                  help="HBFP wide weight storage mantissa bits (e.g. 16; needs --hbfp)")
   g.add_argument("--policy", default=None, help="layer policy preset: hbfp8, hbfp12, mxfp8, e4m3")
   g = p.add_argument_group("optimisation")
-  g.add_argument("--epochs", type=int, default=10)
-  g.add_argument("--batch-size", type=int, default=128, help="global batch (split over workers)")
-  g.add_argument("--lr", type=float, default=0.05)
+  g.add_argument("--epochs", type=_int(1), default=10,
+                 help="epochs to train to (on --resume: may grow)")
+  g.add_argument("--batch-size", type=_int(1), default=128,
+                 help="global batch (split over workers)")
+  g.add_argument("--lr", type=_float(0.0, lo_open=True), default=0.05)
   g.add_argument("--schedule", choices=("constant", "triangle"), default="constant",
                  help="learning rate: constant, or DavidNet's triangle (0 -> --lr over "
                       "--warmup-epochs, then linearly to 0; with Nesterov momentum)")
-  g.add_argument("--warmup-epochs", type=int, default=0)
-  g.add_argument("--momentum", type=float, default=0.9)
-  g.add_argument("--weight-decay", type=float, default=0.0)
-  g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--max-steps-per-epoch", type=int, default=None, help=argparse.SUPPRESS)
+  g.add_argument("--warmup-epochs", type=_int(0), default=0,
+                 help="warm-up epochs of --schedule triangle")
+  g.add_argument("--momentum", type=_float(0.0, hi=1.0), default=0.9)
+  g.add_argument("--weight-decay", type=_float(0.0), default=0.0)
+  g.add_argument("--seed", type=_int(0), default=0)
+  g.add_argument("--max-steps-per-epoch", type=_int(1), default=None, help=argparse.SUPPRESS)
   if with_out:
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write config.json, metrics.jsonl and checkpoint.pkl here")
-    p.add_argument("--resume", action="store_true", help="continue from DIR's checkpoint")
+    g = p.add_argument_group("run folder")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="write config.json, metrics.jsonl and checkpoint.msgpack here; a DIR "
+                        "that holds a run needs --resume or --overwrite")
+    g.add_argument("--resume", action="store_true",
+                   help="continue DIR's run: every flag must equal its config.json, except "
+                        "--epochs (may grow) and --quiet")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in DIR")
+    g.add_argument("--migrate-pickle", action="store_true",
+                   help="with --resume: convert DIR's checkpoint.pkl of an older jaxlp (a "
+                        "pickle: loading it can run code, so only for files you trust) to "
+                        "checkpoint.msgpack")
   p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -120,6 +168,7 @@ def _cmd_compare(args) -> int:
     cfg = _config_from_args(a)
     cfg.out = os.path.join(out, _safe(name))
     cfg.quiet = True
+    cfg.overwrite = args.overwrite
     print(f"[{len(results) + 1}/{len(specs)}] {name}: {' '.join(base + flags) or '(defaults)'}",
           flush=True)
     hist = train(cfg)
@@ -253,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(repeatable; default: fp32, E3M0, E3M0+APS — CPD's 4-bit APS finding)")
   pc.add_argument("--out", default=None, metavar="DIR", help="output folder (runs/compare)")
   pc.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+  pc.add_argument("--overwrite", action="store_true",
+                  help="replace the runs of an earlier compare in the output folder")
   pc.add_argument("base_flags", nargs=argparse.REMAINDER,
                   help="flags shared by every configuration, after '--', e.g. -- --epochs 5")
   pc.set_defaults(func=_cmd_compare)
@@ -268,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--model", default="resnet18",
                   choices=("mlp", "cnn", "resnet9", "resnet18", "vgg19"))
   pl.add_argument("--data", default="cifar10", choices=("digits", "synthetic", "mnist", "cifar10"))
-  pl.add_argument("--width", type=int, default=64)
-  pl.add_argument("--nodes", type=int, default=16)
+  pl.add_argument("--width", type=_int(1), default=None,
+                  help="model width (default: 16 for mlp/cnn, 64 otherwise)")
+  pl.add_argument("--nodes", type=_int(1), default=16)
   pl.add_argument("--topology", choices=("ps", "ring"), default="ring")
   pl.set_defaults(func=_cmd_plan)
 
@@ -288,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  """Run the ``jaxlp`` command; returns the exit code (2 and one line on stderr for a user
+  error: a bad flag, configuration, data or run folder)."""
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.command is None:
@@ -296,8 +350,10 @@ def main(argv=None) -> int:
     args.base_flags = args.base_flags[1:]
   try:
     return args.func(args)
-  except (ValueError, ImportError) as e:
-    print(f"jaxlp {args.command}: error: {e}", file=sys.stderr)
+  except (ValueError, TypeError, OSError, ImportError) as e:
+    # user errors: the library's messages name the flag or file; OSError's name the file
+    msg = " ".join(str(e).split()) or type(e).__name__
+    print(f"jaxlp {args.command}: error: {msg}", file=sys.stderr)
     return 2
 
 

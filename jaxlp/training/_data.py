@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import math
 import os
 import pickle
+import zlib
 
 import numpy as np
 
@@ -71,6 +73,17 @@ def _need_dir(data_dir, name):
     raise ValueError(f"--data-dir {data_dir!r} is not a directory")
 
 
+def _check_split(x, y, num_classes, what):
+  """Counts and label range of one split (``what`` names the files)."""
+  if len(x) != len(y):
+    raise ValueError(f"{what}: {len(x)} images but {len(y)} labels")
+  if len(y) == 0:
+    raise ValueError(f"{what}: no examples")
+  if y.min() < 0 or y.max() >= num_classes:
+    bad = int(y[(y < 0) | (y >= num_classes)][0])
+    raise ValueError(f"{what}: label {bad} is outside 0..{num_classes - 1}")
+
+
 def load_cifar10(data_dir: str) -> Dataset:
   """CIFAR-10 python pickle batches (``data_batch_1..5``, ``test_batch``) from ``data_dir``."""
   _need_dir(data_dir, "cifar10")
@@ -82,10 +95,26 @@ def load_cifar10(data_dir: str) -> Dataset:
     path = os.path.join(base, name)
     if not os.path.exists(path):
       raise ValueError(f"CIFAR-10 file missing: {path}")
-    with open(path, "rb") as f:
-      d = pickle.load(f, encoding="bytes")
-    x = np.asarray(d[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return x, np.asarray(d[b"labels"], np.int32)
+    # The CIFAR-10 distribution format is a pickle (trusted data the user downloaded).
+    try:
+      with open(path, "rb") as f:
+        d = pickle.load(f, encoding="bytes")  # noqa: S301
+    except Exception as e:  # pickle raises many types for damaged input
+      raise ValueError(f"{path} is not a CIFAR-10 batch ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict) or b"data" not in d or b"labels" not in d:
+      raise ValueError(f"{path} is not a CIFAR-10 batch (no b'data'/b'labels' entries)")
+    try:
+      x = np.asarray(d[b"data"])
+      y = np.asarray(d[b"labels"])
+    except Exception as e:
+      raise ValueError(f"{path}: unreadable data/labels ({e})") from None
+    if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
+      raise ValueError(f"{path}: data must be uint8 of shape (N, 3072), got {x.dtype} "
+                       f"{x.shape}")
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+      raise ValueError(f"{path}: labels must be a list of ints, got {y.dtype} {y.shape}")
+    _check_split(x, y, 10, path)
+    return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y.astype(np.int32)
 
   parts = [read(f"data_batch_{i}") for i in range(1, 6)]
   xtr = np.concatenate([p[0] for p in parts])
@@ -97,14 +126,27 @@ def load_cifar10(data_dir: str) -> Dataset:
   return Dataset(norm(xtr), ytr, norm(xte), yte, 10, "cifar10")
 
 
-def _read_idx(path):
+def _read_idx(path, ndim):
+  """An IDX file of unsigned bytes with ``ndim`` dimensions (ValueError naming ``path``)."""
   opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    data = f.read()
-  magic = int.from_bytes(data[0:4], "big")
-  ndim = magic & 0xFF
+  try:
+    with opener(path, "rb") as f:
+      data = f.read()
+  except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+    raise ValueError(f"{path} is not a readable {'gzip ' if path.endswith('.gz') else ''}"
+                     f"file ({type(e).__name__}: {e})") from None
+  if len(data) < 4 or data[0:2] != b"\0\0" or data[2] != 0x08:
+    raise ValueError(f"{path} is not an IDX file of unsigned bytes (bad magic number)")
+  if data[3] != ndim:
+    raise ValueError(f"{path}: expected {ndim} dimension(s), the file has {data[3]}")
+  head = 4 + 4 * ndim
+  if len(data) < head:
+    raise ValueError(f"{path}: truncated header")
   dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-  return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(dims)
+  if len(data) - head != math.prod(dims):
+    raise ValueError(f"{path}: the header says {dims} ({math.prod(dims)} bytes), the file "
+                     f"holds {len(data) - head} bytes of data")
+  return np.frombuffer(data, np.uint8, offset=head).reshape(dims)
 
 
 def load_mnist(data_dir: str) -> Dataset:
@@ -118,10 +160,17 @@ def load_mnist(data_dir: str) -> Dataset:
         return p
     raise ValueError(f"MNIST file missing: {os.path.join(data_dir, stem)}[.gz]")
 
-  xtr = _read_idx(find("train-images-idx3-ubyte"))
-  ytr = _read_idx(find("train-labels-idx1-ubyte")).astype(np.int32)
-  xte = _read_idx(find("t10k-images-idx3-ubyte"))
-  yte = _read_idx(find("t10k-labels-idx1-ubyte")).astype(np.int32)
+  def split(images, labels):
+    pi, pl = find(images), find(labels)
+    x, y = _read_idx(pi, 3), _read_idx(pl, 1).astype(np.int32)
+    _check_split(x, y, 10, f"{pi} / {pl}")
+    return x, y
+
+  xtr, ytr = split("train-images-idx3-ubyte", "train-labels-idx1-ubyte")
+  xte, yte = split("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+  if xtr.shape[1:] != xte.shape[1:]:
+    raise ValueError(f"MNIST in {data_dir}: train images are {xtr.shape[1:]}, test images "
+                     f"{xte.shape[1:]}")
   norm = lambda a: ((a.astype(np.float32) / 255.0 - 0.1307) / 0.3081)[..., None]
   return Dataset(norm(xtr), ytr, norm(xte), yte, 10, "mnist")
 
@@ -139,7 +188,9 @@ def load(name: str, data_dir: str | None = None, seed: int = 0) -> Dataset:
     The :class:`Dataset`.
 
   Raises:
-    ValueError: an unknown name, or a missing ``data_dir``/files for CIFAR-10 or MNIST.
+    ValueError: an unknown name; a missing ``data_dir`` or file for CIFAR-10 or MNIST; a
+      damaged file (not a pickle/gzip/IDX file, wrong shapes, image and label counts that
+      differ, a label outside 0..9); the message names the file.
 
   Example:
     >>> from jaxlp.training import load_dataset

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import sys
 import time
 from typing import Any
@@ -27,6 +26,7 @@ from jaxlp import formats as F
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import payload_bytes, psum
 from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
+from jaxlp.training import _runs
 
 ORDERS = ("chain", "ring", "tree", "native")
 
@@ -41,7 +41,18 @@ class TrainConfig:
   ``compress``); forward/backward quantization (``hbfp``, ``tile``, ``weight_man``,
   ``policy``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
   ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
-  ``quiet``). ``max_steps_per_epoch`` caps an epoch (for quick tests).
+  ``overwrite``, ``migrate_pickle``, ``quiet``). ``max_steps_per_epoch`` caps an epoch (for
+  quick tests).
+
+  ``width`` scales every model (MLP hidden units ``8 * width``, CNN channels ``2 * width``
+  and ``4 * width``; the defaults give 128 and 32/64). ``tile`` is the HBFP tile (None: 24)
+  of ``hbfp``/``weight_man`` and the ``hbfp8``/``hbfp12`` policies; it is refused without
+  them. A folder ``out`` that already holds a run needs ``resume`` (continue it: every field
+  must equal the run's ``config.json`` except ``epochs``, which may grow, and ``quiet``) or
+  ``overwrite`` (replace it). ``migrate_pickle`` lets ``resume`` convert a checkpoint of an
+  older jaxlp (``checkpoint.pkl``, a pickle: loading it can run code) to
+  ``checkpoint.msgpack``. The checks run (and fail with a ValueError/TypeError naming the
+  flag) in :class:`Trainer`.
 
   Example:
     >>> from jaxlp.training import TrainConfig
@@ -63,7 +74,7 @@ class TrainConfig:
   lars: bool = False
   compress: str | None = None
   hbfp: int | None = None
-  tile: int = 24
+  tile: int | None = None
   weight_man: int | None = None
   policy: str | None = None
   epochs: int = 10
@@ -78,6 +89,8 @@ class TrainConfig:
   max_steps_per_epoch: int | None = None
   out: str | None = None
   resume: bool = False
+  overwrite: bool = False
+  migrate_pickle: bool = False
   quiet: bool = False
 
 
@@ -136,23 +149,98 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
                  for leaf in leaves))
 
 
+HBFP_TILE = 24  # TrainConfig.tile None: HBFPEmulator's default tile
+
+
 def _policy(cfg: TrainConfig):
   if cfg.hbfp is not None and cfg.policy is not None:
     raise ValueError("give either --hbfp or --policy, not both")
+  hbfp_preset = cfg.policy in ("hbfp8", "hbfp12")
+  if cfg.tile is not None and cfg.hbfp is None and not hbfp_preset:
+    raise ValueError(f"--tile {cfg.tile} applies only to HBFP (--hbfp or --policy hbfp8/"
+                     "hbfp12); remove it")
   if cfg.hbfp is None and cfg.policy is None:
     return None
+  tile = HBFP_TILE if cfg.tile is None else cfg.tile
+
+  # HBFPEmulator main (bfp/bfp_ops.py): activations, weights and output gradients in
+  # tile x tile blocks, so the tile defines the format (the per-sample variant ignores it).
+  def hbfp(man_bits):
+    return jaxlp.hbfp_policy(man_bits=man_bits, tile=tile, activations="tiled")
 
   if cfg.hbfp is not None:
-    return jaxlp.hbfp_policy(man_bits=cfg.hbfp, tile=cfg.tile)
+    return hbfp(cfg.hbfp)
   presets = {
-      "hbfp8": lambda: jaxlp.hbfp_policy(man_bits=8, tile=cfg.tile),
-      "hbfp12": lambda: jaxlp.hbfp_policy(man_bits=12, tile=cfg.tile),
+      "hbfp8": lambda: hbfp(8),
+      "hbfp12": lambda: hbfp(12),
       "mxfp8": lambda: jaxlp.mx_policy(),
       "e4m3": lambda: jaxlp.float_policy(fwd=jaxlp.formats.E4M3, bwd=jaxlp.formats.E5M2),
   }
   if cfg.policy not in presets:
     raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}")
   return presets[cfg.policy]()
+
+
+_INT_FIELDS = {  # field: (lowest allowed, None allowed)
+    "nodes": (1, False), "devices": (0, False), "grad_exp": (1, True), "grad_man": (0, True),
+    "hbfp": (1, True), "tile": (0, True), "weight_man": (1, True), "epochs": (1, False),
+    "batch_size": (1, False), "warmup_epochs": (0, False), "seed": (0, False),
+    "width": (1, False), "max_steps_per_epoch": (1, True)}
+_FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= this
+_BOOL_FIELDS = ("aps", "kahan", "lars", "resume", "overwrite", "migrate_pickle", "quiet")
+_STR_FIELDS = ("model", "data", "data_dir", "grad_format", "order", "compress", "policy",
+               "schedule", "out")
+
+
+def _flag(name):
+  return "--" + name.replace("_", "-")
+
+
+def check_config(cfg: TrainConfig) -> None:
+  """Types and ranges of every field (TypeError/ValueError naming the flag)."""
+  from jaxlp.training._data import DATASETS
+  from jaxlp.training._models import MODELS
+
+  for k, (lo, none_ok) in _INT_FIELDS.items():
+    v = getattr(cfg, k)
+    if v is None and none_ok:
+      continue
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise TypeError(f"{_flag(k)} must be an int, got {v!r}")
+    if v < lo:
+      raise ValueError(f"{_flag(k)} must be >= {lo}, got {v}")
+  for k, lo in _FLOAT_FIELDS.items():
+    v = getattr(cfg, k)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+      raise TypeError(f"{_flag(k)} must be a number, got {v!r}")
+    if not math.isfinite(v) or v < lo:
+      raise ValueError(f"{_flag(k)} must be a finite number >= {lo}, got {v}")
+  if cfg.lr <= 0:
+    raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+  if cfg.momentum >= 1:
+    raise ValueError(f"--momentum must be in [0, 1), got {cfg.momentum}")
+  for k in _BOOL_FIELDS:
+    if not isinstance(getattr(cfg, k), bool):
+      raise TypeError(f"{_flag(k)} must be True or False, got {getattr(cfg, k)!r}")
+  for k in _STR_FIELDS:
+    v = getattr(cfg, k)
+    if v is not None and not isinstance(v, str):
+      raise TypeError(f"{_flag(k)} must be a string, got {v!r}")
+  for k, choices in (("model", MODELS), ("data", DATASETS), ("order", ORDERS),
+                     ("schedule", ("constant", "triangle"))):
+    if getattr(cfg, k) not in choices:
+      raise ValueError(f"{_flag(k)} must be one of {choices}, got {getattr(cfg, k)!r}")
+  if cfg.batch_size % cfg.nodes:
+    raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
+  if cfg.warmup_epochs and cfg.schedule != "triangle":
+    raise ValueError("--warmup-epochs applies only to --schedule triangle")
+  if cfg.warmup_epochs > cfg.epochs:
+    raise ValueError(f"--warmup-epochs {cfg.warmup_epochs} exceeds --epochs {cfg.epochs}")
+  if cfg.data_dir is not None and cfg.data in ("digits", "synthetic"):
+    raise ValueError(f"--data-dir applies only to --data cifar10/mnist (--data {cfg.data} is "
+                     "built in)")
+  if cfg.weight_man is not None and cfg.hbfp is None:
+    raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
 
 
 _REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size")
@@ -189,6 +277,19 @@ def _parse_compress(spec: str):
     raise ValueError(f"--compress {spec!r}: {e}") from e
 
 
+def _check_reduce_opts(spec, opts):
+  """Types and ranges of the reduction options of ``--compress`` (``min_size``,
+  ``bucket_mb``)."""
+  v = opts.get("min_size", 0)
+  if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    raise ValueError(f"--compress {spec!r}: min_size must be an int >= 0, got {v!r}")
+  if "bucket_mb" in opts:
+    v = opts["bucket_mb"]
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        or v <= 0):
+      raise ValueError(f"--compress {spec!r}: bucket_mb must be a number > 0, got {v!r}")
+
+
 class Trainer:
   """The training loop one epoch at a time: builds the data, the model, the optimizer and the
   jitted data-parallel step of a :class:`TrainConfig`.
@@ -197,7 +298,9 @@ class Trainer:
     cfg: the run.
 
   Raises:
-    ValueError: an invalid configuration (the message names the flag).
+    ValueError: an invalid configuration or data file (the message names the flag or file).
+    TypeError: a field of the wrong type (e.g. a float ``batch_size``; the message names the
+      flag).
 
   Example:
     >>> from jaxlp.training import TrainConfig, Trainer
@@ -214,12 +317,7 @@ class Trainer:
     from jaxlp.training import _models as M
 
     self.cfg = cfg
-    if cfg.nodes < 1:
-      raise ValueError(f"--nodes must be >= 1, got {cfg.nodes}")
-    if cfg.batch_size % cfg.nodes:
-      raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
-    if cfg.order not in ORDERS:
-      raise ValueError(f"--order must be one of {ORDERS}, got {cfg.order!r}")
+    check_config(cfg)
 
     if cfg.devices > 0:
       ndev = cfg.devices
@@ -238,21 +336,20 @@ class Trainer:
                                          else (None, {}))
     if self.compressor is not None and self.fmt is not None:
       raise ValueError("give either --compress or a gradient format, not both")
-    self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
+    _check_reduce_opts(cfg.compress, self.reduce_opts)
     policy = _policy(cfg)
+    self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
     kw = {}
     if policy is not None:
       kw = dict(dot_general=jaxlp.dot_general(policy),
                 conv_general_dilated=jaxlp.conv_general_dilated(policy))
-    self.model = M.build(cfg.model, self.ds.num_classes, width=cfg.width, **kw)
+    self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width), **kw)
     key = jax.random.key(cfg.seed)
     init_key, self.step_key = jax.random.split(key)
     variables = self.model.init(init_key, jnp.asarray(self.ds.x_train[:2]), train=False)
     self.params = variables["params"]
     self.batch_stats = variables.get("batch_stats", {})
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
-    if cfg.schedule not in ("constant", "triangle"):
-      raise ValueError(f"--schedule must be 'constant' or 'triangle', got {cfg.schedule!r}")
     steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
     if cfg.max_steps_per_epoch:
       steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
@@ -271,13 +368,12 @@ class Trainer:
                             optax.sgd(lr, momentum=cfg.momentum,
                                       nesterov=cfg.schedule == "triangle"))
     if cfg.weight_man is not None:
-      if cfg.hbfp is None:
-        raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
       from jaxlp.optim import master_weights
 
       # HBFPEmulator's shell optimizer: FP32 update of a wide copy, narrow params to the model.
-      self.tx = master_weights(self.tx, fmt=F.hbfp(cfg.hbfp, cfg.tile),
-                                wide_fmt=F.hbfp(cfg.weight_man, cfg.tile))
+      tile = HBFP_TILE if cfg.tile is None else cfg.tile
+      self.tx = master_weights(self.tx, fmt=F.hbfp(cfg.hbfp, tile),
+                                wide_fmt=F.hbfp(cfg.weight_man, tile))
     self.opt_state = self.tx.init(self.params)
     self.comp_state = None
     if self.compressor is not None:
@@ -348,7 +444,9 @@ class Trainer:
       updates, opt_state = self.tx.update(g0, opt_state, params)
       params = optax.apply_updates(params, updates)
       leaves = jax.tree_util.tree_leaves(g0)
-      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in leaves]))
+      # a step counts as non-finite when its loss or any gradient element is not finite
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in leaves]
+                                   + [jnp.isfinite(loss[0])]))
       return params, bs0, opt_state, (cs if comp_state is not None else None), loss[0], finite
 
     self._train_step = jax.jit(train_step)
@@ -400,17 +498,46 @@ class Trainer:
 
   # -- checkpoints -----------------------------------------------------------------------
   def state_dict(self):
-    return jax.device_get({"params": self.params, "batch_stats": self.batch_stats,
-                           "opt_state": self.opt_state, "comp_state": self.comp_state,
-                           "epoch": self.epoch, "step": self.step})
+    """The training state (params, batch_stats, opt_state, comp_state, epoch, step)."""
+    st = {"params": self.params, "batch_stats": self.batch_stats,
+          "opt_state": self.opt_state, "comp_state": self.comp_state}
+    # typed PRNG keys cannot go through device_get; they stay jax arrays
+    st = jax.tree_util.tree_map(lambda a: a if _runs._is_key(a) else jax.device_get(a), st)
+    return st | {"epoch": self.epoch, "step": self.step}
 
   def load_state_dict(self, st):
-    as_jnp = lambda t: jax.tree_util.tree_map(jnp.asarray, t)
+    """Restore :meth:`state_dict` (arrays are converted to ``jax.Array``)."""
+    as_jnp = lambda t: jax.tree_util.tree_map(
+        lambda a: a if _runs._is_key(a) else jnp.asarray(a), t)
     self.params = as_jnp(st["params"])
     self.batch_stats = as_jnp(st["batch_stats"])
     self.opt_state = as_jnp(st["opt_state"])
     self.comp_state = None if st["comp_state"] is None else as_jnp(st["comp_state"])
     self.epoch, self.step = int(st["epoch"]), int(st["step"])
+
+  def _state_tree(self):
+    return {"params": self.params, "batch_stats": self.batch_stats,
+            "opt_state": self.opt_state, "comp_state": self.comp_state}
+
+  def save_checkpoint(self, path: str, history: list[dict]) -> None:
+    """Write the state, the configuration and ``history`` to ``path`` (msgpack, atomic)."""
+    data = _runs.checkpoint_bytes(_runs.recorded_config(self.cfg), self.epoch, self.step,
+                                  history, self._state_tree())
+    _runs.atomic_write(path, data)
+
+  def load_checkpoint(self, path: str) -> list[dict]:
+    """Restore a :meth:`save_checkpoint` file into this trainer's own freshly built state
+    (the structure, shapes and dtypes must match). Returns the stored history.
+
+    Raises ValueError naming ``path``: a damaged file, another format version, or a
+    checkpoint of another configuration."""
+    ck = _runs.read_checkpoint(path)
+    diffs = _runs.config_differences(self.cfg, ck["config"], type(self.cfg)())
+    if diffs:
+      raise ValueError(f"{path} belongs to another configuration: {'; '.join(diffs)}")
+    st = _runs.unflatten_state(ck["state"], self._state_tree(), path)
+    self.load_state_dict(st | {"epoch": ck["epoch"], "step": ck["step"]})
+    return list(ck["history"])
 
 
 def _progress_printer(epoch, epochs, stream):
@@ -433,8 +560,12 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
   """Run (or resume) a training run to ``cfg.epochs`` and return its per-epoch metrics.
 
   With ``cfg.out`` set, the run folder gets ``config.json``, ``metrics.jsonl`` (one line per
-  epoch) and a checkpoint written after every epoch (through a temporary file and
-  ``os.replace``); ``cfg.resume`` continues from that checkpoint.
+  epoch, appended and fsynced) and ``checkpoint.msgpack`` after every epoch
+  (``flax.serialization`` msgpack written through a temporary file, fsync and ``os.replace``;
+  it holds the configuration, the metrics history, the epoch and the state). A folder that
+  already holds a run needs ``cfg.resume`` (continue: the configuration must equal the run's,
+  ``epochs`` may grow; a ``metrics.jsonl`` left torn by a crash is repaired from the
+  checkpoint) or ``cfg.overwrite``. Every check runs before anything is written.
 
   Args:
     cfg: the run.
@@ -442,11 +573,15 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
 
   Returns:
     One dict per epoch: ``epoch``, ``train_loss``, ``test_accuracy``, ``wire_bytes``,
-    ``seconds``, ... (the lines of ``metrics.jsonl``).
+    ``steps``, ``nonfinite_steps`` (steps whose loss or gradient had a NaN/inf),
+    ``seconds`` (the lines of ``metrics.jsonl``).
 
   Raises:
-    ValueError: an invalid configuration (the message names the flag), or ``resume`` without
-      a checkpoint in ``cfg.out``.
+    ValueError: an invalid configuration (the message names the flag); ``out`` holding a
+      run without ``resume``/``overwrite``; ``resume`` with a changed configuration, fewer
+      epochs than done, without a run, or over a damaged run folder (the message names the
+      file); a pickle checkpoint without ``migrate_pickle``.
+    TypeError: a field of the wrong type.
 
   Example:
     >>> from jaxlp.training import TrainConfig, train
@@ -455,27 +590,29 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
     ([1], True)
   """
   stream = stream or sys.stdout
+  if cfg.out is not None:
+    if not isinstance(cfg.out, str) or not cfg.out:
+      raise ValueError(f"--out must be a folder path, got {cfg.out!r}")
+    _runs.check_out(cfg)  # before the (slow) trainer and before anything is written
   trainer = Trainer(cfg)
   history: list[dict] = []
   ckpt = metrics_path = None
+  notes = []
   if cfg.out:
-    os.makedirs(cfg.out, exist_ok=True)
-    ckpt = os.path.join(cfg.out, "checkpoint.pkl")
-    metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+    ckpt = os.path.join(cfg.out, _runs.CHECKPOINT)
+    metrics_path = os.path.join(cfg.out, _runs.METRICS)
     if cfg.resume:
-      if not os.path.exists(ckpt):
-        raise ValueError(f"--resume: no checkpoint in {cfg.out}")
-      with open(ckpt, "rb") as f:
-        trainer.load_state_dict(pickle.load(f))
-      with open(metrics_path) as f:
-        history = [json.loads(line) for line in f if line.strip()][: trainer.epoch]
-    with open(os.path.join(cfg.out, "config.json"), "w") as f:
-      json.dump(dataclasses.asdict(cfg) | {"n_params": trainer.n_params,
-                                           "wire_bytes_per_step": trainer.wire_per_step},
-                f, indent=2)
-    with open(metrics_path, "w") as f:
-      for h in history:
-        f.write(json.dumps(h) + "\n")
+      history, notes = _resume(trainer, cfg, ckpt, metrics_path)
+    else:
+      os.makedirs(cfg.out, exist_ok=True)
+      for name in (_runs.CHECKPOINT, _runs.LEGACY_CHECKPOINT):  # --overwrite
+        if os.path.exists(os.path.join(cfg.out, name)):
+          os.remove(os.path.join(cfg.out, name))
+      _runs.atomic_write(metrics_path, b"")
+    rec = _runs.recorded_config(cfg) | {"n_params": trainer.n_params,
+                                        "wire_bytes_per_step": trainer.wire_per_step}
+    _runs.atomic_write(os.path.join(cfg.out, _runs.CONFIG),
+                       (json.dumps(rec, indent=2) + "\n").encode())
   if not cfg.quiet:
     fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
     stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
@@ -483,6 +620,8 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
                  f"device(s), gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
+    for note in notes:
+      stream.write(f"jaxlp train: {note}\n")
   while trainer.epoch < cfg.epochs:
     prog = None if cfg.quiet else _progress_printer(trainer.epoch + 1, cfg.epochs, stream)
     m = trainer.run_epoch(prog)
@@ -493,9 +632,53 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
                    f"{m['seconds']:.1f}s\n")
       stream.flush()
     if cfg.out:
-      with open(metrics_path, "a") as f:
-        f.write(json.dumps(m) + "\n")
-      with open(ckpt + ".tmp", "wb") as f:
-        pickle.dump(trainer.state_dict(), f)
-      os.replace(ckpt + ".tmp", ckpt)
+      # metrics first: a crash before the checkpoint leaves one extra line, dropped on resume
+      _runs.append_line(metrics_path, json.dumps(m))
+      trainer.save_checkpoint(ckpt, history)
   return history
+
+
+def _resume(trainer: Trainer, cfg: TrainConfig, ckpt: str, metrics_path: str):
+  """Load the run folder's checkpoint into ``trainer`` and validate its metrics (nothing is
+  written until everything checks out). Returns (history, notes)."""
+  legacy = os.path.join(cfg.out, _runs.LEGACY_CHECKPOINT)
+  notes = []
+  if os.path.exists(ckpt):
+    history = trainer.load_checkpoint(ckpt)
+  elif os.path.exists(legacy):
+    if not cfg.migrate_pickle:
+      raise ValueError(f"{legacy} is a pickle checkpoint of an older jaxlp; loading a pickle "
+                       "can run arbitrary code. If you trust the file, resume with "
+                       "--migrate-pickle (TrainConfig(migrate_pickle=True)) to convert it to "
+                       f"{_runs.CHECKPOINT}")
+    if cfg.hbfp is not None or cfg.policy in ("hbfp8", "hbfp12"):
+      raise ValueError(f"{legacy}: HBFP runs of older jaxlp versions used per-sample "
+                       "activation blocks; this version tiles them (--tile), so the run "
+                       "cannot be continued")
+    st = _runs.load_legacy_pickle(legacy)
+    names = ("params", "batch_stats", "opt_state", "comp_state")
+    if not isinstance(st, dict) or not all(k in st for k in names + ("epoch", "step")):
+      raise ValueError(f"{legacy} is not a jaxlp checkpoint")
+    flat = _runs.flatten_state({k: st[k] for k in names})
+    tree = _runs.unflatten_state(flat, trainer._state_tree(), legacy)
+    trainer.load_state_dict(tree | {"epoch": st["epoch"], "step": st["step"]})
+    lines, _ = _runs.read_metrics_lines(metrics_path)
+    history = lines[:trainer.epoch]
+    _runs.check_history(history, trainer.epoch, metrics_path)
+    notes.append(f"converted {legacy} to {_runs.CHECKPOINT} (--migrate-pickle)")
+  else:
+    trainer.epoch = trainer.step = 0  # killed before the first checkpoint
+    history = []
+  if cfg.epochs < trainer.epoch:
+    raise ValueError(f"--epochs {cfg.epochs}: the run in {cfg.out} has already done "
+                     f"{trainer.epoch} epochs (--epochs may only grow on --resume)")
+  stored = _runs.read_json(os.path.join(cfg.out, _runs.CONFIG))
+  if (cfg.schedule == "triangle" and cfg.epochs != stored.get("epochs", cfg.epochs)):
+    raise ValueError(f"--epochs {cfg.epochs}: the triangle schedule of the run in {cfg.out} "
+                     f"spans its {stored.get('epochs')} epochs; it cannot be extended")
+  note = _runs.reconcile_metrics(metrics_path, history)
+  if note:
+    notes.append(note)
+  if os.path.exists(legacy) and not os.path.exists(ckpt):
+    trainer.save_checkpoint(ckpt, history)
+  return history, notes

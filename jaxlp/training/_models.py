@@ -8,7 +8,7 @@ MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19")
 
 
 def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
-          width: int = 64) -> Any:
+          width: int | None = None) -> Any:
   """A built-in model (exported as ``jaxlp.training.build_model``).
 
   Args:
@@ -16,13 +16,16 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
     num_classes: outputs of the last layer.
     dot_general, conv_general_dilated: passed to every Dense / Conv (e.g.
       ``jaxlp.dot_general(policy)``); None: the Flax defaults.
-    width: base channel width of the convolutional models.
+    width: the model's width: MLP hidden units ``8 * width``, CNN channels ``2 * width`` and
+      ``4 * width``, ResNet/VGG base channels ``width``. None: 16 for the MLP and the CNN
+      (128 hidden units; 32 and 64 channels), 64 for the others.
 
   Returns:
     A ``flax.linen.Module``.
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: an unknown name, or ``width`` < 1.
+    TypeError: ``width`` or ``num_classes`` is not an int.
 
   Example:
     >>> from jaxlp.training import build_model
@@ -32,6 +35,17 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
   import flax.linen as nn
   import jax.numpy as jnp
 
+  if name not in MODELS:
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+  for arg, v in (("num_classes", num_classes), ("width", width)):
+    if v is None and arg == "width":
+      continue
+    if isinstance(v, bool) or not isinstance(v, int):
+      raise TypeError(f"build_model: {arg} must be an int, got {v!r}")
+    if v < 1:
+      raise ValueError(f"build_model: {arg} must be >= 1, got {v}")
+  if width is None:
+    width = 16 if name in ("mlp", "cnn") else 64
   dkw = {} if dot_general is None else {"dot_general": dot_general}
   ckw = {} if conv_general_dilated is None else {"conv_general_dilated": conv_general_dilated}
 
@@ -39,15 +53,15 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
     @nn.compact
     def __call__(self, x, train: bool = False):
       x = x.reshape((x.shape[0], -1))
-      x = nn.relu(nn.Dense(128, **dkw)(x))
-      x = nn.relu(nn.Dense(128, **dkw)(x))
+      x = nn.relu(nn.Dense(8 * width, **dkw)(x))
+      x = nn.relu(nn.Dense(8 * width, **dkw)(x))
       return nn.Dense(num_classes, **dkw)(x)
 
   class CNN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
-      x = nn.relu(nn.Conv(32, (3, 3), **ckw)(x))
-      x = nn.relu(nn.Conv(64, (3, 3), strides=(2, 2), **ckw)(x))
+      x = nn.relu(nn.Conv(2 * width, (3, 3), **ckw)(x))
+      x = nn.relu(nn.Conv(4 * width, (3, 3), strides=(2, 2), **ckw)(x))
       x = jnp.mean(x, axis=(1, 2))
       x = nn.relu(nn.Dense(128, **dkw)(x))
       return nn.Dense(num_classes, **dkw)(x)
