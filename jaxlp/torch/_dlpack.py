@@ -13,6 +13,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import torch
 
@@ -36,9 +38,9 @@ def check_quantize_dtype(t, what: str = "quantize") -> None:
         "twice through float32)")
 
 
-def _jax_device_for(t):
-  """The JAX device that holds the memory of torch tensor ``t`` (or a clear error)."""
-  kind = t.device.type
+@functools.cache
+def _jax_device(kind: str, index: int | None):
+  """The JAX device for torch device (kind, index), or a clear error (memoized lookup)."""
   if kind == "cpu":
     return jax.devices("cpu")[0]
   if kind == "cuda":
@@ -46,16 +48,59 @@ def _jax_device_for(t):
       gpus = jax.devices("gpu")
     except RuntimeError as e:
       raise ValueError(
-          f"jaxlp.torch: tensor is on device={t.device} but JAX has no GPU backend "
+          f"jaxlp.torch: tensor is on device={kind}:{index} but JAX has no GPU backend "
           "(install jax[cuda12] or move the tensor to the CPU)") from e
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     for d in gpus:
       if d.id == index or getattr(d, "local_hardware_id", None) == index:
         return d
-    raise ValueError(f"jaxlp.torch: no JAX GPU device matches torch device={t.device}")
+    raise ValueError(f"jaxlp.torch: no JAX GPU device matches torch device={kind}:{index}")
   raise ValueError(
-      f"jaxlp.torch: unsupported tensor device={t.device}; only 'cpu' and 'cuda' tensors "
+      f"jaxlp.torch: unsupported tensor device={kind}; only 'cpu' and 'cuda' tensors "
       "can be exchanged with JAX")
+
+
+def _jax_device_for(t):
+  """The JAX device that holds the memory of torch tensor ``t`` (or a clear error)."""
+  kind = t.device.type
+  index = t.device.index
+  if kind == "cuda" and index is None:
+    index = torch.cuda.current_device()
+  return _jax_device(kind, index)
+
+
+@functools.cache
+def _buffer_from_capsule():
+  """jaxlib's DLPack import entry point, where this jaxlib has the expected one, else None.
+
+  ``jax.dlpack.from_dlpack`` probes the device for an external-ready-events stream on every
+  call, which on the CPU raises and catches an error (~55 us of a ~60 us call measured on the
+  2-core CI machine, jax 0.10.2). Calling the import directly with the known device and stream
+  costs ~6 us. Any mismatch with the private signature falls back to the public function.
+  """
+  try:
+    from jax._src.lib import _jax, jaxlib_extension_version  # noqa: PLC0415
+  except ImportError:
+    return None
+  fn = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+  if fn is None or jaxlib_extension_version < 467:
+    return None
+  try:  # the signature is private: check it once on a CPU tensor
+    probe = torch.arange(4, dtype=torch.float32)
+    out = fn(probe.__dlpack__(stream=None), jax.devices("cpu")[0], None, None, 1)
+    if not isinstance(out, jax.Array) or out.shape != (4,) or float(out[3]) != 3.0:
+      return None
+  except Exception:  # noqa: BLE001 -- any failure means: use the public path
+    return None
+  return fn
+
+
+def _import(t, device):
+  fn = _buffer_from_capsule()
+  dl_type = t.__dlpack_device__()[0]
+  if fn is None or int(dl_type) not in (1, 2):  # kDLCPU, kDLCUDA (pinned host: public path)
+    return jax.dlpack.from_dlpack(t)
+  stream = None if int(dl_type) == 1 else device.get_stream_for_external_ready_events()
+  return fn(t.__dlpack__(stream=stream), device, stream, None, int(dl_type))
 
 
 def to_jax(t) -> jax.Array:
@@ -96,7 +141,7 @@ def to_jax(t) -> jax.Array:
     raise TypeError(
         f"jaxlp.torch.to_jax: dtype={t.dtype} needs jax_enable_x64 (JAX would silently "
         "narrow it to 32 bits); enable it or cast the tensor first")
-  _jax_device_for(t)  # device check with a clear message
+  device = _jax_device_for(t)  # device check with a clear message
   t = t.detach()
   if t.is_conj():
     t = t.resolve_conj()
@@ -104,7 +149,7 @@ def to_jax(t) -> jax.Array:
     t = t.resolve_neg()
   if not t.is_contiguous():
     t = t.contiguous()
-  return jax.dlpack.from_dlpack(t)
+  return _import(t, device)
 
 
 def to_torch(a) -> torch.Tensor:

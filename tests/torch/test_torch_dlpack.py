@@ -88,3 +88,22 @@ def test_unaligned_view_still_correct():
   np.testing.assert_array_equal(np.asarray(jt.to_jax(t)), t.numpy())
   np.testing.assert_array_equal(jt.quantize(t, F.E5M2).numpy(),
                                 np.asarray(F.quantize(jnp.asarray(t.numpy()), F.E5M2)))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["direct-import", "public-from_dlpack"])
+def test_to_jax_direct_import_and_its_fallback_agree(fast, monkeypatch):
+  """to_jax calls jaxlib's DLPack import directly where the private entry point has the
+  expected signature (checked once), else jax.dlpack.from_dlpack: same array, zero-copy."""
+  from jaxlp.torch import _dlpack
+
+  if fast and _dlpack._buffer_from_capsule() is None:
+    pytest.skip("this jaxlib has no compatible dlpack_managed_tensor_to_buffer")
+  if not fast:
+    monkeypatch.setattr(_dlpack, "_buffer_from_capsule", lambda: None)
+  for t in (torch.randn(5, 7), torch.arange(10, dtype=torch.int32), torch.ones(0),
+            torch.randn(3, 4).t()):
+    a = jt.to_jax(t)
+    assert a.shape == tuple(t.shape) and a.devices() == {jax.devices("cpu")[0]}
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    if t.is_contiguous() and t.numel():
+      assert a.unsafe_buffer_pointer() == t.data_ptr()
