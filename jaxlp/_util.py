@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 
 def cdiv(n: int, k: int) -> int:
   """``ceil(n / k)`` for ints, ``k > 0``.
@@ -31,3 +33,46 @@ def next_pow2(n: int) -> int:
     (1, 8, 64)
   """
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_int(owner: str, name: str, value) -> None:
+  """TypeError unless ``value`` is an int (numpy ints count; bools, floats and strings do not).
+
+  Example:
+    >>> check_int("cgx", "bits", 4)
+    >>> check_int("cgx", "bits", 4.5)
+    Traceback (most recent call last):
+    ...
+    TypeError: cgx: bits must be an int, got 4.5
+  """
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
+
+
+def check_number(owner: str, name: str, value, *, none_ok: bool = False) -> None:
+  """TypeError unless ``value`` is a real number (or None with ``none_ok``; not a bool).
+
+  Example:
+    >>> check_number("dgc", "ratio", 0.01)
+    >>> check_number("dgc", "ratio", "0.01")
+    Traceback (most recent call last):
+    ...
+    TypeError: dgc: ratio must be a number, got '0.01'
+  """
+  if value is None and none_ok:
+    return
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+
+
+def check_bool(owner: str, name: str, value) -> None:
+  """TypeError unless ``value`` is True or False.
+
+  Example:
+    >>> check_bool("cgx", "stochastic", "yes")
+    Traceback (most recent call last):
+    ...
+    TypeError: cgx: stochastic must be True or False, got 'yes'
+  """
+  if not isinstance(value, bool):
+    raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")

@@ -37,15 +37,34 @@ def _tile_view(shape, tile):
   return rows, cols, max(tr, 1), max(tc, 1)
 
 
+def check_block_axis(fmt, shape) -> None:
+  """ValueError unless the block axis of ``fmt`` (``mx(...)``, ``BlockFormat(axis=...)``;
+  other formats have none) is in ``-ndim..ndim-1`` for an array of ``shape``."""
+  axis = getattr(fmt, "axis", None)
+  if axis is None or not isinstance(fmt, (BlockFormat, MXFormat)):
+    return
+  nd = len(shape)
+  if not -max(nd, 1) <= axis < max(nd, 1):  # a scalar is one block (axis 0 or -1)
+    raise ValueError(f"{fmt!r}: block axis {axis} is out of range for an array of shape "
+                     f"{tuple(shape)} ({nd} dimension(s))")
+
+
 def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
   """Per-element uint32 magnitude bits of its block's max |x| (NaN > inf > finite).
 
   Either ``tile=(tr, tc)`` — tiles of the (dim0, prod(rest)) view, ``None`` meaning the
-  whole extent — or ``axis`` (+ optional ``block_size``, default the whole axis).
+  whole extent — or ``axis`` (+ optional ``block_size``, default the whole axis; an axis
+  outside ``-ndim..ndim-1`` is a ValueError).
   """
   shape = mag.shape
   if axis is not None:
-    ax = axis % max(len(shape), 1)
+    nd = max(len(shape), 1)
+    if not -nd <= axis < nd:
+      raise ValueError(f"block axis {axis} is out of range for an array of shape {shape} "
+                       f"({len(shape)} dimension(s))")
+    if not shape:  # a scalar is one block of one element
+      return block_max_bits(mag.reshape(1), axis=0, block_size=block_size).reshape(())
+    ax = axis % nd
     m = jnp.moveaxis(mag, ax, -1)
     n = m.shape[-1]
     bs = n if block_size is None else block_size

@@ -16,6 +16,7 @@ import functools
 import jax
 from jax import lax
 
+from jaxlp.formats._block import check_block_axis
 from jaxlp.formats._quantize import prepare
 from jaxlp.formats._quantize import quantize_words as _spec_words
 from jaxlp.pallas._quantize import kernel_applies
@@ -66,6 +67,7 @@ def quantize_words(x, kw, fmt, rounding: str, rand_bits=None):
   """:func:`quantize` on validated arguments: ``kw`` = the (2,) uint32 key words
   (:func:`jaxlp.formats._quantize.prepare`). For callers that derive the words themselves
   (e.g. the torch bridge)."""
+  check_block_axis(fmt, x.shape)  # before the kernel choice (it reads the axis modulo ndim)
   if x.size == 0 or not kernel_applies(fmt, x.shape, x.dtype, rounding):
     return _spec_words(x, kw, fmt, rounding, rand_bits)
   return _dispatch(x, kw, fmt, rounding, rand_bits)

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import det_sum, exact_div, no_fma, numel
 
@@ -95,6 +96,11 @@ class PowerSGD:
   elementwise_state = False
 
   def __post_init__(self):
+    check_int("powersgd", "rank", self.rank)
+    check_int("powersgd", "start_iter", self.start_iter)
+    check_number("powersgd", "min_compression_rate", self.min_compression_rate)
+    for name in ("warm_start", "error_feedback", "batched"):
+      check_bool("powersgd", name, getattr(self, name))
     if self.rank < 1:
       raise ValueError(f"rank={self.rank} must be >= 1")
     if self.start_iter < 0:

@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlp._util import cdiv
+from jaxlp._util import cdiv, check_bool, check_int, check_number
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -53,6 +53,10 @@ class CGX:
   elementwise_state = True
 
   def __post_init__(self):
+    check_int("cgx", "bits", self.bits)
+    check_int("cgx", "bucket_size", self.bucket_size)
+    check_bool("cgx", "stochastic", self.stochastic)
+    check_bool("cgx", "skip_incomplete", self.skip_incomplete)
     if not 1 <= self.bits <= 8:
       raise ValueError(f"bits={self.bits} must be in 1..8")
     if self.bucket_size < 1:
@@ -161,6 +165,8 @@ class QSGD:
   elementwise_state = True
 
   def __post_init__(self):
+    check_int("qsgd", "levels", self.levels)
+    check_int("qsgd", "bucket_size", self.bucket_size)
     if not 1 <= self.levels <= 127:
       raise ValueError(f"levels={self.levels} must be in 1..127")
     if self.bucket_size < 1:
@@ -243,6 +249,7 @@ class OneBit:
   elementwise_state = True
 
   def __post_init__(self):
+    check_bool("onebit", "error_feedback", self.error_feedback)
     if self.scaling not in ("mean", "pos_neg_means"):
       raise ValueError(f"scaling={self.scaling!r} must be 'mean' or 'pos_neg_means'")
 
@@ -321,6 +328,7 @@ class TBQ:
   elementwise_state = True
 
   def __post_init__(self):
+    check_number("tbq", "threshold", self.threshold)
     if not self.threshold > 0:
       raise ValueError(f"threshold={self.threshold} must be > 0")
 
@@ -392,6 +400,8 @@ class TernGrad:
   elementwise_state = True
 
   def __post_init__(self):
+    check_int("terngrad", "bits", self.bits)
+    check_number("terngrad", "clip", self.clip, none_ok=True)
     if self.variant not in ("paper", "hipress"):
       raise ValueError(f"variant={self.variant!r} must be 'paper' or 'hipress'")
     if self.variant == "hipress" and self.bits not in (1, 2, 4, 8):

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -59,6 +60,9 @@ class DGC(_Sparse):
   warmup: int = 0
 
   def __post_init__(self):
+    for name in ("ratio", "momentum", "sample_rate", "clip"):
+      check_number("dgc", name, getattr(self, name), none_ok=name in ("sample_rate", "clip"))
+    check_int("dgc", "warmup", self.warmup)
     if not 0 < self.ratio <= 1:
       raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
     if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
@@ -135,6 +139,8 @@ class GradDrop(_Sparse):
   sample_rate: float | None = 0.01
 
   def __post_init__(self):
+    check_number("graddrop", "drop_ratio", self.drop_ratio)
+    check_number("graddrop", "sample_rate", self.sample_rate, none_ok=True)
     if not 0 <= self.drop_ratio < 1:
       raise ValueError(f"drop_ratio={self.drop_ratio} must be in [0, 1)")
 
@@ -182,6 +188,8 @@ class TopK(_Sparse):
   error_feedback: bool = True
 
   def __post_init__(self):
+    check_number(type(self).__name__.lower(), "ratio", self.ratio)
+    check_bool(type(self).__name__.lower(), "error_feedback", self.error_feedback)
     if not 0 < self.ratio <= 1:
       raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
 
@@ -234,6 +242,8 @@ class RandomK:
   elementwise_state = True
 
   def __post_init__(self):
+    check_number(type(self).__name__.lower(), "ratio", self.ratio)
+    check_bool(type(self).__name__.lower(), "error_feedback", self.error_feedback)
     if not 0 < self.ratio <= 1:
       raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
 
