@@ -1,6 +1,17 @@
-"""Benchmark: jaxlp.torch.float_quantize vs QPyTorch CPU float_quantize; DLPack overhead.
+"""Benchmark: the jaxlp.torch QPyTorch drop-ins vs QPyTorch, per call (4K) and throughput (16M).
 
-Usage: python benchmarks/torch_quantize.py [--small] [--n N] [--exp 5 --man 2]
+Every public quantizing entry point of the torch bridge is timed next to its QPyTorch twin on
+the same tensors and device: ``quantize`` (vs QPyTorch ``float_quantize`` of the same format),
+``float_quantize``, ``block_quantize``, ``fixed_point_quantize``, ``quantizer`` (the function),
+``Quantizer`` (the module) and one ``OptimLP`` step (weights, gradients and momentum quantized;
+an SGD step over one parameter). Rows: a small tensor (per-call overhead, us) and a large one
+(throughput). Goals (issue 17, for CUDA tensors): >= 1.5x QPyTorch's throughput at 16M
+elements, <= 50 us per call at 4K; on the CPU the bridge must not be slower than before.
+
+Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N] [--reps R]
+
+``--device cuda`` on a machine without a CUDA device prints the table with every row
+"not measured" (and says why) instead of numbers.
 """
 
 import os as _os
@@ -15,56 +26,133 @@ import argparse
 import platform
 import time
 
-import numpy as np
 import torch
 
+EXP, MAN = 5, 2  # E5M2-like QPyTorch float
+WL_BLOCK, WL_FIXED, FL_FIXED = 8, 8, 4
 
-def _time(fn, reps):
-  fn()  # warm-up (compiles / builds)
-  ts = []
+
+def _time(fn, reps, sync, inner):
+  """Best of ``reps`` timings of ``inner`` back-to-back calls, per call, in seconds."""
+  for _ in range(3):
+    fn()  # warm-up: compiles / builds
+  sync()
+  best = float("inf")
   for _ in range(reps):
     t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
+    for _ in range(inner):
+      fn()
+    sync()
+    best = min(best, (time.perf_counter() - t0) / inner)
+  return best
+
+
+def _cases(jt, qq, x):
+  """(name, rounding, jaxlp fn, QPyTorch fn or None) for every entry point."""
+  from jaxlp.formats import qpytorch_float  # noqa: PLC0415
+
+  fmt = qpytorch_float(EXP, MAN)
+  q = qq.quant if qq else None
+  cases = []
+  for r in ("nearest", "stochastic"):
+    cases += [
+        ("quantize", r, lambda r=r: jt.quantize(x, fmt, r),
+         (lambda r=r: q.float_quantize(x, EXP, MAN, r)) if q else None),
+        ("float_quantize", r, lambda r=r: jt.float_quantize(x, EXP, MAN, r),
+         (lambda r=r: q.float_quantize(x, EXP, MAN, r)) if q else None),
+        ("block_quantize", r, lambda r=r: jt.block_quantize(x, WL_BLOCK, -1, r),
+         (lambda r=r: q.block_quantize(x, WL_BLOCK, -1, r)) if q else None),
+        ("fixed_point_quantize", r,
+         lambda r=r: jt.fixed_point_quantize(x, WL_FIXED, FL_FIXED, rounding=r),
+         (lambda r=r: q.fixed_point_quantize(x, WL_FIXED, FL_FIXED, rounding=r)) if q else None),
+    ]
+    jfn = jt.quantizer(fmt, forward_rounding=r)
+    qfn = q.quantizer(qq.FloatingPoint(EXP, MAN), forward_rounding=r) if q else None
+    cases.append(("quantizer", r, lambda f=jfn: f(x), (lambda f=qfn: f(x)) if q else None))
+    jmod = jt.Quantizer(fmt, forward_rounding=r)
+    qmod = q.Quantizer(qq.FloatingPoint(EXP, MAN), forward_rounding=r) if q else None
+    cases.append(("Quantizer", r, lambda m=jmod: m(x), (lambda m=qmod: m(x)) if q else None))
+    cases.append(("OptimLP step", r, _optim_step(jt.OptimLP, jfn, x),
+                  _optim_step(qq.optim.OptimLP, qfn, x) if q else None))
+  return cases
+
+
+def _optim_step(optim_lp, q, x):
+  """One SGD(momentum) step of a parameter shaped like ``x``, weight/grad/momentum quantized."""
+  w = torch.nn.Parameter(x.clone())
+  w.grad = x * 0.5
+  opt = optim_lp(torch.optim.SGD([w], lr=0.1, momentum=0.9), weight_quant=q, grad_quant=q,
+                 momentum_quant=q)
+
+  def step():
+    opt.step()
+  return step
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__)
-  ap.add_argument("--small", action="store_true", help="64k elements, 2 reps (smoke test)")
-  ap.add_argument("--n", type=int, default=16 * 2**20)
-  ap.add_argument("--exp", type=int, default=5)
-  ap.add_argument("--man", type=int, default=2)
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+  ap.add_argument("--small", action="store_true",
+                  help="4K and 64K elements, 2 reps (smoke test)")
+  ap.add_argument("--n", type=int, default=16 * 2**20, help="large size (default 16M)")
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--only", default=None, help="comma-separated entry points to time")
   args = ap.parse_args()
-  n, reps = (2**16, 2) if args.small else (args.n, args.reps)
+  small_n, large_n = (4096, 2**16) if args.small else (4096, args.n)
+  reps = 2 if args.small else args.reps
 
   import jax  # noqa: PLC0415
 
   import jaxlp.torch as jt  # noqa: PLC0415
   try:
-    import qtorch.quant as qq  # noqa: PLC0415
+    import qtorch  # noqa: PLC0415
+    import qtorch.optim  # noqa: F401, PLC0415
+    import qtorch.quant  # noqa: F401, PLC0415
+    qq = qtorch
   except Exception as e:  # noqa: BLE001
     qq = None
     print(f"# qtorch unavailable: {e!r}")
 
-  x = torch.randn(n)
   print(f"# {platform.node()} {platform.processor() or platform.machine()} "
         f"torch {torch.__version__} jax {jax.__version__} threads {torch.get_num_threads()} "
-        f"n={n} exp={args.exp} man={args.man} {time.strftime('%Y-%m-%d')}")
-  print("| op | rounding | jaxlp.torch (ms) | QPyTorch CPU (ms) | speed-up |")
-  print("|---|---|---|---|---|")
-  for rounding in ("nearest", "stochastic"):
-    tj = _time(lambda r=rounding: jt.float_quantize(x, args.exp, args.man, r), reps)
-    if qq is not None:
-      tq = _time(lambda r=rounding: qq.float_quantize(x, args.exp, args.man, r), reps)
-      print(f"| float_quantize | {rounding} | {tj * 1e3:.1f} | {tq * 1e3:.1f} | {tq / tj:.2f}x |")
-    else:
-      print(f"| float_quantize | {rounding} | {tj * 1e3:.1f} | n/a | n/a |")
-  trt = _time(lambda: jt.to_torch(jt.to_jax(x)), max(reps, 20))
+        f"device={args.device} {time.strftime('%Y-%m-%d')}")
+  print(f"# formats: float E{EXP}M{MAN} (QPyTorch FloatingPoint), block wl={WL_BLOCK} "
+        f"(last dim), fixed wl={WL_FIXED} fl={FL_FIXED}; per-call rows: best of {reps} x 50 "
+        "calls; throughput rows: best of reps")
+  print("| entry point | rounding | elements | jaxlp.torch | QPyTorch | speed-up | goal |")
+  print("|---|---|---|---|---|---|---|")
+  only = set(args.only.split(",")) if args.only else None
+  if args.device == "cuda" and not torch.cuda.is_available():
+    for n in (small_n, large_n):
+      for name in ("quantize", "float_quantize", "block_quantize", "fixed_point_quantize",
+                   "quantizer", "Quantizer", "OptimLP step"):
+        for r in ("nearest", "stochastic"):
+          if only is None or name in only:
+            print(f"| {name} | {r} | {n} | not measured | not measured | - | "
+                  f"{'<= 50 us' if n == small_n else '>= 1.5x'} |")
+    print("# not measured: torch.cuda.is_available() is False on this machine")
+    return
+  dev = torch.device(args.device)
+  sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+  for n in (small_n, large_n):
+    x = torch.randn(n, device=dev)
+    inner = 50 if n == small_n else 1
+    for name, r, jf, qf in _cases(jt, qq, x):
+      if only is not None and name not in only:
+        continue
+      tj = _time(jf, reps, sync, inner)
+      tq = _time(qf, reps, sync, inner) if qf is not None else None
+      unit, scale = ("us", 1e6) if n == small_n else ("ms", 1e3)
+      goal = "<= 50 us" if n == small_n else "CPU: no regression" if dev.type == "cpu" \
+          else ">= 1.5x"
+      q_s = f"{tq * scale:.1f} {unit}" if tq is not None else "n/a"
+      ratio = f"{tq / tj:.2f}x" if tq is not None else "n/a"
+      print(f"| {name} | {r} | {n} | {tj * scale:.1f} {unit} | {q_s} | {ratio} | {goal} |")
+  x = torch.randn(large_n)
+  trt = _time(lambda: jt.to_torch(jt.to_jax(x)), reps, lambda: None, 20)
   same = jt.to_torch(jt.to_jax(x)).data_ptr() == x.data_ptr()
-  print(f"| DLPack round trip torch->jax->torch | - | {trt * 1e6:.0f} us "
-        f"(zero-copy={same}) | - | - |")
+  print(f"| DLPack round trip torch->jax->torch (CPU) | - | {large_n} | {trt * 1e6:.0f} us "
+        f"(zero-copy={same}) | - | - | - |")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,28 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch", reason="the torch benchmark needs torch")
+torch = pytest.importorskip("torch", reason="the torch benchmark needs torch")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_quantize.py"), *args],
+                     capture_output=True, text=True, timeout=300, env=env, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return r.stdout
 
 
 def test_torch_bench_small():
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = dict(os.environ, PYTHONPATH=str(root))
-  r = subprocess.run([sys.executable, str(root / "benchmarks" / "torch_quantize.py"), "--small"],
-                     capture_output=True, text=True, timeout=120, env=env, check=False)
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert "| float_quantize | nearest |" in r.stdout
-  assert "zero-copy=True" in r.stdout
+  out = _run("--small", "--only", "float_quantize,OptimLP step")
+  assert "| float_quantize | nearest | 4096 |" in out
+  assert "| OptimLP step | stochastic | 65536 |" in out
+  assert "zero-copy=True" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU rows")
+def test_torch_bench_cuda_rows_say_not_measured_without_a_gpu():
+  out = _run("--small", "--device", "cuda")
+  assert "| quantize | nearest | 4096 | not measured | not measured |" in out
+  assert "torch.cuda.is_available() is False" in out
