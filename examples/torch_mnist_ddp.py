@@ -243,6 +243,29 @@ def serialized(hook):
   return wrapped
 
 
+def cpu_safe_cuda_synchronize():
+  """Make ``torch.cuda.synchronize(cpu_device)`` a no-op in this process.
+
+  PyTorch's PowerSGD hooks call ``torch.cuda.synchronize(bucket_device)`` whenever
+  ``torch.cuda.is_available()``, which raises ``ValueError: Expected a cuda device, but got:
+  cpu`` for the CPU buckets of a gloo run on a machine that has a GPU. Only CPU devices are
+  skipped; CUDA devices synchronize as before. Called by the CPU workers only.
+  """
+  import torch  # noqa: PLC0415
+
+  if not torch.cuda.is_available() or getattr(torch.cuda.synchronize, "_cpu_safe", False):
+    return
+  original = torch.cuda.synchronize
+
+  def synchronize(device=None):
+    if device is not None and torch.device(device).type == "cpu":
+      return None
+    return original(device)
+
+  synchronize._cpu_safe = True
+  torch.cuda.synchronize = synchronize
+
+
 def register_hook(model, name, args):
   """Register the communication hook of compression choice ``name`` on DDP ``model``."""
   from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
@@ -300,7 +323,9 @@ def train(rank, args, port):
   logger = get_logger(args.path, rank)
   cuda = args.device == "cuda"
   if cuda:
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank)
+  else:
+    cpu_safe_cuda_synchronize()
   dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                           rank=rank, world_size=args.nprocs,
                           timeout=datetime.timedelta(seconds=args.timeout))
@@ -410,6 +435,14 @@ def parse_args(argv=None):
       p.error(f"unknown --compression {c!r}; choose from {CHOICES}")
   if args.nprocs < 1:
     p.error("--nprocs must be >= 1")
+  if args.device == "cuda":
+    import torch  # noqa: PLC0415
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < args.nprocs:
+      p.error(f"--device cuda runs one process per GPU (NCCL, SyncBatchNorm): --nprocs "
+              f"{args.nprocs} needs {args.nprocs} GPUs, this machine has {n}; use --device cpu "
+              "(gloo) or fewer processes")
   return args
 
 
