@@ -23,12 +23,16 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.parallel import ORDERS as ORDERS
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import payload_bytes, psum
-from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
+from jaxlp.parallel._compressed import (
+  ALGORITHMS,
+  compressed_allreduce,
+  compressed_wire_bytes,
+  init_compression_state,
+)
 from jaxlp.training import _runs
-
-ORDERS = ("chain", "ring", "tree", "native")
 
 
 @dataclasses.dataclass
@@ -99,7 +103,10 @@ def grad_format(cfg: TrainConfig):
   if cfg.grad_format is not None and (cfg.grad_exp is not None or cfg.grad_man is not None):
     raise ValueError("give either --grad-format or --grad-exp/--grad-man, not both")
   if cfg.grad_format is not None:
-    f = F.get_format(cfg.grad_format)
+    try:
+      f = F.get_format(cfg.grad_format)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"--grad-format: {e}") from None
     return None if f == F.FP32 else f
   if cfg.grad_exp is None and cfg.grad_man is None:
     return None
@@ -107,13 +114,19 @@ def grad_format(cfg: TrainConfig):
     raise ValueError("--grad-exp and --grad-man must be given together")
   if (cfg.grad_exp, cfg.grad_man) == (8, 23):
     return None  # CPD: 8/23 means an ordinary fp32 all-reduce
-  return F.cpd_float(cfg.grad_exp, cfg.grad_man)
+  try:
+    return F.cpd_float(cfg.grad_exp, cfg.grad_man)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"--grad-exp {cfg.grad_exp} --grad-man {cfg.grad_man}: {e}") from None
 
 
 def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
                         min_size: int = 1024) -> int:
   """Bytes each worker sends per step for the configured gradient reduction.
 
+  Compressed runs: :func:`jaxlp.parallel.compressed_wire_bytes` with the ``--compress``
+  options (``algorithm``, ``bucket_mb``, ``min_size``, ``skip_vectors``; ``min_size`` here
+  only when the spec has none) -- the engine's own accounting of its collectives.
   Low-precision sums use :func:`jaxlp.parallel.payload_bytes` per gradient leaf (the bytes
   the implemented collectives move); fp32 is a ring all-reduce (2(W-1)/W * 4 bytes/element).
   """
@@ -124,23 +137,9 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
   leaves = jax.tree_util.tree_leaves(params)
   fp32_ring = lambda n: 2 * (W - 1) * math.ceil(n / W) * 4
   if compressor is not None:
-    # Mirrors jaxlp.parallel.compressed_allreduce: small leaves and vectors go in fp32; dense
-    # quantizers/casts use scatter-reduce-allgather (2(W-1) chunk payloads); PowerSGD
-    # all-reduces its factors; sparsifiers all-gather their payload to W-1 peers.
-    total = 0
-    for leaf in leaves:
-      n = leaf.size
-      kind = getattr(compressor, "kind", "")
-      if n < min_size or leaf.ndim <= 1 or (kind == "lowrank" and
-                                        compressor.matrix_shape(leaf.shape) is None):
-        total += fp32_ring(n)
-      elif kind in ("quantizer", "cast", "lowrank"):
-        chunk = (math.ceil(n / W),) if kind != "lowrank" else leaf.shape
-        wb = compressor.wire_bytes(chunk, leaf.dtype)
-        total += 2 * (W - 1) * (wb if kind != "lowrank" else math.ceil(wb / W))
-      else:
-        total += (W - 1) * compressor.wire_bytes(leaf.shape, leaf.dtype)
-    return int(total)
+    opts = dict(_parse_compress(cfg.compress)[1]) if cfg.compress else {}
+    opts.setdefault("min_size", min_size)
+    return compressed_wire_bytes(params, compressor, W, **opts)
   fmt = grad_format(cfg)
   if fmt is None:
     return int(sum(fp32_ring(leaf.size) for leaf in leaves))
@@ -166,7 +165,11 @@ def _policy(cfg: TrainConfig):
   # HBFPEmulator main (bfp/bfp_ops.py): activations, weights and output gradients in
   # tile x tile blocks, so the tile defines the format (the per-sample variant ignores it).
   def hbfp(man_bits):
-    return jaxlp.hbfp_policy(man_bits=man_bits, tile=tile, activations="tiled")
+    try:
+      return jaxlp.hbfp_policy(man_bits=man_bits, tile=tile, activations="tiled")
+    except (ValueError, TypeError) as e:
+      flag = f"--hbfp {cfg.hbfp}" if cfg.hbfp is not None else f"--policy {cfg.policy}"
+      raise ValueError(f"{flag} --tile {tile}: {e}") from None
 
   if cfg.hbfp is not None:
     return hbfp(cfg.hbfp)
@@ -239,16 +242,25 @@ def check_config(cfg: TrainConfig) -> None:
   if cfg.data_dir is not None and cfg.data in ("digits", "synthetic"):
     raise ValueError(f"--data-dir applies only to --data cifar10/mnist (--data {cfg.data} is "
                      "built in)")
-  if cfg.weight_man is not None and cfg.hbfp is None:
-    raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
+  if cfg.weight_man is not None:
+    if cfg.hbfp is None:
+      raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
+    try:
+      F.hbfp(cfg.weight_man, HBFP_TILE if cfg.tile is None else cfg.tile)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"--weight-man {cfg.weight_man}: {e}") from None
+  if cfg.out is None:
+    for k in ("resume", "overwrite", "migrate_pickle"):
+      if getattr(cfg, k):
+        raise ValueError(f"{_flag(k)} applies to a run folder: it needs --out")
 
 
-_REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size")
+_REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size", "skip_vectors")
 
 
 def _parse_compress(spec: str):
   """``name:key=value,key=value`` -> (compressor from jaxlp.parallel.compressors, options of
-  ``compressed_allreduce``: ``algorithm``, ``bucket_mb``, ``min_size``)."""
+  ``compressed_allreduce``: ``algorithm``, ``bucket_mb``, ``min_size``, ``skip_vectors``)."""
 
   name, _, rest = spec.partition(":")
   kwargs: dict[str, Any] = {}
@@ -269,12 +281,20 @@ def _parse_compress(spec: str):
   if factory is None or name.startswith("_"):
     raise ValueError(f"--compress: unknown compressor {name!r}")
   opts = {k: kwargs.pop(k) for k in _REDUCE_OPTS if k in kwargs}
-  if opts.get("algorithm", "auto") not in ("auto", "sra", "ring", "allgather"):
+  if opts.get("algorithm", "auto") not in ALGORITHMS:
     raise ValueError(f"--compress {spec!r}: algorithm must be auto, sra, ring or allgather")
+  if not isinstance(opts.get("skip_vectors", True), bool):
+    raise ValueError(f"--compress {spec!r}: skip_vectors must be true or false, got "
+                     f"{opts['skip_vectors']!r}")
   try:
-    return factory(**kwargs), opts
+    comp = factory(**kwargs)
   except TypeError as e:
     raise ValueError(f"--compress {spec!r}: {e}") from e
+  algs = comp.aggregation.algorithms
+  if opts.get("algorithm", "auto") not in algs:
+    raise ValueError(f"--compress {spec!r}: algorithm={opts['algorithm']} needs a dense "
+                     f"quantizer; {name} takes algorithm in {', '.join(algs)}")
+  return comp, opts
 
 
 def _check_reduce_opts(spec, opts):
@@ -346,7 +366,10 @@ class Trainer:
     self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width), **kw)
     key = jax.random.key(cfg.seed)
     init_key, self.step_key = jax.random.split(key)
-    variables = self.model.init(init_key, jnp.asarray(self.ds.x_train[:2]), train=False)
+    init = lambda k, x: self.model.init(k, x, train=False)
+    if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
+      init = jax.jit(init)
+    variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
     self.params = variables["params"]
     self.batch_stats = variables.get("batch_stats", {})
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
@@ -372,8 +395,11 @@ class Trainer:
 
       # HBFPEmulator's shell optimizer: FP32 update of a wide copy, narrow params to the model.
       tile = HBFP_TILE if cfg.tile is None else cfg.tile
-      self.tx = master_weights(self.tx, fmt=F.hbfp(cfg.hbfp, tile),
-                                wide_fmt=F.hbfp(cfg.weight_man, tile))
+      try:
+        wide = F.hbfp(cfg.weight_man, tile)
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"--weight-man {cfg.weight_man}: {e}") from None
+      self.tx = master_weights(self.tx, fmt=F.hbfp(cfg.hbfp, tile), wide_fmt=wide)
     self.opt_state = self.tx.init(self.params)
     self.comp_state = None
     if self.compressor is not None:

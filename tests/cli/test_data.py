@@ -68,3 +68,66 @@ def test_missing_files_are_clear_errors(tmp_path):
     D.load("mnist", str(tmp_path))
   with pytest.raises(ValueError, match="needs --data-dir"):
     D.load("cifar10", None)
+
+
+def _write_mnist(root, suffix="", ytr=None, n_labels=12):
+  rng = np.random.default_rng(1)
+  ytr = rng.integers(0, 10, n_labels) if ytr is None else ytr
+  for stem, arr in [("train-images-idx3-ubyte", rng.integers(0, 256, (12, 28, 28))),
+                    ("train-labels-idx1-ubyte", ytr),
+                    ("t10k-images-idx3-ubyte", rng.integers(0, 256, (4, 28, 28))),
+                    ("t10k-labels-idx1-ubyte", rng.integers(0, 10, 4))]:
+    _write_idx(os.path.join(root, stem + suffix), arr)
+
+
+def _cli_error(argv, capsys):
+  rc = main(argv)
+  err = capsys.readouterr().err
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+  return err
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "labels", "count", "shape"])
+def test_damaged_cifar_is_a_clear_error_naming_the_file(tmp_path, capsys, damage):
+  _write_cifar(str(tmp_path))
+  path = os.path.join(str(tmp_path), "cifar-10-batches-py", "data_batch_3")
+  rng = np.random.default_rng(2)
+  batch = {b"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8),
+           b"labels": list(rng.integers(0, 10, 20))}
+  if damage == "labels":
+    batch[b"labels"][5] = 10
+  elif damage == "count":
+    batch[b"labels"] = batch[b"labels"][:19]
+  elif damage == "shape":
+    batch[b"data"] = batch[b"data"][:, :3000]
+  with open(path, "wb") as f:
+    if damage == "garbage":
+      f.write(b"\x80\x04garbage")
+    elif damage != "empty":
+      pickle.dump(batch, f)
+  with pytest.raises(ValueError, match="data_batch_3"):
+    D.load("cifar10", str(tmp_path))
+  err = _cli_error(["train", "--data", "cifar10", "--data-dir", str(tmp_path), "--quiet"], capsys)
+  assert "data_batch_3" in err
+
+
+@pytest.mark.parametrize("damage", ["gzip", "labels", "count", "truncated"])
+def test_damaged_mnist_is_a_clear_error_naming_the_file(tmp_path, capsys, damage):
+  root = str(tmp_path)
+  if damage == "labels":
+    _write_mnist(root, ".gz", ytr=np.array([0, 1, 2, 11] + [0] * 8))
+  elif damage == "count":
+    _write_mnist(root, ".gz", n_labels=11)
+  else:
+    _write_mnist(root, ".gz")
+  p = os.path.join(root, "train-images-idx3-ubyte.gz")
+  if damage == "gzip":
+    open(p, "wb").write(b"\x1f\x8b\x08not really gzip")
+  elif damage == "truncated":
+    raw = gzip.open(p).read()
+    with gzip.open(p, "wb") as f:
+      f.write(raw[:-5])
+  with pytest.raises(ValueError, match="train-"):
+    D.load("mnist", root)
+  err = _cli_error(["train", "--data", "mnist", "--data-dir", root, "--quiet"], capsys)
+  assert "train-" in err and ("label" in err or "images-idx3" in err)

@@ -1,0 +1,190 @@
+"""Every flag of ``jaxlp train`` with a bad value: exit code 2, one line on stderr naming the
+flag, no traceback (issue 15). Runs the command in process (``main``), not in a subprocess."""
+
+import argparse
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlp
+from jaxlp import formats as F
+from jaxlp.cli import build_parser, main
+from jaxlp.parallel import compressors as C
+from jaxlp.training import TrainConfig, Trainer
+
+QUICK = ["--epochs", "1", "--max-steps-per-epoch", "1", "--batch-size", "16", "--nodes", "2",
+         "--quiet"]
+
+# flag -> (bad arguments, text the one-line message must contain)
+BAD = {
+    "--model": (["--model", "nope"], "--model"),
+    "--data": (["--data", "nope"], "--data"),
+    "--data-dir": (["--data-dir", "/nonexistent"], "--data-dir"),
+    "--width": (["--width", "0"], "--width"),
+    "--nodes": (["--nodes", "0"], "--nodes"),
+    "--devices": (["--devices", "-1"], "--devices"),
+    "--grad-exp": (["--grad-exp", "4.5", "--grad-man", "3"], "--grad-exp"),
+    "--grad-man": (["--grad-exp", "4", "--grad-man", "x"], "--grad-man"),
+    "--grad-format": (["--grad-format", "E9M9"], "--grad-format"),
+    "--order": (["--order", "spiral"], "--order"),
+    "--aps": (["--aps"], "--aps"),
+    "--kahan": (["--kahan=yes"], "--kahan"),
+    "--lars": (["--lars=1"], "--lars"),
+    "--compress": (["--compress", "cgx:bits=4.5"], "--compress"),
+    "--hbfp": (["--hbfp", "0"], "--hbfp"),
+    "--tile": (["--tile", "-1"], "--tile"),
+    "--weight-man": (["--weight-man", "16"], "--weight-man"),
+    "--policy": (["--policy", "fp3"], "--policy"),
+    "--epochs": (["--epochs", "0"], "--epochs"),
+    "--batch-size": (["--batch-size", "0"], "--batch-size"),
+    "--lr": (["--lr", "nan"], "--lr"),
+    "--schedule": (["--schedule", "cosine"], "--schedule"),
+    "--warmup-epochs": (["--warmup-epochs", "-1"], "--warmup-epochs"),
+    "--momentum": (["--momentum", "1.5"], "--momentum"),
+    "--weight-decay": (["--weight-decay", "-0.1"], "--weight-decay"),
+    "--seed": (["--seed", "-1"], "--seed"),
+    "--max-steps-per-epoch": (["--max-steps-per-epoch", "0"], "--max-steps-per-epoch"),
+    "--out": (["--out", "FILE"], "--out"),
+    "--resume": (["--resume", "--out", "EMPTY"], "--resume"),
+    "--overwrite": (["--overwrite=1"], "--overwrite"),
+    "--migrate-pickle": (["--migrate-pickle"], "--migrate-pickle"),
+    "--quiet": (["--quiet=no"], "--quiet"),
+}
+
+# the issue's cases beyond one per flag
+MORE = [
+    (["--epochs", "-3"], "--epochs"),
+    (["--batch-size", "2.5"], "--batch-size"),
+    (["--compress", "cgx:bucket=2.5"], "bucket_size"),
+    (["--compress", "powersgd:rank=1.5"], "rank"),
+    (["--compress", "cgx:min_size=abc"], "min_size"),
+    (["--compress", "cgx:bits=9"], "bits"),
+    (["--tile", "4"], "--tile"),  # no HBFP: the tile would be ignored
+    (["--hbfp", "8", "--weight-man", "99"], "--weight-man"),
+    (["--warmup-epochs", "1"], "--warmup-epochs"),  # constant schedule: unused
+    (["--nodes", "3", "--batch-size", "64"], "--batch-size"),
+]
+
+
+def _train_flags():
+  p = build_parser()
+  sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+  return sorted(o for a in sub.choices["train"]._actions for o in a.option_strings
+                if o.startswith("--") and o != "--help")
+
+
+def _run(argv, capsys):
+  try:
+    rc = main(argv)
+  except SystemExit as e:
+    rc = e.code
+  return rc, capsys.readouterr().err
+
+
+def _materialize(args, tmp_path):
+  f = tmp_path / "file"
+  f.write_text("not a folder")
+  (tmp_path / "empty").mkdir(exist_ok=True)
+  return [str(f) if a == "FILE" else str(tmp_path / "empty") if a == "EMPTY" else a
+          for a in args]
+
+
+def test_every_flag_is_walked():
+  assert sorted(BAD) == _train_flags()
+
+
+@pytest.mark.parametrize("args,needle", list(BAD.values()) + MORE,
+                         ids=list(BAD) + [" ".join(a) for a, _ in MORE])
+def test_bad_flag_value_is_one_line_exit_2(args, needle, capsys, tmp_path):
+  rc, err = _run(["train"] + QUICK + _materialize(args, tmp_path), capsys)
+  assert rc == 2, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxlp train: error: "), err
+  assert needle in lines[0] and "Traceback" not in err
+
+
+def test_hbfp_tile_defines_the_run():
+  """--hbfp with tiles 4 and 24 gives two different runs (the tile was ignored)."""
+  losses = []
+  for tile in (4, 24):
+    t = Trainer(TrainConfig(nodes=1, batch_size=32, hbfp=3, tile=tile, max_steps_per_epoch=1,
+                            quiet=True))
+    losses.append(t.run_epoch()["train_loss"])
+  assert losses[0] != losses[1], losses
+  # tile 0 (one exponent per tensor) is a third format; -1 is refused (test above)
+  from jaxlp.training._loop import _policy
+
+  fmts = {_policy(TrainConfig(hbfp=3, tile=tile)).lhs.fmt for tile in (0, 4, 24)}
+  assert len(fmts) == 3
+
+
+def test_width_is_used_by_every_model():
+  import jax
+
+  from jaxlp.training import build_model
+
+  n = {}
+  for model in ("mlp", "cnn"):
+    for w in (4, 16):
+      m = build_model(model, 10, width=w)
+      v = jax.eval_shape(lambda m=m: m.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1))))
+      n[model, w] = sum(x.size for x in jax.tree_util.tree_leaves(v["params"]))
+  assert n["mlp", 4] < n["mlp", 16] and n["cnn", 4] < n["cnn", 16]
+  assert n["mlp", 16] == 8 * 8 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10  # the default
+
+
+def test_nonfinite_steps_counts_a_nan_loss():
+  t = Trainer(TrainConfig(nodes=2, batch_size=32, max_steps_per_epoch=2, quiet=True))
+  t.ds.y_train[:] = 99  # out of range (loaders refuse this; the count must still see it)
+  m = t.run_epoch()
+  assert not np.isfinite(m["train_loss"]) and m["nonfinite_steps"] == 2
+
+
+def test_config_types_are_checked():
+  with pytest.raises(TypeError, match="--batch-size"):
+    Trainer(TrainConfig(batch_size=64.0))
+  with pytest.raises(TypeError, match="--aps"):
+    Trainer(TrainConfig(aps=1))
+  with pytest.raises(ValueError, match="--epochs"):
+    Trainer(TrainConfig(epochs=0))
+
+
+@pytest.mark.parametrize("factory,kw,name", [
+    (C.cgx, dict(bits=4.5), "bits"), (C.cgx, dict(bucket_size=2.5), "bucket_size"),
+    (C.cgx, dict(bits="4"), "bits"), (C.powersgd, dict(rank=1.5), "rank"),
+    (C.powersgd, dict(start_iter="0"), "start_iter"), (C.qsgd, dict(levels=3.0), "levels"),
+    (C.dgc, dict(warmup=0.5), "warmup"), (C.topk, dict(ratio="0.1"), "ratio"),
+    (C.terngrad, dict(bits=2.0), "bits"), (C.tbq, dict(threshold="1"), "threshold"),
+])
+def test_compressor_int_options_reject_floats_and_strings(factory, kw, name):
+  with pytest.raises(TypeError, match=name):
+    factory(**kw)
+
+
+def test_block_axes_out_of_range_are_errors():
+  x = jnp.ones((4, 6), jnp.float32)
+  for fmt in (F.BlockFormat(8, tile=None, axis=5), F.mx(F.E4M3FN, 2, axis=3),
+              F.mx(F.E4M3FN, 2, axis=-3)):
+    for q in (jaxlp.quantize, F.quantize):
+      with pytest.raises(ValueError, match="axis .* out of range"):
+        q(x, fmt)
+  # in range (negative too) is fine and the same as the positive spelling
+  np.testing.assert_array_equal(jaxlp.quantize(x * 3.3, F.mx(F.E4M3FN, 2, axis=-2)),
+                                jaxlp.quantize(x * 3.3, F.mx(F.E4M3FN, 2, axis=0)))
+
+
+def test_matmul_follows_quantize_dtype_rules_and_checks_axes():
+  a64, b64 = np.ones((2, 3)), np.ones((3, 2))
+  with pytest.raises(TypeError, match="float64") as e1:
+    jaxlp.matmul(a64, b64)
+  with pytest.raises(TypeError, match="float64") as e2:
+    jaxlp.quantize(a64, F.BF16)
+  assert type(e1.value) is type(e2.value)  # the same DTypeError
+  a, b = a64.astype(np.float32), b64.astype(np.float32)
+  with pytest.raises(ValueError, match="out of range"):
+    jaxlp.matmul(a, b, dimension_numbers=(((3,), (0,)), ((), ())))
+  with pytest.raises(ValueError, match="twice"):
+    jaxlp.matmul(a, b, dimension_numbers=(((1, -1), (0, 0)), ((), ())))
+  np.testing.assert_array_equal(jaxlp.matmul(a, b, dimension_numbers=(((-1,), (0,)), ((), ()))),
+                                np.full((2, 2), 3.0, np.float32))
