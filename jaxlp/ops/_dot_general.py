@@ -11,6 +11,7 @@ what autodiff of the lax op would compute on the quantized operands.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from jax import lax
 
 from jaxlp.formats._block import BlockFormat, MXFormat
 from jaxlp.formats._quantize import is_elementwise
+from jaxlp.ops import _block_dot as BD
 from jaxlp.ops._policy import FWD, GRAD, Accum, DotPolicy, Quant
 from jaxlp.ops._quantize import quantize  # kernel on a GPU where it is faster
 
@@ -117,6 +119,11 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
     (Array([2.], dtype=float32), Array([1.5], dtype=float32))
   """
   gemms = gemms or {}
+  if policy.block_dot is not None and len(gemms) != 3:
+    raise NotImplementedError(
+        f"jaxlp: block_dot={policy.block_dot!r} is implemented for jaxlp.dot_general only "
+        "(2-D operands, one contracting dimension, no batch dimensions), not for this op "
+        "(e.g. conv_general_dilated); use block_dot=None there")
   if policy.stochastic and key is None:
     raise ValueError(
         "jaxlp: the policy uses rounding='stochastic' but no key was given: pass "
@@ -219,6 +226,66 @@ def _accum_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs):
   return gemms
 
 
+def _block_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs, geo):
+  """GEMM replacements for ``policy.block_dot`` (``"exact"``: integer block dots with the
+  bits of ``jaxlp/ops/_block_dot.py``; ``"fp8"``: the fp8 fast mode)."""
+  mode = policy.block_dot
+  if mode is None:
+    return {}
+  (lc, rc), (lb, rb) = dimension_numbers
+  if not (lhs.ndim == 2 and rhs.ndim == 2 and len(lc) == 1 and len(rc) == 1 and not lb
+          and not rb):
+    raise NotImplementedError(
+        f"jaxlp.dot_general: block_dot={mode!r} supports only 2-D operands with one "
+        f"contracting dimension and no batch dimensions, got lhs.ndim={lhs.ndim}, "
+        f"rhs.ndim={rhs.ndim}, dimension_numbers={dimension_numbers}")
+  lc, rc = int(lc[0]) % 2, int(rc[0]) % 2
+  grad_shape = (lhs.shape[1 - lc], rhs.shape[1 - rc])
+  shapes = {"lhs": lhs.shape, "rhs": rhs.shape, "grad": grad_shape, "dlhs_rhs": rhs.shape,
+            "drhs_lhs": lhs.shape, "drhs_grad": grad_shape}
+  # the contraction axis of each GEMM's two operands, in the operands' stored layout
+  axes = {"fwd": (lc, rc), "dlhs": (1, 1 - rc), "drhs": (1 - lc, 0)}
+  plan = {}
+  for gemm, ((sa, qa), (sb, qb)) in policy.gemm_operands().items():
+    ax_a, ax_b = axes[gemm]
+    k = shapes[sa][ax_a]
+
+    def length(slot, q, ax, k=k):
+      if mode == "fp8" and not isinstance(q.fmt, MXFormat):
+        return k  # per-tensor scale: no blocks
+      return BD.block_length(q.fmt, shapes[slot], ax, geo[slot].axis)
+
+    g = BD.contraction_blocks(length(sa, qa, ax_a), length(sb, qb, ax_b), k)
+    if mode == "exact":
+      bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
+      BD.check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
+      plan[gemm] = functools.partial(_exact_gemm, g=g, bits=bits)
+    else:
+      plan[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt))
+  lt = lc == 0  # lhs stored as (K, M)
+  rt = rc == 1  # rhs stored as (N, K)
+
+  def canon_l(x):
+    return x.T if lt else x
+
+  def canon_r(x):
+    return x.T if rt else x
+
+  return {
+      "fwd": lambda l, r: plan["fwd"](canon_l(l), canon_r(r)),
+      "dlhs": lambda g, r: canon_l(plan["dlhs"](g, canon_r(r).T)),
+      "drhs": lambda l, g: canon_r(plan["drhs"](canon_l(l).T, g)),
+  }
+
+
+def _exact_gemm(a, b, *, g, bits):
+  return BD.block_dot(a.astype(jnp.float32), b.astype(jnp.float32), g, *bits)
+
+
+def _fp8_gemm(a, b, *, g, fmts):
+  return BD.fp8_dot(a, b, *fmts, g)
+
+
 def dot_general(policy: DotPolicy | None = None, *, key=None):
   """A ``lax.dot_general`` replacement that quantizes its GEMMs per ``policy``.
 
@@ -244,9 +311,10 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
 
   Returns:
     The dot_general callable (its ``policy`` attribute holds the policy). Calling it raises
-    ``ValueError`` if the policy is stochastic and no key was given, and
-    ``NotImplementedError`` for accumulator emulation on anything but a 2-D GEMM with one
-    contracting dimension and no batch dimensions.
+    ``ValueError`` if the policy is stochastic and no key was given (or, with
+    ``block_dot="exact"``, if a K-block is too long for an exact int32 dot), and
+    ``NotImplementedError`` for accumulator emulation or ``block_dot`` on anything but a
+    2-D GEMM with one contracting dimension and no batch dimensions.
 
   Raises:
     TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` (or None).
@@ -282,7 +350,8 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
     if policy.is_identity:
       return op(lhs, rhs)
     geo = _dot_geometry(dimension_numbers, lhs.ndim, rhs.ndim)
-    gemms = _accum_gemms(policy, dimension_numbers, lhs, rhs)
+    gemms = (_block_gemms(policy, dimension_numbers, lhs, rhs, geo) if policy.block_dot
+             else _accum_gemms(policy, dimension_numbers, lhs, rhs))
     k = default_key if key is None else key
     return quantized_bilinear(op, lhs, rhs, policy, geo, key=k, gemms=gemms)
 

@@ -27,6 +27,14 @@ and back after), as HBFPEmulator tiles them.
 ``mul`` / ``acc`` accumulator emulation (:class:`Accum`) routes a GEMM through
 ``jaxlp.ops.matmul`` (products rounded to ``mul``, running sum rounded to ``acc``).
 
+``block_dot`` says how the three GEMMs of the quantized operands are computed: None (the
+default, today's emulation: the plain float32 lax op -- fp32 products, fp32 sums in XLA's
+order), ``"exact"`` (block formats with integer significands: an exact integer dot per
+K-block, rounded once to float32, K-blocks summed in float32 in ascending order -- the same
+bits on every backend, integer tensor cores on a GPU; definition in
+``jaxlp/ops/_block_dot.py``) or ``"fp8"`` (fast, NOT bit-exact: fp8 tensor-core dots with
+power-of-two scales).
+
 Stochastic rounding keys are data, not configuration: the callables returned by
 :func:`jaxlp.ops.dot_general` / :func:`jaxlp.ops.conv_general_dilated` take ``key=`` at
 construction (a fresh key per step, e.g. from ``module.make_rng``), and each operand slot
@@ -41,6 +49,7 @@ from typing import Any
 from jaxlp._deprecation import renamed_kwargs
 from jaxlp.formats import E4M3FN, hbfp, hbfp_batched, mx
 from jaxlp.formats._quantize import FORMAT_TYPES, check_format
+from jaxlp.ops._block_dot import BLOCK_DOTS, fp8_kind, significand_bits
 
 FWD = "fwd"
 GRAD = "grad"
@@ -160,6 +169,29 @@ class DotPolicy:
     drhs_grad: output gradient in the drhs GEMM; ``"grad"`` (default) = the same quantized
       gradient as in the dlhs GEMM (one rounding, one random draw).
     fwd_acc, dlhs_acc, drhs_acc: optional :class:`Accum` accumulator emulation of each GEMM.
+    block_dot: how the GEMMs of the quantized operands are computed (all three):
+
+      * None (default): the plain float32 lax op on the quantized operands -- products
+        exact in fp32, sums rounded in fp32 in the backend's (unspecified) order.
+      * ``"exact"``: for block formats with integer significands (``BlockFormat``,
+        ``hbfp``, ``hbfp_batched``, MXINT8 ``mx("int8")``) in every operand of every GEMM:
+        K is cut into blocks both operands' blocks refine; per K-block the dot of the
+        integer significands is exact (int32), scaled by ``2**(ea + eb)`` and rounded
+        once to float32 (overflow: inf; below ``2**-126``: a signed zero); the block
+        results are summed in float32 sequentially, ascending K-block index. The same
+        bits on every backend (a pure-jnp reference on CPU; integer tensor cores on a
+        GPU). Relative to None only the rounding of sums that cross K-blocks differs
+        (within a block both are exact for HBFP8-sized blocks); measured in the README
+        ("Block formats on integer tensor cores"). Supported for 2-D ``dot_general``
+        with one contracting dimension and no batch dimensions; operands whose blocks run
+        across the contraction get K-blocks of 1 (valid, slow). Definition:
+        ``jaxlp/ops/_block_dot.py``.
+      * ``"fp8"``: fast mode for ``mx(E4M3FN/E5M2/...)`` and elementwise float formats
+        with <= 3 mantissa bits: operands cast to fp8 dtypes with per-block (MX) or
+        per-tensor power-of-two scales, one ``lax.dot_general`` on the fp8 arrays with
+        ``preferred_element_type=float32``. NOT bit-exact: GPU fp8 tensor cores (Hopper)
+        accumulate in a format narrower than fp32, so results differ from the emulation
+        (the error is measured by ``benchmarks/block_gemm.py``).
 
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.
@@ -168,8 +200,13 @@ class DotPolicy:
     TypeError: an operand slot that is not None, a format, a :class:`Quant` (or its
       allowed ``"fwd"`` / ``"grad"``), or an accumulator slot that is not None or an
       :class:`Accum`.
+    ValueError: an unknown ``block_dot``; ``block_dot`` together with accumulator
+      emulation; ``"exact"`` with an operand of some GEMM that is not a block format with
+      integer significands, or ``"fp8"`` with one that has no fp8 twin (the message
+      names the GEMM and slot).
 
   Example:
+    >>> import jax.numpy as jnp
     >>> import jaxlp
     >>> from jaxlp import formats as F
     >>> p = jaxlp.DotPolicy(lhs=F.E4M3, rhs=F.E4M3, grad=jaxlp.Quant(F.E5M2, "stochastic"))
@@ -179,6 +216,18 @@ class DotPolicy:
     ('fwd', 'grad', True)
     >>> jaxlp.DotPolicy().is_identity
     True
+    >>> # HBFP8 with exact integer block dots (K-blocks of 24). K-block 0: 1.5 * 2**23 * 0.75
+    >>> # = 9437184; K-block 1: 24 * 0.5625 = 13.5 (exact); 9437184 + 13.5 rounds once (a
+    >>> # tie, to even). Adding the 48 fp32 products one by one would give 9437208.
+    >>> p = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
+    >>> x = jnp.concatenate([jnp.array([1.5 * 2.0**23]), jnp.zeros(23), jnp.full(24, 0.75)])
+    >>> y = jaxlp.dot_general(p)(x[None], jnp.full((48, 1), 0.75), (((1,), (0,)), ((), ())))
+    >>> int(y[0, 0])
+    9437198
+    >>> jaxlp.DotPolicy(lhs=F.E4M3, rhs=F.E4M3, block_dot="exact")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    ValueError: DotPolicy: block_dot='exact' needs ... fwd GEMM's slot 'lhs' is jaxlp.formats.E4M3
   """
 
   lhs: Any = None
@@ -190,6 +239,7 @@ class DotPolicy:
   fwd_acc: Accum | None = None
   dlhs_acc: Accum | None = None
   drhs_acc: Accum | None = None
+  block_dot: str | None = None
 
   def __post_init__(self):
     for name in ("lhs", "rhs", "grad"):
@@ -199,6 +249,35 @@ class DotPolicy:
     object.__setattr__(self, "drhs_grad", _as_quant(self.drhs_grad, "drhs_grad", (GRAD,)))
     for name in ("fwd_acc", "dlhs_acc", "drhs_acc"):
       _as_accum(getattr(self, name), name)
+    self._check_block_dot()
+
+  def gemm_operands(self) -> dict[str, tuple[tuple[str, Quant | None], ...]]:
+    """GEMM name -> its two (slot, Quant or None) operands, ``"fwd"``/``"grad"`` resolved
+    to the slot whose quantized operand is reused."""
+    r_dl = ("rhs", self.rhs) if self.dlhs_rhs == FWD else ("dlhs_rhs", self.dlhs_rhs)
+    l_dr = ("lhs", self.lhs) if self.drhs_lhs == FWD else ("drhs_lhs", self.drhs_lhs)
+    g_dr = ("grad", self.grad) if self.drhs_grad == GRAD else ("drhs_grad", self.drhs_grad)
+    return {"fwd": (("lhs", self.lhs), ("rhs", self.rhs)),
+            "dlhs": (("grad", self.grad), r_dl), "drhs": (l_dr, g_dr)}
+
+  def _check_block_dot(self):
+    if self.block_dot not in BLOCK_DOTS:
+      raise ValueError(f"DotPolicy: block_dot={self.block_dot!r} not in {BLOCK_DOTS}")
+    if self.block_dot is None:
+      return
+    if any(a is not None for a in (self.fwd_acc, self.dlhs_acc, self.drhs_acc)):
+      raise ValueError(f"DotPolicy: block_dot={self.block_dot!r} and accumulator emulation "
+                       "(fwd_acc/dlhs_acc/drhs_acc) are exclusive")
+    ok = significand_bits if self.block_dot == "exact" else fp8_kind
+    need = ("a block format with integer significands (BlockFormat, hbfp, hbfp_batched, "
+            "mx('int8'))" if self.block_dot == "exact" else
+            "an mx(...) or FloatFormat with <= 3 mantissa bits (an fp8 twin)")
+    for gemm, pair in self.gemm_operands().items():
+      for slot, q in pair:
+        if q is None or ok(q.fmt) is None:
+          what = "None (float32)" if q is None else repr(q.fmt)
+          raise ValueError(f"DotPolicy: block_dot={self.block_dot!r} needs {need} in every "
+                           f"GEMM operand; the {gemm} GEMM's slot {slot!r} is {what}")
 
   def operands(self) -> dict[str, Quant | None | str]:
     """The six operand slots by name."""
@@ -220,7 +299,8 @@ class DotPolicy:
 
 
 def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sample", *,
-                weight_man_bits: int | None = None, rounding: str = "nearest") -> DotPolicy:
+                weight_man_bits: int | None = None, rounding: str = "nearest",
+                block_dot: str | None = None) -> DotPolicy:
   """HBFP (BFP dot products, FP32 elsewhere), HBFPEmulator's two versions.
 
   * ``activations="per_sample"`` (HBFPEmulator v1.0, the README/paper description): the
@@ -241,6 +321,9 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     weight_man_bits: mantissa bits of the in-op weight quantization (see above).
     rounding: ``"nearest"`` (HBFPEmulator's ``determ``) or ``"stochastic"`` (``stoc``, its
       CLI default; needs a key).
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` computes every GEMM as exact
+      integer dots per K-block (needs quantized weights: ``activations="tiled"`` or
+      ``weight_man_bits``).
 
   References:
     parsa-epfl/HBFPEmulator ``bfp/bfp_ops.py`` (``_gen_bfp_op``, v1.0 tag 69bfdde and main
@@ -251,8 +334,8 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     gradients; the backward GEMMs reuse the forward-quantized operands).
 
   Raises:
-    ValueError: an unknown ``activations``, a bad ``man_bits``/``tile``, or an unknown
-      ``rounding``.
+    ValueError: an unknown ``activations``, a bad ``man_bits``/``tile``, an unknown
+      ``rounding``, or a ``block_dot`` the operands do not allow.
 
   Example:
     >>> import jaxlp
@@ -272,12 +355,12 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     act = Quant(hbfp(man_bits, tile), rounding)
     wm = man_bits if weight_man_bits is None else weight_man_bits
     w = Quant(hbfp(wm, tile), rounding)
-  return DotPolicy(lhs=act, rhs=w, grad=act)
+  return DotPolicy(lhs=act, rhs=w, grad=act, block_dot=block_dot)
 
 
 @renamed_kwargs(elem="fmt", grad_elem="grad_fmt")
 def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
-              rounding: str = "nearest") -> DotPolicy:
+              rounding: str = "nearest", block_dot: str | None = None) -> DotPolicy:
   """OCP MX dot products: every operand of every GEMM in ``mx(fmt, block_size)``.
 
   Blocks run along the contraction axis of each operand in each GEMM, so the weights and
@@ -290,6 +373,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
     grad_fmt: element format of the output gradients (default ``fmt``; ``E5M2`` is common).
       Formerly ``grad_elem``.
     rounding: rounding of every quantization.
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` for MXINT8 (``fmt="int8"``),
+      ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
@@ -299,8 +384,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
     The :class:`DotPolicy`, with every operand slot set explicitly (no ``"fwd"`` reuse).
 
   Raises:
-    ValueError: an element format MX does not define, a bad ``block_size``, or a
-      ``rounding`` the formats do not support.
+    ValueError: an element format MX does not define, a bad ``block_size``, a
+      ``rounding`` the formats do not support, or a ``block_dot`` they do not allow.
 
   Example:
     >>> import jaxlp
@@ -313,11 +398,12 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
   """
   a = Quant(mx(fmt, block_size), rounding)
   g = Quant(mx(fmt if grad_fmt is None else grad_fmt, block_size), rounding)
-  return DotPolicy(lhs=a, rhs=a, grad=g, dlhs_rhs=a, drhs_lhs=a, drhs_grad=g)
+  return DotPolicy(lhs=a, rhs=a, grad=g, dlhs_rhs=a, drhs_lhs=a, drhs_grad=g,
+                   block_dot=block_dot)
 
 
 def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
-                 bwd_rounding: str | None = None) -> DotPolicy:
+                 bwd_rounding: str | None = None, block_dot: str | None = None) -> DotPolicy:
   """Element-wise float quantizers on the GEMM operands (QPyTorch / CPD style).
 
   Forward operands (activations and weights) are rounded to ``fwd``, the output gradient
@@ -328,6 +414,8 @@ def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
     bwd: format of the output gradient (e.g. ``E5M2``), None = FP32.
     rounding: rounding of the forward operands.
     bwd_rounding: rounding of the gradient (default ``rounding``).
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"fp8"`` runs the GEMMs as fp8 dots with
+      per-tensor scales (fast, not bit-exact; formats with <= 3 mantissa bits).
 
   References:
     Zhang et al., "QPyTorch: A Low-Precision Arithmetic Simulation Framework", 2019
@@ -338,7 +426,8 @@ def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
 
   Raises:
     TypeError: ``fwd`` or ``bwd`` is not a jaxlp format (or None).
-    ValueError: a rounding the format does not support.
+    ValueError: a rounding the format does not support, or a ``block_dot`` the formats
+      do not allow.
 
   Example:
     >>> import jax.numpy as jnp
@@ -351,4 +440,4 @@ def float_policy(fwd=None, bwd=None, *, rounding: str = "nearest",
   """
   f = None if fwd is None else Quant(fwd, rounding)
   b = None if bwd is None else Quant(bwd, rounding if bwd_rounding is None else bwd_rounding)
-  return DotPolicy(lhs=f, rhs=f, grad=b)
+  return DotPolicy(lhs=f, rhs=f, grad=b, block_dot=block_dot)

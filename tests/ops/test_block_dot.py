@@ -1,0 +1,250 @@
+"""The exact block dot (``DotPolicy(block_dot="exact")``, ``jaxlp/ops/_block_dot.py``): its
+definition checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and
+the policy wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlp
+from jaxlp import formats as F
+from jaxlp.ops import _block_dot as BD
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _bits(x):
+  return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _same(x, y):
+  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+  both_nan = np.isnan(x) & np.isnan(y)
+  return np.array_equal(np.where(both_nan, 0, _bits(x)), np.where(both_nan, 0, _bits(y)))
+
+
+def _definition(a, b, g):
+  """The bits by definition: per K-block the exact rational dot rounded once to float32
+  (numpy's correctly rounded float64 -> float32 of an exact float64), flushed below
+  2**-126; blocks summed in float32 in ascending order from the first partial (flushed);
+  NaN blocks give NaN."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  M, K = a.shape
+  N = b.shape[1]
+  out = np.zeros((M, N), np.float32)
+
+  def flush(v):
+    return np.copysign(np.float32(0), v) if abs(v) < 2.0**-126 else v
+
+  for m in range(M):
+    for n in range(N):
+      s = None
+      for b0 in range(0, K, g):
+        ks = range(b0, min(b0 + g, K))
+        if not all(np.isfinite(a[m, k]) and np.isfinite(b[k, n]) for k in ks):
+          p = np.float32(np.nan)
+        else:
+          exact = sum(Fraction(a[m, k]) * Fraction(b[k, n]) for k in ks)
+          with np.errstate(over="ignore"):
+            p = np.float32(float(exact)) if abs(exact) < 2**1000 else np.float32(
+                np.sign(exact) * np.inf)
+          p = flush(p)
+        with np.errstate(invalid="ignore", over="ignore"):
+          s = p if s is None else flush(np.float32(s + p))
+      out[m, n] = s
+  return out
+
+
+def _wide(rng, shape, spread=6.0):
+  return jnp.asarray(rng.normal(size=shape) * np.exp2(rng.normal(size=shape) * spread),
+                     jnp.float32)
+
+
+def test_scale_exact_is_correctly_rounded_and_flushed():
+  rng = np.random.default_rng(0)
+  n = np.concatenate([rng.integers(-2**31 + 1, 2**31 - 1, 4000), rng.integers(-5000, 5000, 4000),
+                      [0, 1, -1, 2**31 - 1, -(2**31 - 1), 2**24 + 1, 2**25 - 1, 3 << 24, 5, -3]])
+  q = rng.integers(-330, 260, n.size)
+  # hand-picked: a subnormal tie region, exactly 2**-126, just below it, overflow
+  q[-10:] = [-149, -149, -150, -180, 120, -170, 0, -174, -128, 260]
+  n, q = n.astype(np.int32), q.astype(np.int32)
+  got = np.asarray(jax.jit(BD.scale_exact)(jnp.asarray(n), jnp.asarray(q)))
+  with np.errstate(over="ignore"):
+    ref = (n.astype(np.float64) * np.ldexp(1.0, q.astype(np.int64))).astype(np.float32)
+  ref = np.where(np.abs(ref) < np.float32(2**-126), np.copysign(np.float32(0), ref), ref)
+  assert np.array_equal(_bits(got), _bits(ref))
+  assert np.isnan(BD.scale_exact(jnp.int32(3), jnp.int32(BD.NAN_Q)))
+  assert _bits(BD.scale_exact(jnp.int32(-1), jnp.int32(-140))) == 0x80000000  # -0.0
+
+
+@pytest.mark.parametrize("fmt,fb,bits,g", [
+    (F.hbfp(7, 24), F.hbfp(7, 24), 7, 24),
+    (F.BlockFormat(7, tile=(4, 8)), F.BlockFormat(7, tile=(8, 4)), 7, 8),
+    (F.BlockFormat(5, axis=1, block_size=16), F.BlockFormat(5, axis=0, block_size=16), 5, 16),
+    (F.hbfp(11, 8), F.hbfp(11, 8), 11, 8)], ids=["hbfp8", "tiles", "axis", "hbfp12"])
+def test_reference_is_the_definition(fmt, fb, bits, g):
+  rng = np.random.default_rng(1)
+  a = F.quantize(_wide(rng, (5, 50)), fmt)
+  b = F.quantize(_wide(rng, (50, 4)), fb)
+  ref = BD.block_dot_reference(a, b, g, bits, bits)
+  assert _same(ref, _definition(a, b, g))
+  if bits <= 7:
+    assert _same(BD.block_dot_xla_int8(a, b, g, bits, bits), ref)
+
+
+def test_mxint8_significands_and_definition():
+  rng = np.random.default_rng(2)
+  x = _wide(rng, (6, 64), 3.0)
+  x = x.at[0, :32].set(jnp.linspace(-63.97, 30.0, 32))  # -63.97 / 2**-1 -> -128
+  a = F.quantize(x, F.mx("int8", 32, axis=1))
+  b = F.quantize(_wide(rng, (64, 3), 3.0), F.mx("int8", 32, axis=0))
+  k, q = BD.split_significands(a, 32, 7)
+  assert int(k.min()) >= -128 and int(k.max()) <= 127 and int(k.min()) == -128
+  back = np.asarray(k, np.float64) * np.exp2(np.asarray(q, np.float64))[..., None]
+  assert np.array_equal(back.reshape(6, 64), np.asarray(a, np.float64))
+  ref = BD.block_dot_reference(a, b, 32, 7, 7)
+  assert _same(ref, _definition(a, b, 32))
+  assert _same(BD.block_dot_xla_int8(a, b, 32, 7, 7), ref)
+
+
+def test_range_overflow_flush_and_nan():
+  """Rows x columns of one GEMM with K-blocks of 4 (the second block is zero except in
+  row 2): overflow, a partial flushed to -0.0 (then -0 + +0 = +0), a NaN block, and a
+  tiny but normal partial."""
+  a = np.zeros((4, 8), np.float32)
+  b = np.zeros((8, 4), np.float32)
+  a[0, :4], b[:4, 0] = 2.0**100, 2.0**100  # 4 * 2**200 -> inf
+  a[1, :4], b[:4, 1] = -(2.0**-70), 2.0**-60  # -2**-128 -> -0.0
+  a[2, :], a[2, 5] = 1.0, np.inf  # the format turns block 1 of row 2 into NaN
+  a[3, :4], b[:4, 3] = 2.0**-60, 2.0**-60  # 2**-118: kept
+  a = F.quantize(jnp.asarray(a), F.BlockFormat(7, axis=1, block_size=4))
+  b = F.quantize(jnp.asarray(b), F.BlockFormat(7, axis=0, block_size=4))
+  out = np.asarray(BD.block_dot_reference(a, b, 4, 7, 7))
+  assert _same(out, _definition(a, b, 4))
+  assert out[0, 0] == np.inf and _bits(out[1, 1]) == 0 and np.isnan(out[2]).all()
+  assert out[3, 3] == np.float32(2.0**-118)
+  assert _bits(BD.scale_exact(jnp.int32(-4), jnp.int32(-130))) == 0x80000000  # -0.0
+
+
+def test_blocks_and_bounds():
+  assert BD.contraction_blocks(24, 24, 100) == 24
+  assert BD.contraction_blocks(100, 24, 100) == 24  # whole axis imposes nothing
+  assert BD.contraction_blocks(24, 16, 100) == 8
+  assert BD.contraction_blocks(1, 24, 100) == 1
+  assert BD.contraction_blocks(300, 500, 100) == 100
+  assert BD.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
+  assert BD.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
+  assert BD.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
+  assert BD.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
+  assert BD.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
+  with pytest.raises(NotImplementedError, match="2-D"):
+    BD.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
+  BD.check_exact(2**17 - 1, 7, 7)
+  with pytest.raises(ValueError, match="K-block 131072 with 7- and 7-bit"):
+    BD.check_exact(2**17, 7, 7)
+  with pytest.raises(ValueError, match="impl='nope'"):
+    BD.block_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), 2, 7, 7, impl="nope")
+
+
+def test_policy_validation():
+  with pytest.raises(ValueError, match="block_dot='fast' not in"):
+    jaxlp.DotPolicy(lhs=F.hbfp(7, 24), rhs=F.hbfp(7, 24), block_dot="fast")
+  with pytest.raises(ValueError, match="exclusive"):
+    jaxlp.DotPolicy(lhs=F.hbfp(7), rhs=F.hbfp(7), grad=F.hbfp(7), block_dot="exact",
+                    fwd_acc=jaxlp.Accum(acc=F.BF16))
+  with pytest.raises(ValueError, match="the fwd GEMM's slot 'rhs' is None"):
+    jaxlp.hbfp_policy(7, 24, block_dot="exact")  # per-sample: fp32 weights
+  with pytest.raises(ValueError, match="the dlhs GEMM's slot 'grad' is None"):
+    jaxlp.DotPolicy(lhs=F.hbfp(7), rhs=F.hbfp(7), block_dot="exact")
+  with pytest.raises(ValueError, match="fp8 twin.*slot 'lhs' is BlockFormat"):
+    jaxlp.hbfp_policy(7, 24, "tiled", block_dot="fp8")
+  with pytest.raises(ValueError, match="integer significands"):
+    jaxlp.mx_policy(F.E4M3FN, block_dot="exact")
+  p = jaxlp.mx_policy("int8", block_dot="exact")
+  assert p.block_dot == "exact" and hash(p)
+
+
+def _grads(policy, x, w, dn=DN):
+  f = jaxlp.dot_general(policy)
+  return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w, dn))),
+                                    argnums=(0, 1)))(x, w)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["xw", "xTwT"])
+def test_dot_general_exact_gemms(transpose):
+  """fwd, dlhs and drhs go through the block dot with the forward-quantized operands and
+  the quantized gradient (hbfp tiles: K-blocks of 24 in all three GEMMs)."""
+  rng = np.random.default_rng(3)
+  x, w = _wide(rng, (30, 50), 2.0), _wide(rng, (50, 20), 2.0)
+  fmt = F.hbfp(7, 24)
+  policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
+  xq, wq = F.quantize(x, fmt), F.quantize(w, fmt)
+  dn = DN
+  xa, wa = x, w
+  if transpose:
+    xa, wa, dn = x.T, w.T, (((0,), (1,)), ((), ()))
+    xq, wq = F.quantize(x.T, fmt).T, F.quantize(w.T, fmt).T
+  y = BD.block_dot_reference(xq, wq, 24, 7, 7)
+  out = jax.jit(lambda x, w: jaxlp.dot_general(policy)(x, w, dn))(xa, wa)
+  assert _same(out, y)
+  (_, (gx, gw)) = _grads(policy, xa, wa, dn)
+  gq = F.quantize(jnp.cos(y), fmt)
+  dx = BD.block_dot_reference(gq, wq.T, 24, 7, 7)
+  dw = BD.block_dot_reference(xq.T, gq, 24, 7, 7)
+  assert _same(gx, dx.T if transpose else dx)
+  assert _same(gw, dw.T if transpose else dw)
+
+
+def test_dot_general_mxint8_requantizes_along_each_contraction():
+  rng = np.random.default_rng(4)
+  x, w = _wide(rng, (16, 64), 2.0), _wide(rng, (64, 40), 2.0)
+  policy = jaxlp.mx_policy("int8", 32, block_dot="exact")
+  (v, (gx, gw)) = _grads(policy, x, w)
+  y = BD.block_dot_reference(F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
+                             32, 7, 7)
+  assert _same(v, jnp.sum(jnp.sin(y)))
+  g = jnp.cos(y)
+  dx = BD.block_dot_reference(F.quantize(g, F.mx("int8", 32, 1)),
+                              F.quantize(w, F.mx("int8", 32, 1)).T, 32, 7, 7)
+  dw = BD.block_dot_reference(F.quantize(x, F.mx("int8", 32, 0)).T,
+                              F.quantize(g, F.mx("int8", 32, 0)), 16, 7, 7)  # M=16: one block
+  assert _same(gx, dx) and _same(gw, dw)
+
+
+def test_exact_differs_from_emulation_only_in_rounding():
+  rng = np.random.default_rng(5)
+  x, w = _wide(rng, (64, 480), 4.0), _wide(rng, (480, 32), 4.0)
+  exact, emu = (jax.jit(jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot=m)),
+                        static_argnums=2)(x, w, DN) for m in ("exact", None))
+  rel = np.abs(np.asarray(exact) - np.asarray(emu)) / np.abs(np.asarray(emu)).max()
+  assert rel.max() < 1e-5
+
+
+def test_unsupported_ops_refuse():
+  policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
+  with pytest.raises(NotImplementedError, match="block_dot='exact' supports only 2-D"):
+    jaxlp.dot_general(policy)(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), (((2,), (0,)), ((), ())))
+  conv = jaxlp.conv_general_dilated(policy)
+  with pytest.raises(NotImplementedError, match="dot_general only"):
+    conv(jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID")
+  wide = jaxlp.hbfp_policy(15, 0, "tiled", block_dot="exact")
+  with pytest.raises(ValueError, match="fwd GEMM"):
+    jaxlp.dot_general(wide)(jnp.ones((2, 8)), jnp.ones((8, 2)), DN)
+
+
+def test_fp8_mode_is_close_and_differentiable():
+  rng = np.random.default_rng(6)
+  x, w = _wide(rng, (16, 64), 1.0), _wide(rng, (64, 8), 1.0)
+  policy = jaxlp.mx_policy(F.E4M3FN, 32, grad_fmt=F.E5M2, block_dot="fp8")
+  (v8, (gx8, gw8)) = _grads(policy, x, w)
+  (v, (gx, gw)) = _grads(jaxlp.mx_policy(F.E4M3FN, 32, grad_fmt=F.E5M2), x, w)
+  for a, b in ((v8, v), (gx8, gx), (gw8, gw)):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+  # float policy: per-tensor scales (forward only)
+  y8, y = (jax.jit(jaxlp.dot_general(jaxlp.float_policy(F.E4M3, F.E5M2, block_dot=m)),
+                   static_argnums=2)(x, w, DN) for m in ("fp8", None))
+  np.testing.assert_allclose(y8, y, rtol=1e-5, atol=1e-5 * float(jnp.abs(y).max()))
