@@ -21,6 +21,7 @@ import jaxlp
 from jaxlp import formats as F
 from jaxlp.formats._quantize import FORMAT_TYPES
 from jaxlp.pallas import _gemm as G
+from jaxlp.pallas._block_gemm import block_gemm
 from jaxlp.pallas._matmul import matmul as kernel_matmul
 from jaxlp.pallas._quantize import quantize as kernel_quantize
 from jaxlp.pallas._quantize import supports
@@ -117,6 +118,32 @@ def test_matmul_kernel_lowers_for_cuda(alg, acc, mul, rounding):
   _assert_clean(mods, f"matmul {alg} acc={acc} mul={mul} {rounding}")
 
 
+@pytest.mark.parametrize("g,bits", [(24, (7, 7)), (32, (7, 7)), (1, (6, 7)), (96, (7, 5))],
+                         ids=["hbfp8", "mxint8", "g1", "whole"])
+def test_block_gemm_kernel_lowers_for_cuda(g, bits):
+  """The exact block GEMM (int8 x int8 -> int32 dots, exact scaling) on (100, 96) x (96, 70)."""
+  a = jax.ShapeDtypeStruct((100, 96), jnp.float32)
+  b = jax.ShapeDtypeStruct((96, 70), jnp.float32)
+  _, mods = lower_for_cuda(lambda a, b: block_gemm(a, b, g, *bits), a, b)
+  _assert_clean(mods, f"block_gemm g={g} bits={bits}")
+  assert "tt.dot" in mods[0]
+
+
+def test_exact_block_dot_policy_dispatches_to_the_kernel_for_cuda():
+  """``DotPolicy(block_dot="exact")`` under value_and_grad: fwd, dlhs and drhs GEMMs all
+  lower to the block GEMM kernel on CUDA."""
+  dot = jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact"))
+
+  def loss(x, w):
+    return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
+
+  x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
+  w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
+  _, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  _assert_clean(mods, "dot_general block_dot='exact'")
+  assert kernel_names(mods).count("jaxlp_block_gemm") == 3
+
+
 def test_every_pallas_call_site_is_lowered():
   """Each ``pallas_call(..., name=...)`` in the package is one of the kernels lowered above
   (a new kernel must be added to this file)."""
@@ -137,6 +164,8 @@ def test_every_pallas_call_site_is_lowered():
                           chunk=32 if alg == "chunked" else None)
     lowered |= set(kernel_names(lower_for_cuda(f, x, jax.ShapeDtypeStruct(SHAPE[::-1],
                                                                          jnp.float32))[1]))
+  lowered |= set(kernel_names(lower_for_cuda(lambda a, b: block_gemm(a, b, 24, 7, 7), x,
+                                             jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
   assert sites
   for site in sites:
     pattern = re.escape(site).replace(r"\{", "{").replace(r"\}", "}")

@@ -28,6 +28,7 @@ from jaxlp import formats as F  # noqa: E402
 
 PQ = importlib.import_module("jaxlp.pallas._quantize")
 PM = importlib.import_module("jaxlp.pallas._matmul")
+PB = importlib.import_module("jaxlp.pallas._block_gemm")
 
 KEY = jax.random.key(0)
 SQUARE = jax.ShapeDtypeStruct((256, 256), jnp.float32)
@@ -71,6 +72,10 @@ KERNELS = [
     ("matmul-chunked-accBF16-chunk32",
      lambda a, b: PM.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=32),
      (SQUARE, SQUARE), 4, 1),
+    # exact block GEMM (DotPolicy(block_dot="exact")): int8 wgmma, K-blocks of 24 / 32 / 1
+    ("block_gemm-hbfp8-g24", lambda a, b: PB.block_gemm(a, b, 24, 7, 7), (SQUARE, SQUARE), 4, 1),
+    ("block_gemm-mxint8-g32", lambda a, b: PB.block_gemm(a, b, 32, 7, 7), (SQUARE, SQUARE), 4, 1),
+    ("block_gemm-g1", lambda a, b: PB.block_gemm(a, b, 1, 7, 7), (SQUARE, SQUARE), 4, 1),
 ]
 
 

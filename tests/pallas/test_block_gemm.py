@@ -1,0 +1,52 @@
+"""The Pallas block GEMM (``jaxlp/pallas/_block_gemm.py``) in interpret mode gives the bits of
+the reference ``block_dot_reference`` (``jaxlp/ops/_block_dot.py``)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlp import formats as F
+from jaxlp.ops import _block_dot as BD
+from jaxlp.pallas._block_gemm import block_gemm
+
+
+def _wide(rng, shape, spread=4.0):
+  return jnp.asarray(rng.normal(size=shape) * np.exp2(rng.normal(size=shape) * spread),
+                     jnp.float32)
+
+
+def _same(x, y):
+  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+  nan = np.isnan(x) & np.isnan(y)
+  return np.array_equal(np.where(nan, 0, x.view(np.uint32)), np.where(nan, 0, y.view(np.uint32)))
+
+
+@pytest.mark.parametrize("fa,fb,g,shape", [
+    (F.hbfp(7, 24), F.hbfp(7, 24), 24, (20, 70, 12)),  # partial tiles and K-block
+    (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32, (17, 64, 33)),
+    (F.hbfp_batched(7), F.hbfp_batched(7), 1, (9, 5, 18)),  # K-blocks of 1 (per sample)
+    (F.BlockFormat(6, axis=1), F.BlockFormat(7, axis=0), 40, (8, 40, 8)),  # one block
+], ids=["hbfp8", "mxint8", "g1", "whole"])
+def test_interpret_matches_reference(fa, fb, g, shape):
+  M, K, N = shape
+  rng = np.random.default_rng(0)
+  x = _wide(rng, (M, K))
+  tiled = fa.tile is not None if isinstance(fa, F.BlockFormat) else False
+  if g > 1:
+    x = x.at[2, :].set(2.0**90)  # an overflowing row
+    if not tiled:  # (in a tile, a NaN would spread to every row of the tile)
+      x = x.at[1, 3].set(jnp.inf)  # a NaN block
+  a = F.quantize(x, fa)
+  b = F.quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
+  ba, bb = BD.significand_bits(fa), BD.significand_bits(fb)
+  ref = BD.block_dot_reference(a, b, g, ba, bb)
+  out = block_gemm(a, b, g, ba, bb, interpret=True)
+  assert _same(out, ref)
+  if g > 1:
+    assert np.isinf(np.asarray(out)[2]).any()
+    assert tiled or np.isnan(np.asarray(out)[1]).all()
+
+
+def test_rejects_wide_significands():
+  with pytest.raises(ValueError, match="<= 7 bits"):
+    block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 11, 7, interpret=True)
