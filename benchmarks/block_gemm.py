@@ -1,0 +1,199 @@
+"""Block formats on integer tensor cores (issue 18): speed and bits of the block GEMM paths.
+
+GEMM (M = N = K = ``--size``, jitted, median of ``--repeats`` after a compile call):
+
+* HBFP8 (``hbfp(7, 24)``) and MXINT8 (``mx("int8", 32)``) operands: today's emulation (fp32
+  ``dot`` of the quantized values, ``precision=HIGHEST``), the exact reference
+  (``block_dot_reference``: int32 dot per K-block in a scan), the XLA int8 formulation
+  (``block_dot_xla_int8``), with the ulp difference exact vs emulation;
+* MXFP8 (``mx(E4M3FN, 32)``) and float E4M3 (per-tensor): the fp8 fast mode
+  (``fp8_dot``) vs the emulation, with its error against the emulation.
+
+Layers: the digits MLP of ``jaxlp.training`` (64-128-128-10, batch 128), HBFP8 tiled and
+MXINT8 policies: ``block_dot="exact"`` vs the emulation, ulp differences of the logits and of
+one training step's gradients (softmax cross-entropy).
+
+GPU rows are printed as "not measured" unless the run is on a GPU (the Pallas kernel is timed
+only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--repeats R]
+[--skip-layers] [--json F]
+"""
+
+from __future__ import annotations
+
+import os as _os
+import sys as _sys
+
+# This folder holds a script named like a module that jax's dependencies import
+# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxlp
+from jaxlp import formats as F
+from jaxlp.ops import _block_dot as BD
+
+
+def ulps(x, y):
+  """|x - y| in float32 ulps (distance of the ordered bit patterns); NaN pairs count 0."""
+  def ordered(v):
+    b = np.asarray(v, np.float32).view(np.int32).astype(np.int64)
+    return np.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+  d = np.abs(ordered(x) - ordered(y))
+  return np.where(np.isnan(x) & np.isnan(y), 0, d)
+
+
+def timed(fn, *args, repeats=5):
+  out = jax.block_until_ready(fn(*args))  # compile
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return statistics.median(times), out
+
+
+def emulation(a, b):
+  return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def gemm_rows(size, repeats, on_gpu):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
+  flops = 2 * size**3
+  rows = []
+
+  def row(case, path, seconds, bits_note):
+    rows.append(dict(case=case, path=path, ms=None if seconds is None else seconds * 1e3,
+                     gflops=None if seconds is None else flops / seconds / 1e9, bits=bits_note))
+
+  emu = jax.jit(emulation)
+  for case, fa, fb, g, bits in (
+      ("HBFP8 hbfp(7,24)", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7),
+      ("MXINT8 mx(int8,32)", F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32, 7)):
+    a, b = F.quantize(x, fa), F.quantize(w, fb)
+    t_emu, y_emu = timed(emu, a, b, repeats=repeats)
+    ref = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_reference(a, b, g, bits, bits))
+    x8 = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_xla_int8(a, b, g, bits, bits))
+    t_ref, y_ref = timed(ref, a, b, repeats=repeats)
+    t_x8, y_x8 = timed(x8, a, b, repeats=repeats)
+    u = ulps(y_ref, y_emu)
+    same = "same bits as reference" if np.array_equal(
+        np.asarray(y_x8).view(np.uint32), np.asarray(y_ref).view(np.uint32)) else "DIFFERENT"
+    row(case, "emulation (fp32 dot, HIGHEST)", t_emu,
+        f"vs exact: max {u.max()} ulp, mean {u.mean():.3f} ulp, {np.mean(u > 0):.1%} differ")
+    row(case, "exact: reference (int32 dot per K-block, scan)", t_ref, "defines the bits")
+    row(case, "exact: XLA int8 dot (batched over K-blocks)", t_x8, same)
+    if on_gpu:
+      pk = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_pallas(a, b, g, bits, bits))
+      t_pk, y_pk = timed(pk, a, b, repeats=repeats)
+      same = "same bits as reference" if np.array_equal(
+          np.asarray(y_pk).view(np.uint32), np.asarray(y_ref).view(np.uint32)) else "DIFFERENT"
+      row(case, "exact: Pallas int8 kernel", t_pk, same)
+    else:
+      row(case, "exact: Pallas int8 kernel (GPU)", None, "not measured (no GPU)")
+
+  for case, fa, fb, g in (
+      ("MXFP8 mx(E4M3FN,32)", F.mx(F.E4M3FN, 32, 1), F.mx(F.E4M3FN, 32, 0), 32),
+      ("float E4M3 (per-tensor)", F.E4M3, F.E4M3, None)):
+    a, b = F.quantize(x, fa), F.quantize(w, fb)
+    t_emu, y_emu = timed(emu, a, b, repeats=repeats)
+    fp8 = jax.jit(lambda a, b, fa=fa, fb=fb, g=g: BD.fp8_dot(a, b, fa, fb, g))
+    t_8, y_8 = timed(fp8, a, b, repeats=repeats)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    scale = np.abs(exact).max()
+    e_emu = np.abs(np.asarray(y_emu, np.float64) - exact).max() / scale
+    e_8 = np.abs(np.asarray(y_8, np.float64) - exact).max() / scale
+    u = ulps(y_8, y_emu)
+    row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max|C| {e_emu:.2e}")
+    row(case, "fp8 fast mode (fp8 dot, fp32 out)", t_8,
+        f"max err / max|C| {e_8:.2e}; vs emulation max {u.max()} ulp, mean {u.mean():.2f}")
+    if not on_gpu:
+      row(case, "fp8 fast mode on GPU tensor cores", None, "not measured (no GPU)")
+  return rows
+
+
+def layer_rows(batch):
+  """The digits MLP: exact block dots vs emulation, logits and one step's gradients."""
+  import optax
+
+  from jaxlp.training import build_model, load_dataset
+
+  d = load_dataset("digits")
+  x = jnp.asarray(d.x_train[:batch], jnp.float32)
+  y = jnp.asarray(d.y_train[:batch])
+  out = []
+  for name, policy in (("HBFP8 tiled hbfp(7,24)", jaxlp.hbfp_policy(7, 24, "tiled")),
+                       ("MXINT8 mx(int8,32)", jaxlp.mx_policy("int8", 32))):
+    params = build_model("mlp", 10).init(jax.random.key(0), x)
+    res = {}
+    for mode in (None, "exact"):
+      p = jaxlp.ops.DotPolicy(**{**{k: getattr(policy, k) for k in (
+          "lhs", "rhs", "grad", "dlhs_rhs", "drhs_lhs", "drhs_grad")}, "block_dot": mode})
+      model = build_model("mlp", 10, dot_general=jaxlp.dot_general(p))
+
+      def loss(params, model=model):
+        logits = model.apply(params, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+
+      (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+      res[mode] = (logits, jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(grads)]))
+    ul = ulps(res["exact"][0], res[None][0])
+    ug = ulps(res["exact"][1], res[None][1])
+    rel = float(jnp.max(jnp.abs(res["exact"][1] - res[None][1])) / jnp.max(jnp.abs(res[None][1])))
+    def summary(u):
+      return f"max {u.max()} ulp, mean {u.mean():.3f}, {np.mean(u > 0):.1%} differ"
+
+    out.append(dict(case=f"digits MLP, {name}, batch {batch}", logits=summary(ul),
+                    grads=f"{summary(ug)}, max |diff| / max |grad| {rel:.1e}"))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--small", action="store_true", help="tiny sizes (CI smoke test)")
+  ap.add_argument("--size", type=int, default=None, help="GEMM size M = N = K (default 512)")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--skip-layers", action="store_true")
+  ap.add_argument("--json", default=None, help="write the rows to this file")
+  args = ap.parse_args(argv)
+  size = args.size or (64 if args.small else 512)
+  if size < 1 or args.repeats < 1:
+    ap.error("--size and --repeats must be positive")
+  on_gpu = jax.default_backend() == "gpu"
+  dev = jax.devices()[0]
+  print(f"# block GEMM paths: {platform.processor() or platform.machine()}, "
+        f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"{size}^3, median of {args.repeats}")
+  rows = gemm_rows(size, args.repeats, on_gpu)
+  print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
+  for r in rows:
+    ms = "not measured" if r["ms"] is None else f"{r['ms']:.2f}"
+    gf = "not measured" if r["gflops"] is None else f"{r['gflops']:.2f}"
+    print(f"| {r['case']} | {r['path']} | {ms} | {gf} | {r['bits']} |")
+  layers = []
+  if not args.skip_layers:
+    layers = layer_rows(16 if args.small else 128)
+    print("\n| layer | logits: exact vs emulation | grads: exact vs emulation |\n|---|---|---|")
+    for r in layers:
+      print(f"| {r['case']} | {r['logits']} | {r['grads']} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(size=size, gemm=rows, layers=layers), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,20 @@
+"""Smoke test of benchmarks/block_gemm.py --small (GEMM paths only, one repeat)."""
+
+import json
+import pathlib
+import runpy
+
+
+def test_block_gemm_bench_small(capsys, tmp_path):
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "block_gemm.py"
+  mod = runpy.run_path(str(path))
+  out_json = tmp_path / "rows.json"
+  mod["main"](["--small", "--size", "48", "--repeats", "1", "--skip-layers",
+               "--json", str(out_json)])
+  out = capsys.readouterr().out
+  assert out.count("same bits as reference") == 2  # XLA int8 = reference (HBFP8, MXINT8)
+  assert "| HBFP8 hbfp(7,24) | exact: reference" in out
+  assert "fp8 fast mode (fp8 dot, fp32 out)" in out
+  rows = json.loads(out_json.read_text())["gemm"]
+  assert all(r["ms"] is None or r["ms"] > 0 for r in rows)
+  assert any(r["ms"] is None and "not measured" in r["bits"] for r in rows)  # no GPU here
