@@ -2,10 +2,11 @@
 
 GEMM (M = N = K = ``--size``, jitted, median of ``--repeats`` after a compile call):
 
-* HBFP8 (``hbfp(7, 24)``) and MXINT8 (``mx("int8", 32)``) operands: today's emulation (fp32
-  ``dot`` of the quantized values, ``precision=HIGHEST``), the exact reference
-  (``block_dot_reference``: int32 dot per K-block in a scan), the XLA int8 formulation
-  (``block_dot_xla_int8``), with the ulp difference exact vs emulation;
+* HBFP8 (``hbfp(7, 24)``; N(0, 1) data, and an lhs whose K-blocks are scaled by
+  ``2**U{-12..12}``) and MXINT8 (``mx("int8", 32)``)
+  operands: today's emulation (fp32 ``dot`` of the quantized values, ``precision=HIGHEST``),
+  the exact reference (``block_dot_reference``: int32 dot per K-block in a scan), the XLA
+  int8 formulation (``block_dot_xla_int8``), with the ulp difference exact vs emulation;
 * MXFP8 (``mx(E4M3FN, 32)``) and float E4M3 (per-tensor): the fp8 fast mode
   (``fp8_dot``) vs the emulation, with its error against the emulation.
 
@@ -80,11 +81,18 @@ def gemm_rows(size, repeats, on_gpu):
     rows.append(dict(case=case, path=path, ms=None if seconds is None else seconds * 1e3,
                      gflops=None if seconds is None else flops / seconds / 1e9, bits=bits_note))
 
+  # wide range: every K-block of 24 columns scaled by 2**U{-12..12}, so that the block
+  # exponents differ and sums crossing K-blocks round (on N(0, 1) data, and even with
+  # per-element spreads, every partial sum fits in 24 bits: exact == emulation)
+  spread = jnp.asarray(np.repeat(np.exp2(rng.integers(-12, 13, size=size // 24 + 1)), 24)[:size],
+                       jnp.float32)
   emu = jax.jit(emulation)
-  for case, fa, fb, g, bits in (
-      ("HBFP8 hbfp(7,24)", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7),
-      ("MXINT8 mx(int8,32)", F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32, 7)):
-    a, b = F.quantize(x, fa), F.quantize(w, fb)
+  for case, fa, fb, g, bits, xx in (
+      ("HBFP8 hbfp(7,24)", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7, x),
+      ("HBFP8 hbfp(7,24), K-blocks scaled 2^U{-12..12}", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7,
+       x * spread),
+      ("MXINT8 mx(int8,32)", F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32, 7, x)):
+    a, b = F.quantize(xx, fa), F.quantize(w, fb)
     t_emu, y_emu = timed(emu, a, b, repeats=repeats)
     ref = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_reference(a, b, g, bits, bits))
     x8 = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_xla_int8(a, b, g, bits, bits))

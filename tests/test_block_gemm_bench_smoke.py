@@ -12,7 +12,7 @@ def test_block_gemm_bench_small(capsys, tmp_path):
   mod["main"](["--small", "--size", "48", "--repeats", "1", "--skip-layers",
                "--json", str(out_json)])
   out = capsys.readouterr().out
-  assert out.count("same bits as reference") == 2  # XLA int8 = reference (HBFP8, MXINT8)
+  assert out.count("same bits as reference") == 3  # XLA int8 = reference (HBFP8 x2, MXINT8)
   assert "| HBFP8 hbfp(7,24) | exact: reference" in out
   assert "fp8 fast mode (fp8 dot, fp32 out)" in out
   rows = json.loads(out_json.read_text())["gemm"]

@@ -215,12 +215,23 @@ def test_dot_general_mxint8_requantizes_along_each_contraction():
 
 
 def test_exact_differs_from_emulation_only_in_rounding():
+  """K-blocks scaled by 2**U{-12..12}: sums crossing blocks round, so exact and emulation
+  differ (in the last bits) -- and exact is the definition computed in float64."""
   rng = np.random.default_rng(5)
-  x, w = _wide(rng, (64, 480), 4.0), _wide(rng, (480, 32), 4.0)
+  scale = np.repeat(np.exp2(rng.integers(-12, 13, size=20)), 24)
+  x = jnp.asarray(rng.normal(size=(64, 480)) * scale, jnp.float32)
+  w = jnp.asarray(rng.normal(size=(480, 32)), jnp.float32)
   exact, emu = (jax.jit(jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot=m)),
                         static_argnums=2)(x, w, DN) for m in ("exact", None))
-  rel = np.abs(np.asarray(exact) - np.asarray(emu)) / np.abs(np.asarray(emu)).max()
-  assert rel.max() < 1e-5
+  exact, emu = np.asarray(exact), np.asarray(emu)
+  assert 0 < np.mean(exact != emu) and np.abs(exact - emu).max() < 1e-5 * np.abs(emu).max()
+  fmt = F.hbfp(7, 24)
+  a, b = np.asarray(F.quantize(x, fmt), np.float64), np.asarray(F.quantize(w, fmt), np.float64)
+  blocks = [a[:, i:i + 24] @ b[i:i + 24] for i in range(0, 480, 24)]  # exact: <= 2**24 terms
+  s = blocks[0].astype(np.float32)
+  for p in blocks[1:]:
+    s = (s + p.astype(np.float32)).astype(np.float32)
+  assert np.array_equal(s, exact)
 
 
 def test_unsupported_ops_refuse():
