@@ -78,11 +78,23 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
     shifts = jnp.arange(per, dtype=jnp.uint32) * bits
     words = jnp.sum(codes.reshape(nbytes, per) << shifts[None, :], axis=1, dtype=jnp.uint32)
     return words.astype(jnp.uint8)
-  stream = (codes[:, None] >> jnp.arange(bits, dtype=jnp.uint32)[None, :]) & 1
-  stream = jnp.pad(stream.reshape(-1), (0, nbytes * 8 - n * bits))
-  words = jnp.sum(stream.reshape(nbytes, 8) << jnp.arange(8, dtype=jnp.uint32)[None, :], axis=1,
-                  dtype=jnp.uint32)
-  return words.astype(jnp.uint8)
+  # 8 codes fill ``bits`` bytes exactly: byte j of a group ORs the (at most 2) codes whose
+  # stream bits overlap [8j, 8j + 8), shifted into place (no per-bit temporaries); the bytes
+  # are placed by selects (a stack of columns lowers to a slow interleaving copy on XLA:CPU).
+  groups = -(-n // 8)
+  g = jnp.pad(codes, (0, 8 * groups - n)).reshape(groups, 8)
+  col = lax.broadcasted_iota(jnp.int32, (groups, bits), 1)
+  out = jnp.zeros((groups, bits), jnp.uint32)
+  for j in range(bits):
+    byte = None
+    for i in range(8):
+      lo = i * bits - 8 * j  # position of code i's bit 0 relative to byte j's bit 0
+      if lo >= 8 or lo + bits <= 0:
+        continue
+      part = g[:, i] << jnp.uint32(lo) if lo >= 0 else g[:, i] >> jnp.uint32(-lo)
+      byte = part if byte is None else byte | part
+    out = jnp.where(col == j, byte[:, None], out)
+  return (out & jnp.uint32(0xFF)).reshape(-1)[:nbytes].astype(jnp.uint8)
 
 
 def unpack_bits(packed, bits: int, n: int):
@@ -103,15 +115,26 @@ def unpack_bits(packed, bits: int, n: int):
     >>> compressors.unpack_bits(packed, 3, 3)
     Array([5, 7, 1], dtype=uint32)
   """
-  packed = packed.astype(jnp.uint32)
+  packed = jnp.ravel(packed).astype(jnp.uint32)
+  mask = jnp.uint32((1 << bits) - 1)
   if 8 % bits == 0:
     per = 8 // bits
     shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    codes = (packed[:, None] >> shifts[None, :]) & ((1 << bits) - 1)
+    codes = (packed[:, None] >> shifts[None, :]) & mask
     return codes.reshape(-1)[:n]
-  stream = ((packed[:, None] >> jnp.arange(8, dtype=jnp.uint32)[None, :]) & 1).reshape(-1)
-  stream = stream[:n * bits].reshape(n, bits)
-  return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32)[None, :], axis=1, dtype=jnp.uint32)
+  # Groups of ``bits`` bytes hold 8 codes; code i is read from the 16-bit window of the two
+  # bytes it overlaps and placed by a select (see pack_bits).
+  groups = -(-n // 8)
+  have = min(packed.shape[0], groups * bits)
+  b = jnp.pad(packed[:have], (0, groups * bits - have)).reshape(groups, bits)
+  b = jnp.concatenate([b, jnp.zeros((groups, 1), jnp.uint32)], axis=1)
+  col = lax.broadcasted_iota(jnp.int32, (groups, 8), 1)
+  out = jnp.zeros((groups, 8), jnp.uint32)
+  for i in range(8):
+    j, off = divmod(i * bits, 8)
+    code = (b[:, j] | (b[:, j + 1] << jnp.uint32(8))) >> jnp.uint32(off)
+    out = jnp.where(col == i, code[:, None], out)
+  return (out & mask).reshape(-1)[:n]
 
 
 def no_fma(x):
@@ -166,9 +189,53 @@ def payload_nbytes(payload) -> int:
                  for a in jax.tree_util.tree_leaves(payload)))
 
 
+def _rotl(x, r: int):
+  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+
+
+def _threefry2x32(k0, k1, x0, x1):
+  """Threefry-2x32 with 20 rounds (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2,
+  3", SC 2011), the rounds unrolled. JAX's own CPU lowering runs them in a ``fori_loop`` (to
+  save compile time), which materialises both words 5 times: about 15x slower here."""
+  rot = ((13, 15, 26, 6), (17, 29, 16, 24))
+  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+  x0 = x0 + ks[0]
+  x1 = x1 + ks[1]
+  for i in range(5):
+    for r in rot[i % 2]:
+      x0 = x0 + x1
+      x1 = x0 ^ _rotl(x1, r)
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+  return x0, x1
+
+
+def random_bits32(key, shape):
+  """``jax.random.bits(key, shape, jnp.uint32)``, the same bits, computed faster on CPU.
+
+  For a Threefry-2x32 key with ``jax_threefry_partitionable`` on (the default), JAX's bits are
+  ``threefry2x32(key, (hi, lo))`` of the 64-bit row-major element index, the two output words
+  XOR-ed; this evaluates that hash with the rounds unrolled (one fused loop). Any other key
+  implementation, the non-partitionable scheme or more than ``2**32`` elements go to
+  ``jax.random.bits`` itself.
+  """
+  shape = tuple(shape)
+  n = numel(shape)
+  typed = jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key)
+  impl = str(jax.random.key_impl(key)) if typed else str(jax.config.jax_default_prng_impl)
+  if (impl != "threefry2x32" or not jax.config.jax_threefry_partitionable or n >= 2 ** 32
+      or (not typed and jnp.shape(key) != (2,))):
+    return jax.random.bits(key, shape, dtype=jnp.uint32)
+  kd = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+  lo = lax.iota(jnp.uint32, n)
+  w0, w1 = _threefry2x32(kd[0], kd[1], jnp.zeros_like(lo), lo)
+  return (w0 ^ w1).reshape(shape)
+
+
 def uniform01(key, shape):
-  """U[0, 1) float32 noise with 24 random bits (exactly representable)."""
-  bits = jax.random.bits(key, shape, dtype=jnp.uint32)
+  """U[0, 1) float32 noise with 24 random bits (exactly representable): the top 24 bits of
+  ``jax.random.bits(key, shape, uint32)`` (via :func:`random_bits32`) times ``2**-24``."""
+  bits = random_bits32(key, shape)
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 

@@ -29,6 +29,44 @@ def _flat_f32(g):
 
 
 @dataclasses.dataclass(frozen=True)
+def _cgx_levels_exact(d, unit, r, top):
+  safe = jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit)
+  lev = jnp.floor(exact_div(d, safe) + r)
+  return jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(lev, 0.0, top))
+
+
+def _cgx_levels(xb, mn, unit, r, top):
+  """CGX levels ``floor(div_f32(x - min, unit) + r)`` (clipped; 0 where ``unit < 1e-10``) of
+  buckets ``xb`` (nb, B), float32, with the bits of the correctly rounded division.
+
+  A correctly rounded division per element is slow (integer significand arithmetic); only
+  the floor of ``q + r`` is needed, and it can change only where ``q + r`` is within a few
+  ulps of an integer. So ``q`` is estimated as ``(x - min) * (1/unit)`` (relative error below
+  ``2**-22``), and the buckets where some ``q + r`` lies within ``2**-19 * (q + 1)`` of an
+  integer -- a window wider than the estimate's error plus the add's rounding -- are redone
+  with the exact division (at most ``nb // 16 + 16`` buckets gathered; more than that and the
+  whole leaf is redone exactly, which inputs lying on the level grid can trigger).
+  """
+  nb = xb.shape[0]
+  d = xb - mn
+  inv = exact_div(jnp.float32(1.0), jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit))
+  q0 = d * inv
+  z = q0 + r
+  fz = jnp.floor(z)
+  lev = jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(fz, 0.0, top))
+  near = jnp.minimum(z - fz, fz + 1.0 - z) <= jnp.float32(2.0 ** -19) * (q0 + 1.0)
+  amb = jnp.any(near & (unit >= _CGX_EPS), axis=1)
+  cap = min(nb, nb // 16 + 16)
+  rows = jnp.nonzero(amb, size=cap, fill_value=nb)[0]
+  rc = jnp.minimum(rows, nb - 1)
+  rr = r[rc] if jnp.ndim(r) else r
+  fixed = _cgx_levels_exact(d[rc], unit[rc], rr, top)
+  lev = lev.at[rows].set(fixed, mode="drop")
+  if cap == nb:
+    return lev
+  return lax.cond(jnp.sum(amb) > cap, lambda: _cgx_levels_exact(d, unit, r, top), lambda: lev)
+
+
 class CGX:
   """CGX bucketed max-min quantization (torch_cgx ``MaxMinEncodeValue``).
 
@@ -90,9 +128,7 @@ class CGX:
         r = uniform01(key, xb.shape)
       else:
         r = jnp.float32(0.5)
-      safe = jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit)
-      lev = jnp.floor(exact_div(xb - mn, safe) + r)
-      lev = jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(lev, 0.0, top))
+      lev = _cgx_levels(xb, mn, unit, r, top)
       packed = pack_bits(lev.reshape(-1)[:nq].astype(jnp.uint32), self.bits)
       meta = jnp.concatenate([unit, mn], axis=1).reshape(-1)
     payload = {"meta": meta, "levels": packed}
@@ -105,10 +141,14 @@ class CGX:
     nq, nb = self._split(n)
     if nq:
       meta = payload["meta"].reshape(nb, 2)
-      lev = unpack_bits(payload["levels"], self.bits, nq).astype(jnp.float32)
+      lev = unpack_bits(payload["levels"], self.bits, nq)
       lev = jnp.pad(lev, (0, nb * self.bucket_size - nq)).reshape(nb, -1)
-      out = meta[:, 1:2] + no_fma(meta[:, 0:1] * lev)
-      out = out.reshape(-1)[:nq]
+      # min + unit*level of every level of every bucket (a small table, each product rounded
+      # separately: no FMA), then one gather per element
+      top = 2 ** self.bits
+      table = meta[:, 1:2] + no_fma(meta[:, 0:1] * jnp.arange(top, dtype=jnp.float32)[None, :])
+      base = (jnp.arange(nb, dtype=jnp.uint32) * top)[:, None]
+      out = table.reshape(-1)[(lev + base).reshape(-1)[:nq]]
     else:
       out = jnp.zeros((0,), jnp.float32)
     if self.skip_incomplete:

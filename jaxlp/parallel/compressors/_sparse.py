@@ -6,8 +6,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
+from jaxlp.formats._bits import fmix32
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -232,11 +234,54 @@ def topk(ratio=0.01, error_feedback=True) -> TopK:
 
 @dataclasses.dataclass(frozen=True)
 class RandomK:
+_FEISTEL_ROUNDS = 8
+
+
+def feistel_sample(seed, n: int, k: int):
+  """``k`` distinct int32 indices in ``[0, n)`` (``k <= n < 2**31``): ``perm(0..k-1)`` for the
+  seed-keyed pseudorandom permutation of ``[0, n)`` described in :class:`RandomK`; O(k)."""
+  if not 0 <= k <= n < 2 ** 31:
+    raise ValueError(f"randomk: need 0 <= k={k} <= n={n} < 2**31")
+  if k == 0:
+    return jnp.zeros((0,), jnp.int32)
+  w = max(1, (n - 1).bit_length())  # the permuted domain is [0, 2**w), 2**w < 2n
+  lo_bits = (w + 1) // 2
+  lo_mask = jnp.uint32((1 << lo_bits) - 1)
+  hi_mask = jnp.uint32((1 << (w - lo_bits)) - 1)
+  seed = jnp.asarray(seed, jnp.uint32)
+  keys = [fmix32(seed[0] ^ fmix32(seed[1] + jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)))
+          for i in range(_FEISTEL_ROUNDS)]
+
+  def perm(x):
+    hi, lo = x >> jnp.uint32(lo_bits), x & lo_mask
+    for i, rk in enumerate(keys):  # unbalanced Feistel: the halves take turns
+      if i % 2:
+        hi = hi ^ (fmix32(lo ^ rk) & hi_mask)
+      else:
+        lo = lo ^ (fmix32(hi ^ rk) & lo_mask)
+    return (hi << jnp.uint32(lo_bits)) | lo
+
+  y = perm(lax.iota(jnp.uint32, k))
+  y = lax.while_loop(lambda y: jnp.any(y >= n), lambda y: jnp.where(y >= n, perm(y), y), y)
+  return y.astype(jnp.int32)
+
+
   """Random-k with residual error feedback. The k indices (without replacement) come from a
   seed carried in the payload (2 uint32 words), so no index list goes on the wire (BytePS's
   shared-seed trick): payload = ``seed`` + ``k`` float32 values.
   """
   ratio: float = 0.01
+
+  Index sampling, O(k) time and memory: the indices are ``perm(0), ..., perm(k-1)`` for a
+  pseudorandom permutation ``perm`` of ``[0, n)`` keyed by the seed -- an 8-round Feistel
+  network on ``w``-bit words (``2**(w-1) < n <= 2**w``; the two halves of ``w // 2`` and
+  ``w - w // 2`` bits take turns: ``half ^= fmix32(other half ^ round key)``, MurmurHash3's
+  finaliser), restricted to ``[0, n)`` by cycle walking (Black & Rogaway,
+  "Ciphers with Arbitrary Finite Domains", CT-RSA 2002). So the k indices are distinct, in
+  ``[0, n)``, and, to the extent the cipher is pseudorandom, a uniform k-subset in uniform
+  order: the same distribution as before (``jax.random.choice(..., replace=False)``, a full
+  permutation of n: 102.8M elements did not finish in 420 s), but not the same indices for a
+  given seed. Every index has inclusion probability k/n (tested statistically).
   error_feedback: bool = True
   kind = "sparse"
   elementwise_state = True
@@ -254,8 +299,7 @@ class RandomK:
     return {"residual": jnp.zeros((numel(shape),), jnp.float32)} if self.error_feedback else ()
 
   def _indices(self, seed, n):
-    return jax.random.choice(jax.random.wrap_key_data(seed, impl="threefry2x32"), n,
-                             (self.capacity(n),), replace=False)
+    return feistel_sample(seed, n, self.capacity(n))
 
   def encode(self, g, state, key=None):
     if key is None:
