@@ -126,9 +126,9 @@ def gemm_rows(size, repeats, on_gpu):
     e_emu = np.abs(np.asarray(y_emu, np.float64) - exact).max() / scale
     e_8 = np.abs(np.asarray(y_8, np.float64) - exact).max() / scale
     u = ulps(y_8, y_emu)
-    row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max|C| {e_emu:.2e}")
+    row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max abs(C) {e_emu:.2e}")
     row(case, "fp8 fast mode (fp8 dot, fp32 out)", t_8,
-        f"max err / max|C| {e_8:.2e}; vs emulation max {u.max()} ulp, mean {u.mean():.2f}")
+        f"max err / max abs(C) {e_8:.2e}; vs emulation max {u.max()} ulp, mean {u.mean():.2f}")
     if not on_gpu:
       row(case, "fp8 fast mode on GPU tensor cores", None, "not measured (no GPU)")
   return rows
@@ -166,7 +166,7 @@ def layer_rows(batch):
       return f"max {u.max()} ulp, mean {u.mean():.3f}, {np.mean(u > 0):.1%} differ"
 
     out.append(dict(case=f"digits MLP, {name}, batch {batch}", logits=summary(ul),
-                    grads=f"{summary(ug)}, max |diff| / max |grad| {rel:.1e}"))
+                    grads=f"{summary(ug)}, max abs diff / max abs grad {rel:.1e}"))
   return out
 
 
