@@ -28,7 +28,6 @@ def _flat_f32(g):
   return jnp.ravel(g).astype(jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
 def _cgx_levels_exact(d, unit, r, top):
   safe = jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit)
   lev = jnp.floor(exact_div(d, safe) + r)
@@ -67,6 +66,7 @@ def _cgx_levels(xb, mn, unit, r, top):
   return lax.cond(jnp.sum(amb) > cap, lambda: _cgx_levels_exact(d, unit, r, top), lambda: lev)
 
 
+@dataclasses.dataclass(frozen=True)
 class CGX:
   """CGX bucketed max-min quantization (torch_cgx ``MaxMinEncodeValue``).
 

@@ -232,8 +232,6 @@ def topk(ratio=0.01, error_feedback=True) -> TopK:
   return TopK(ratio, error_feedback)
 
 
-@dataclasses.dataclass(frozen=True)
-class RandomK:
 _FEISTEL_ROUNDS = 8
 
 
@@ -266,11 +264,11 @@ def feistel_sample(seed, n: int, k: int):
   return y.astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class RandomK:
   """Random-k with residual error feedback. The k indices (without replacement) come from a
   seed carried in the payload (2 uint32 words), so no index list goes on the wire (BytePS's
   shared-seed trick): payload = ``seed`` + ``k`` float32 values.
-  """
-  ratio: float = 0.01
 
   Index sampling, O(k) time and memory: the indices are ``perm(0), ..., perm(k-1)`` for a
   pseudorandom permutation ``perm`` of ``[0, n)`` keyed by the seed -- an 8-round Feistel
@@ -282,6 +280,8 @@ def feistel_sample(seed, n: int, k: int):
   order: the same distribution as before (``jax.random.choice(..., replace=False)``, a full
   permutation of n: 102.8M elements did not finish in 420 s), but not the same indices for a
   given seed. Every index has inclusion probability k/n (tested statistically).
+  """
+  ratio: float = 0.01
   error_feedback: bool = True
   kind = "sparse"
   elementwise_state = True
