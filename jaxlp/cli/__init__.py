@@ -196,6 +196,34 @@ def _cmd_compare(args) -> int:
   return 0
 
 
+def _seeds(text):
+  try:
+    seeds = tuple(int(v) for v in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+  if not seeds or any(v < 0 for v in seeds) or len(set(seeds)) != len(seeds):
+    raise argparse.ArgumentTypeError(f"expected distinct seeds >= 0, got {text!r}")
+  return seeds
+
+
+def _cmd_reproduce(args) -> int:
+  from jaxlp.training import CLAIMS, reproduce
+
+  if args.list:
+    for name, c in CLAIMS.items():
+      print(f"{name:<8} {c.system}\n         {c.statement}")
+    return 0
+  if args.claim is None:
+    raise ValueError(f"give a claim: {', '.join(CLAIMS)} or all (--list describes them)")
+  names = list(CLAIMS) if args.claim == "all" else [args.claim]
+  if args.claim != "all" and args.claim not in CLAIMS:
+    raise ValueError(f"unknown claim {args.claim!r}; choose from {', '.join(CLAIMS)} or all")
+  for name in names:
+    reproduce(name, seeds=args.seeds, out=args.out, data_dir=args.data_dir, toy=args.toy,
+              overwrite=args.overwrite, plots=not args.no_plot)
+  return 0
+
+
 def _safe(name: str) -> str:
   return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
 
@@ -307,6 +335,28 @@ def build_parser() -> argparse.ArgumentParser:
   pc.add_argument("base_flags", nargs=argparse.REMAINDER,
                   help="flags shared by every configuration, after '--', e.g. -- --epochs 5")
   pc.set_defaults(func=_cmd_compare)
+
+  pr = sub.add_parser("reproduce", help="reproduce a replaced system's headline claim",
+                      description="Train the settings of one claim (cpd, aps, hbfp, cgx, "
+                                  "hipress, ddp) over several seeds and judge it against fp32: "
+                                  "a table with every seed, wire bytes and a verdict, plus "
+                                  "plots. 'all' runs every claim; --list shows them.")
+  pr.add_argument("claim", nargs="?", default=None, metavar="NAME",
+                  help="cpd, aps, hbfp, cgx, hipress, ddp or all")
+  pr.add_argument("--list", action="store_true", help="list the claims and exit")
+  pr.add_argument("--seeds", type=_seeds, default=(0, 1, 2), metavar="S,S,...",
+                  help="comma-separated seeds (default 0,1,2)")
+  pr.add_argument("--out", default="runs/reproduce", metavar="DIR",
+                  help="output folder (runs/reproduce); finished runs there are reused")
+  pr.add_argument("--data-dir", default=None, metavar="DIR",
+                  help="CIFAR-10/MNIST folder: the full-scale settings (seeds' own models)")
+  pr.add_argument("--toy", action="store_true",
+                  help="a narrow MLP, 2 workers, one epoch of two steps per run (smoke test; no "
+                       "verdicts)")
+  pr.add_argument("--overwrite", action="store_true",
+                  help="replace run folders whose configuration differs")
+  pr.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+  pr.set_defaults(func=_cmd_reproduce)
 
   pp = sub.add_parser("plot", help="plot metrics of existing runs",
                       description="Draw accuracy vs epoch and accuracy vs wire bytes (PNG).")

@@ -1,0 +1,358 @@
+"""``jaxlp reproduce``: each replaced system's headline accuracy claim, one command each.
+
+A :class:`Claim` names the system, quotes its claim (with the source), and lists one or more
+:class:`Setting` groups: a base configuration (model, workers, epochs, ...), its fp32
+baseline, and the rows that carry the claim (and rows shown only for context, such as the
+same format without APS). :func:`reproduce` trains every row for every seed (0, 1, 2 by
+default) with :func:`jaxlp.training.train`, then reports, per row, the final test accuracy of
+each seed, their mean, the mean difference to the fp32 baseline of the same setting, the wire
+bytes, and a verdict: the claim *holds* for a row when its mean final accuracy is at most
+``margin`` points below the fp32 mean (being better is fine); otherwise it *does not hold*,
+with the difference. A claim that does not hold at this scale is a finding, reported as such.
+
+The built-in settings use the scikit-learn digits (1437 train / 360 test images) and finish in
+minutes on a 2-core CPU. ``data_dir`` switches every setting to its full-scale version
+(CIFAR-10 or MNIST from that folder, with the seeds' own models), which needs a GPU.
+
+References:
+  Han, Demmel, You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907;
+  Drumond, Lin, Jaggi, Falsafi, "Training DNNs with Hybrid Block Floating Point", NeurIPS 2018;
+  Markov, Ramezanikebrya, Alistarh, "CGX: Adaptive System Support for Communication-Efficient
+  Deep Learning", Middleware 2022; Bai et al., "Gradient Compression Supercharged
+  High-Performance Data Parallel DNN Training", SOSP 2021; Vogels, Karimireddy, Jaggi,
+  "PowerSGD: Practical Low-Rank Gradient Compression for Distributed Optimization",
+  NeurIPS 2019; Lin et al., "Deep Gradient Compression", ICLR 2018.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from jaxlp.training._loop import TrainConfig, train
+from jaxlp.training._runs import CONFIG
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One configuration of a :class:`Setting`.
+
+  Attributes:
+    label: the row's name in the report.
+    flags: :class:`~jaxlp.training.TrainConfig` fields set on top of the setting's base.
+    claim: True when the row carries the claim (it gets a verdict); False for context rows.
+
+  Example:
+    >>> from jaxlp.training import Row
+    >>> Row("cgx4", {"compress": "cgx:bits=4"}).claim
+    True
+  """
+
+  label: str
+  flags: dict
+  claim: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """A base configuration, its fp32 baseline and the rows compared with it.
+
+  Attributes:
+    name: what the setting is (printed above its rows).
+    base: :class:`~jaxlp.training.TrainConfig` fields shared by every row (built-in data).
+    rows: the compared rows (the fp32 baseline is added first, as row ``fp32``).
+    full: fields that replace ``base`` for the full-scale version (``data_dir`` given).
+
+  Example:
+    >>> from jaxlp.training import CLAIMS
+    >>> CLAIMS["cgx"].settings[0].base["model"]
+    'cnn'
+  """
+
+  name: str
+  base: dict
+  rows: tuple
+  full: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """A replaced system's headline accuracy claim and the settings that test it.
+
+  Attributes:
+    name: the name given to ``jaxlp reproduce``.
+    system: the system (and paper) the claim comes from.
+    statement: the claim, as its source states it.
+    settings: the :class:`Setting` groups.
+    margin: accuracy points a claim row may lose against fp32 and still hold.
+
+  Example:
+    >>> from jaxlp.training import CLAIMS
+    >>> CLAIMS["hbfp"].margin
+    1.0
+  """
+
+  name: str
+  system: str
+  statement: str
+  settings: tuple
+  margin: float = 1.0
+
+
+# Built-in settings: digits, 8 workers, batch 128 (16 per worker), SGD with momentum 0.9.
+_MLP = {"model": "mlp", "nodes": 8, "epochs": 30}
+_CNN = {"model": "cnn", "nodes": 8, "epochs": 30}
+_CIFAR = {"data": "cifar10", "model": "resnet18", "nodes": 8, "epochs": 30, "batch_size": 512,
+          "lr": 0.1, "weight_decay": 5e-4}
+
+CLAIMS: dict[str, Claim] = {c.name: c for c in (
+    Claim(
+        "cpd", "CPD (Han, Demmel, You: Auto-Precision Scaling, arXiv:1911.08907)",
+        "With APS, 8-bit gradient all-reduces train with no or only a tiny accuracy loss, and "
+        "large-batch training converges with only 4 bits (E3M0); the artifact adds Kahan "
+        "summation and LARS to the 4-bit runs.",
+        (Setting("CNN, 8 workers, chain sum in the gradient format", _CNN, (
+            Row("E4M3", {"grad_format": "E4M3"}, claim=False),
+            Row("E4M3+APS", {"grad_format": "E4M3", "aps": True}),
+            Row("E5M2+APS", {"grad_format": "E5M2", "aps": True}),
+            Row("E3M0", {"grad_exp": 3, "grad_man": 0}, claim=False),
+            Row("E3M0+APS", {"grad_exp": 3, "grad_man": 0, "aps": True}),
+            Row("E3M0+APS+Kahan", {"grad_exp": 3, "grad_man": 0, "aps": True, "kahan": True}),
+            Row("E3M0+APS+LARS", {"grad_exp": 3, "grad_man": 0, "aps": True, "lars": True,
+                                  "lr": 0.5}),
+        ), full=_CIFAR),)),
+    Claim(
+        "aps", "CPD (APS: the 8-bit gain)",
+        "APS improves accuracy for all precisions: 8-bit gradients that underflow without it "
+        "train like fp32 with it.",
+        (Setting("MLP, 64 workers (each gradient pre-scaled by 1/64), learning rate 0.05",
+                 dict(_MLP, nodes=64, batch_size=256), (
+                     Row("E4M3", {"grad_format": "E4M3"}, claim=False),
+                     Row("E4M3+APS", {"grad_format": "E4M3", "aps": True}),
+                     Row("E5M2", {"grad_format": "E5M2"}, claim=False),
+                     Row("E5M2+APS", {"grad_format": "E5M2", "aps": True}),
+                 ), full=dict(_CIFAR, nodes=64)),)),
+    Claim(
+        "hbfp", "HBFPEmulator (Drumond et al.: Hybrid Block Floating Point, NeurIPS 2018)",
+        "DNNs trained with HBFP (all dot products in block floating point with tiles, other "
+        "operations in fp32) with 12- and 8-bit mantissas match fp32 accuracy.",
+        (Setting("CNN, 8 workers, every GEMM in HBFP with 24x24 tiles; HBFPEmulator's CNN "
+                 "scripts: HBFP8 = 7 mantissa bits + sign, HBFP12 = 11, wide weights 15",
+                 _CNN, (
+                     Row("HBFP8", {"hbfp": 7, "tile": 24, "weight_man": 15}),
+                     Row("HBFP12", {"hbfp": 11, "tile": 24, "weight_man": 15}),
+                     Row("HBFP8, narrow weights", {"hbfp": 7, "tile": 24}, claim=False),
+                 ), full=_CIFAR),)),
+    Claim(
+        "cgx", "CGX (Markov et al., Middleware 2022; torch_cgx README usage)",
+        "4-bit bucketed quantization of the gradients (bucket 1024, layers below 1024 elements "
+        "in fp32) recovers full accuracy.",
+        (Setting("CNN, 8 workers, CGX scatter-reduce-allgather", _CNN, (
+            Row("cgx4", {"compress": "cgx:bits=4,bucket=1024"}),
+            Row("cgx2", {"compress": "cgx:bits=2,bucket=128"}, claim=False),
+        ), full=_CIFAR),)),
+    Claim(
+        "hipress", "HiPress (Bai et al., SOSP 2021) compressors",
+        "onebit, TBQ, TernGrad, DGC and GradDrop, with their error feedback or corrections, "
+        "train to the accuracy of uncompressed training.",
+        (Setting("CNN, 8 workers, all-gather of the compressed gradients", _CNN, (
+            Row("onebit", {"compress": "onebit:algorithm=allgather"}),
+            Row("onebit (SRA)", {"compress": "onebit"}, claim=False),
+            Row("TBQ", {"compress": "tbq:threshold=0.002,algorithm=allgather"}),
+            Row("TernGrad", {"compress": "terngrad:algorithm=allgather"}),
+            Row("GradDrop 99%", {"compress": "graddrop"}),
+        ), full=_CIFAR),
+         Setting("MLP, 8 workers, DGC (momentum correction replaces SGD's momentum)", _MLP, (
+             Row("DGC 99.9%", {"compress": "dgc:ratio=0.001", "momentum": 0.0}),
+             Row("DGC 99%", {"compress": "dgc:ratio=0.01", "momentum": 0.0}),
+         ), full=_CIFAR))),
+    Claim(
+        "ddp", "PyTorch DDP communication hooks (the DDP MNIST seed; Vogels et al., PowerSGD)",
+        "fp16 compression and PowerSGD rank 2 train to the accuracy of plain SGD.",
+        (Setting("MLP, 8 workers", _MLP, (
+            Row("fp16", {"compress": "cast:fmt=fp16"}),
+            Row("PowerSGD r2", {"compress": "powersgd:rank=2"}),
+        ), full={"data": "mnist", "model": "cnn", "nodes": 8, "epochs": 10}),)),
+)}
+
+
+def _run_dir(out, claim, setting_index, label, seed):
+  safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+  return os.path.join(out, claim, f"s{setting_index}", safe, f"seed{seed}")
+
+
+def _config(base: dict, flags: dict, seed: int, out: str, *, data_dir, toy: bool,
+            overwrite: bool) -> TrainConfig:
+  fields = dict(base) | dict(flags) | {"seed": seed, "out": out, "quiet": True}
+  if data_dir is not None:
+    fields["data_dir"] = data_dir
+  if toy:  # the whole pipeline, smallest: a narrow MLP, 2 workers, one epoch of two steps
+    fields |= {"model": "mlp", "width": 2, "epochs": 1, "max_steps_per_epoch": 2, "nodes": 2,
+               "batch_size": 16}
+  exists = os.path.exists(os.path.join(out, CONFIG))
+  fields |= {"resume": exists and not overwrite, "overwrite": overwrite}
+  return TrainConfig(**fields)
+
+
+def _stats(xs):
+  m = sum(xs) / len(xs)
+  sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+  return m, sd
+
+
+def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
+              data_dir: str | None = None, toy: bool = False, overwrite: bool = False,
+              plots: bool = True, stream=None) -> dict[str, Any]:
+  """Train every row of claim ``name`` for every seed and judge the claim.
+
+  Finished runs in ``out`` are reused (resumed: a run with the same configuration continues to
+  its epochs, which for a finished run trains nothing); a run folder with another configuration
+  is refused unless ``overwrite``.
+
+  Args:
+    name: a key of :data:`CLAIMS` (``cpd``, ``aps``, ``hbfp``, ``cgx``, ``hipress``, ``ddp``),
+      or a :class:`Claim` of your own.
+    seeds: the seeds each row is trained with.
+    out: the folder for the run folders, ``summary.json``, ``REPORT.md`` and the plots (in
+      ``out/name``).
+    data_dir: CIFAR-10/MNIST folder: run the full-scale settings instead of the built-in ones.
+    toy: a narrow MLP, 2 workers, one epoch of two steps per run (a smoke test of the whole
+      pipeline; no verdicts).
+    overwrite: replace run folders whose configuration differs.
+    plots: write ``accuracy_vs_epoch.png`` / ``accuracy_vs_wire_bytes.png`` per setting
+      (seed 0 of every row; needs matplotlib).
+    stream: where the progress and the report go (default ``sys.stdout``).
+
+  Returns:
+    The summary (also written to ``out/name/summary.json``): the claim, its statement and
+    margin, and per setting the rows with ``label``, ``flags``, ``claim``, ``seeds``,
+    ``final_test_accuracy`` (one per seed), ``mean``, ``sd``, ``delta_points`` (mean minus the
+    fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire bytes) and
+    ``verdict``.
+
+  Raises:
+    ValueError: an unknown ``name``; no seeds; or an error of :func:`jaxlp.training.train`
+      (a run folder with another configuration, without ``overwrite``).
+
+  Example:
+    A claim of your own, at toy size (the built-in ones run the same way by name):
+
+    >>> import io, tempfile
+    >>> from jaxlp.training import Claim, Row, Setting, reproduce
+    >>> mine = Claim("e5m2", "me", "E5M2 gradients match fp32.", (Setting(
+    ...     "MLP, 2 workers", {"model": "mlp", "nodes": 2},
+    ...     (Row("E5M2", {"grad_format": "E5M2"}),)),))
+    >>> s = reproduce(mine, seeds=(0,), toy=True, plots=False, out=tempfile.mkdtemp(),
+    ...               stream=io.StringIO())
+    >>> [(r["label"], r["verdict"]) for r in s["settings"][0]["rows"]]
+    [('fp32', 'baseline'), ('E5M2', 'toy run: no verdict')]
+  """
+  if isinstance(name, Claim):
+    claim = name
+  elif name in CLAIMS:
+    claim = CLAIMS[name]
+  else:
+    raise ValueError(f"jaxlp reproduce: unknown claim {name!r}; choose from {sorted(CLAIMS)}")
+  name = claim.name
+  seeds = tuple(seeds)
+  if not seeds:
+    raise ValueError("jaxlp reproduce: give at least one seed")
+  stream = stream or sys.stdout
+  summary: dict[str, Any] = {"claim": name, "system": claim.system,
+                             "statement": claim.statement, "margin_points": claim.margin,
+                             "seeds": list(seeds), "toy": toy, "data_dir": data_dir,
+                             "settings": []}
+  stream.write(f"jaxlp reproduce {name}: {claim.system}\n  claim: {claim.statement}\n")
+  for si, setting in enumerate(claim.settings):
+    base = dict(setting.full) if data_dir is not None else dict(setting.base)
+    rows = (Row("fp32", {}, claim=False),) + tuple(setting.rows)
+    label = setting.name + (" (full scale)" if data_dir is not None else "") + \
+        (" [toy size: MLP of width 2, 2 workers, 2 steps]" if toy else "")
+    stream.write(f"\n  setting {si + 1}: {label}\n")
+    results = []
+    for row in rows:
+      accs, wires, dirs = [], [], []
+      for seed in seeds:
+        d = _run_dir(out, name, si, row.label, seed)
+        cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite)
+        hist = train(cfg)
+        accs.append(hist[-1]["test_accuracy"])
+        wires.append(sum(h["wire_bytes"] for h in hist) / 1e6)
+        dirs.append(d)
+      mean, sd = _stats(accs)
+      results.append({"label": row.label, "flags": row.flags, "claim": row.claim,
+                      "seeds": list(seeds), "final_test_accuracy": accs, "mean": mean, "sd": sd,
+                      "wire_mb": sum(wires) / len(wires), "dirs": dirs})
+      stream.write(f"    {row.label:<22} {' '.join(f'{a:.4f}' for a in accs)}  mean {mean:.4f}"
+                   f"  wire {results[-1]['wire_mb']:.1f} MB\n")
+      stream.flush()
+    fp32 = results[0]["mean"]
+    for r in results:
+      r["delta_points"] = 100.0 * (r["mean"] - fp32)
+      if r["label"] == "fp32":
+        r["verdict"] = "baseline"
+      elif toy:
+        r["verdict"] = "toy run: no verdict"
+      elif not r["claim"]:
+        r["verdict"] = "context (no claim)"
+      elif r["delta_points"] >= -claim.margin:
+        r["verdict"] = "holds"
+      else:
+        r["verdict"] = f"does not hold ({r['delta_points']:+.1f} points)"
+    summary["settings"].append({"name": label, "base": base, "rows": results})
+  folder = os.path.join(out, name)
+  os.makedirs(folder, exist_ok=True)
+  table = report_table(summary)
+  stream.write("\n" + table)
+  with open(os.path.join(folder, "REPORT.md"), "w") as f:
+    f.write(f"# jaxlp reproduce {name}\n\n{claim.system}\n\nClaim: {claim.statement}\n\n"
+            f"Margin: {claim.margin} points below fp32 (mean final test accuracy over seeds "
+            f"{', '.join(map(str, seeds))}).\n\n{table}")
+  with open(os.path.join(folder, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  if plots:
+    from jaxlp.training._plot import plot_runs  # noqa: PLC0415 -- matplotlib is optional
+
+    for si, s in enumerate(summary["settings"]):
+      paths = plot_runs([r["dirs"][0] for r in s["rows"]], os.path.join(folder, f"s{si}"),
+                        labels=[r["label"] for r in s["rows"]])
+      stream.write(f"plots: {', '.join(paths)}\n")
+  return summary
+
+
+def report_table(summary: dict) -> str:
+  """The reproduction table of a :func:`reproduce` summary, in Markdown.
+
+  Columns: claim, setting, row, fp32 mean, the row's mean (per-seed values), difference in
+  points, wire MB and verdict.
+
+  Args:
+    summary: what :func:`reproduce` returned (or its ``summary.json``).
+
+  Returns:
+    The table as a string (one line per row, header first).
+
+  Example:
+    >>> from jaxlp.training import report_table
+    >>> s = {"claim": "cgx", "settings": [{"name": "CNN", "rows": [
+    ...     {"label": "fp32", "final_test_accuracy": [0.9], "mean": 0.9, "delta_points": 0.0,
+    ...      "wire_mb": 10.0, "verdict": "baseline"},
+    ...     {"label": "cgx4", "final_test_accuracy": [0.895], "mean": 0.895,
+    ...      "delta_points": -0.5, "wire_mb": 1.5, "verdict": "holds"}]}]}
+    >>> print(report_table(s).splitlines()[-1])
+    | cgx | CNN | cgx4 | 0.9000 | 0.8950 (0.8950) | -0.5 | 1.5 | holds |
+  """
+  lines = ["| claim | setting | row | fp32 | jaxlp (seeds) | diff (points) | wire MB | verdict |",
+           "|---|---|---|---|---|---|---|---|"]
+  for s in summary["settings"]:
+    fp32 = s["rows"][0]["mean"]
+    for r in s["rows"]:
+      per_seed = ", ".join(f"{a:.4f}" for a in r["final_test_accuracy"])
+      lines.append(f"| {summary['claim']} | {s['name']} | {r['label']} | {fp32:.4f} | "
+                   f"{r['mean']:.4f} ({per_seed}) | {r['delta_points']:+.1f} | "
+                   f"{r['wire_mb']:.1f} | {r['verdict']} |")
+  return "\n".join(lines) + "\n"

@@ -1,0 +1,73 @@
+"""``jaxlp reproduce``: every claim runs end to end at toy size; bad input exits 2 with one line.
+
+The verdicts themselves come from the full built-in runs recorded in README / RESULTS.md (minutes
+per claim, not CI material)."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
+
+from jaxlp.cli import main  # noqa: E402
+from jaxlp.training import CLAIMS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
+  args = ["reproduce", name, "--toy", "--seeds", "0", "--out", str(tmp_path)]
+  if name != "ddp":
+    args.append("--no-plot")  # one claim draws the plots
+  assert main(args) == 0
+  out = capsys.readouterr().out
+  assert f"jaxlp reproduce {name}" in out and "| claim | setting | row |" in out
+  summary = json.loads((tmp_path / name / "summary.json").read_text())
+  assert summary["seeds"] == [0] and summary["toy"]
+  for setting, spec in zip(summary["settings"], CLAIMS[name].settings, strict=True):
+    labels = [r["label"] for r in setting["rows"]]
+    assert labels == ["fp32"] + [r.label for r in spec.rows]
+    assert {r["verdict"] for r in setting["rows"][1:]} == {"toy run: no verdict"}
+    assert all(0.0 <= r["mean"] <= 1.0 for r in setting["rows"])
+  assert (tmp_path / name / "REPORT.md").exists()
+  if name == "ddp":
+    assert (tmp_path / name / "s0" / "accuracy_vs_epoch.png").exists()
+    # finished runs are reused: the same report again, nothing retrained
+    assert main(args) == 0
+    again = json.loads((tmp_path / name / "summary.json").read_text())
+    assert again["settings"][0]["rows"] == summary["settings"][0]["rows"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["reproduce"], "give a claim"),
+    (["reproduce", "nope"], "unknown claim 'nope'"),
+    (["reproduce", "cgx", "--seeds", "1,x"], "--seeds"),
+    (["reproduce", "cgx", "--seeds", "1,1"], "distinct seeds"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+  try:
+    rc = main(argv)
+  except SystemExit as e:
+    rc = e.code
+  assert rc == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_list(capsys):
+  assert main(["reproduce", "--list"]) == 0
+  out = capsys.readouterr().out
+  for name in CLAIMS:
+    assert out.count(f"{name} ") >= 1
+
+
+def test_verdicts(tmp_path):
+  from jaxlp.training import Claim, Row, Setting, report_table
+
+  claim = Claim("x", "s", "t", (Setting("n", {}, (Row("a", {}),)),), margin=1.0)
+  assert claim.margin == 1.0
+  rows = [{"label": "fp32", "final_test_accuracy": [0.9], "mean": 0.9, "delta_points": 0.0,
+           "wire_mb": 1.0, "verdict": "baseline"}]
+  table = report_table({"claim": "x", "settings": [{"name": "n", "rows": rows}]})
+  assert "| x | n | fp32 | 0.9000 | 0.9000 (0.9000) | +0.0 | 1.0 | baseline |" in table
+  assert not os.listdir(tmp_path)
