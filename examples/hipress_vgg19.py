@@ -24,8 +24,10 @@ def main(argv=None):
   out = []
   for spec in specs:
     print(f"-- {spec}")
+    # DGC's momentum correction replaces SGD's momentum (jaxlp train refuses both)
+    momentum = 0.0 if spec.startswith("dgc") else 0.9
     out.append(run(a, model="vgg19", nodes=a.nodes, compress=spec, epochs=30, batch_size=128,
-                   lr=0.05, width=64))
+                   lr=0.05, width=64, momentum=momentum))
   return out
 
 

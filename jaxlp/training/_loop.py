@@ -258,6 +258,17 @@ def check_config(cfg: TrainConfig) -> None:
 _REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size", "skip_vectors")
 
 
+def _check_momentum_correction(compressor, cfg) -> None:
+  """DGC's momentum correction REPLACES the optimizer's momentum (Lin et al. 2018, Sec. 3.2):
+  stacking both applies momentum twice (the digits MLP diverges). Refuse the pair."""
+  m = getattr(compressor, "momentum", 0.0) if type(compressor).__name__ == "DGC" else 0.0
+  if m and cfg.momentum:
+    raise ValueError(
+        f"--compress {cfg.compress}: DGC's momentum correction (momentum={m}) replaces SGD's "
+        f"momentum, and --momentum {cfg.momentum} would apply momentum twice; pass --momentum 0 "
+        "(DGC's momentum then does the job), or dgc:momentum=0 to keep SGD's momentum instead")
+
+
 def _parse_compress(spec: str):
   """``name:key=value,key=value`` -> (compressor from jaxlp.parallel.compressors, options of
   ``compressed_allreduce``: ``algorithm``, ``bucket_mb``, ``min_size``, ``skip_vectors``)."""
@@ -357,6 +368,7 @@ class Trainer:
     if self.compressor is not None and self.fmt is not None:
       raise ValueError("give either --compress or a gradient format, not both")
     _check_reduce_opts(cfg.compress, self.reduce_opts)
+    _check_momentum_correction(self.compressor, cfg)
     policy = _policy(cfg)
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
     kw = {}
