@@ -5,7 +5,7 @@ the same tensors and device: ``quantize`` (vs QPyTorch ``float_quantize`` of the
 ``float_quantize``, ``block_quantize``, ``fixed_point_quantize``, ``quantizer`` (the function),
 ``Quantizer`` (the module) and one ``OptimLP`` step (weights, gradients and momentum quantized;
 an SGD step over one parameter). Rows: a small tensor (per-call overhead, us) and a large one
-(throughput). Goals (issue 17, for CUDA tensors): >= 1.5x QPyTorch's throughput at 16M
+(throughput). Goals (for CUDA tensors): >= 1.5x QPyTorch's throughput at 16M
 elements, <= 50 us per call at 4K; on the CPU the bridge must not be slower than before.
 
 Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N] [--reps R]

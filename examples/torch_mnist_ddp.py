@@ -164,7 +164,7 @@ def accuracy(output, target, topk=(1, 5)):
 
 def _torch_batched_powersgd_is_broken():
   """PyTorch's ``batched_powerSGD_hook`` passes 2-D P/Q to ``_orthogonalize``, which asserts
-  3-D input in recent versions (seeds-spec §5.4); probe it."""
+  3-D input in recent versions; probe it."""
   import torch  # noqa: PLC0415
   from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
   try:
@@ -175,7 +175,7 @@ def _torch_batched_powersgd_is_broken():
 
 
 def batched_powersgd_hook_2d(state, bucket):
-  """``batched_powerSGD_hook``'s intended semantics (seeds-spec §5.4) for PyTorch versions
+  """``batched_powerSGD_hook``'s intended semantics (its docstring) for PyTorch versions
   whose own hook fails: the bucket zero-padded to ``s x s`` (``s = ceil(sqrt(numel))``),
   error feedback, ``Q`` from ``randn`` seeded by ``state.rng`` on first use, every step
   ``orth(Q); P = M Q; allreduce(P); orth(P); Q = M^T P; allreduce(Q); Q /= W; M = P Q^T``

@@ -68,7 +68,7 @@ IMPLS = ("reference", "xla_int8", "pallas")
 
 #: The implementation :func:`block_dot` runs on a GPU (every one gives the same bits; CPU
 #: always runs the reference). NOT MEASURED: no GPU was available when this was written
-#: (issue 18); "pallas" is the integer-tensor-core kernel, "xla_int8" the batched XLA int8
+#: (2026-11-23); "pallas" is the integer-tensor-core kernel, "xla_int8" the batched XLA int8
 #: dot. Re-measure with ``python benchmarks/block_gemm.py`` on a GPU and set it.
 GPU_IMPL = "pallas"
 

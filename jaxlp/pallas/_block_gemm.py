@@ -11,7 +11,7 @@ int32 ``jnp.dot``s over its chunks (integer adds: exact in any order), scaled ex
 partial) with ``accumulate`` -- the functions the reference calls, so the per-block
 arithmetic is the same expression.
 
-GPU notes: NOT RUN on a GPU yet (issue 18: no GPU was available); it lowers for CUDA and
+GPU notes: NOT RUN on a GPU yet (none was available when it was written); it lowers for CUDA and
 compiles for sm_90 with PyPI Triton (tests/pallas). bm, bn are powers of two >= 16.
 """
 

@@ -174,7 +174,7 @@ def probe_points(ref: RefFormat):
 
 
 def cpd_float_reference(x, E, M):
-  """CPD's ``float_kernel_nearest`` cast, step by step as seeds-spec §1.1 states it: integer
+  """CPD's ``float_kernel_nearest`` cast, step by step as drcut/CPD's CUDA source does it: integer
   significand arithmetic on the fp32 fields, result value built in float64 (exact)."""
   b = np.asarray(x, np.float32).view(np.uint32).astype(np.int64)
   s, f, m = b >> 31, (b >> 23) & 0xFF, b & 0x7FFFFF

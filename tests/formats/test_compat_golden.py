@@ -1,4 +1,6 @@
-"""Golden vectors of seeds-spec §1.1 (CPD), §6.1 (QPyTorch float), §2.1-2.2 (HBFP), §6.2, §6.3."""
+"""Golden vectors of the originals' casts: CPD ``float_kernel_nearest``, QPyTorch
+``float_quantize`` / ``block_quantize`` / ``fixed_point_quantize`` and HBFPEmulator
+``_float_to_bfp`` / tiling (values worked out from their published source code)."""
 
 import functools
 
@@ -30,7 +32,7 @@ def _check(fmt, pairs):
   _ref.assert_same_bits(_q(x, fmt), want, x, repr(fmt))
 
 
-# ---- CPD (seeds-spec §1.1) ----------------------------------------------------------------
+# ---- CPD float_kernel_nearest ----------------------------------------------------------------
 def test_cpd_e4m3_golden():
   _check(F.cpd_float(4, 3), [
       (240, 240), (247, 240), (248, 256), (255.9, 256), (256, INF), (1e6, INF), (-300, -INF),
@@ -79,7 +81,7 @@ def test_cpd_only_nearest():
     F.quantize(jnp.ones(3), F.cpd_float(4, 3), "toward_zero")
 
 
-# ---- QPyTorch float_quantize (seeds-spec §6.1) ---------------------------------------------
+# ---- QPyTorch float_quantize ---------------------------------------------
 def test_qpytorch_e5m2_golden():
   _check(F.qpytorch_float(5, 2), [
       (1.125, 1.25), (-1.125, -1.25), (1.375, 1.5), (1e9, 114688), (-1e9, -114688),
@@ -118,7 +120,7 @@ def test_qpytorch_negative_zero_to_positive():
   assert got.view(np.uint32)[0] == 0
 
 
-# ---- HBFP (seeds-spec §2.1-2.2) --------------------------------------------------------------
+# ---- HBFP _float_to_bfp and tiling --------------------------------------------------------------
 def test_hbfp_rows_golden():
   x = np.array([[1.0, 0.3, -0.3, 0.01], [2**-10, 2**-11, 3 * 2**-12, 0], [0, 0, 0, 0]],
                np.float32)
@@ -198,7 +200,7 @@ def test_hbfp_batched_is_per_dim0():
     _ref.assert_same_bits(got[i], _q(x[i:i + 1], F.hbfp(6))[0], x[i], f"row {i}")
 
 
-# ---- QPyTorch block_quantize (seeds-spec §6.2) -----------------------------------------------
+# ---- QPyTorch block_quantize -----------------------------------------------
 def test_qpytorch_block_golden():
   pairs = [(1.0, 1.0), (0.3, 0.296875), (-0.3, -0.296875), (0.01, 0.015625), (2**-7, 2**-6),
            (-2**-7, 0.0), (3 * 2**-7, 2**-5), (-3 * 2**-7, -2**-6), (0.999, 1.0)]
@@ -221,7 +223,7 @@ def test_qpytorch_block_dim_semantics():
     F.qpytorch_block(8, -2)
 
 
-# ---- FixedPoint (seeds-spec §6.3) ------------------------------------------------------------
+# ---- QPyTorch fixed_point_quantize ------------------------------------------------------------
 def test_fixed_point_range_and_clamp_after_rounding():
   f = F.FixedPoint(4, 2)  # grid 0.25, range [-2, 1.75]
   assert (f.max_value, f.min_value) == (1.75, -2.0)

@@ -1,6 +1,6 @@
 """Lower jaxlp's Pallas kernels for CUDA on a CPU-only machine and inspect the Triton IR.
 
-Two failure classes broke every kernel on the first H100 (shared/reference/gpu-findings.md)
+Two failure classes broke every kernel on the first H100 (see benchmarks/RESULTS.md)
 and both are visible without a GPU:
 
 * errors raised by the Pallas->Triton lowering itself (a bitcast of a trace-time constant:
