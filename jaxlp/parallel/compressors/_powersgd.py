@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.parallel._arith import sqrt_f32
@@ -19,6 +20,10 @@ def thin_matmul(a, b):
   accumulates in an order that differs between batched (``vmap``) and per-device kernels;
   this does not, so PowerSGD gives the same bits under vmap, shard_map, pmap and multi-host.
   Memory-bound like the matmul it replaces (``r`` is the PowerSGD rank)."""
+  # b is small but may be the end of a long elementwise chain (orthogonalize: IEEE div/sqrt on
+  # the bits); the barrier keeps XLA from fusing that chain into the product and recomputing it
+  # for every element of a (measured: 100x slower on CPU). The values are unchanged.
+  b = lax.optimization_barrier(b)
   cols = [det_sum(no_fma(a * b[..., None, :, j]), axis=-1) for j in range(b.shape[-1])]
   return jnp.stack(cols, axis=-1)
 
@@ -26,6 +31,7 @@ def thin_matmul(a, b):
 def outer_sum(p, q):
   """``p (..., n, r) @ q (..., m, r).T`` for a small ``r``: the r rank-one terms added in
   ascending order, each product rounded separately (no FMA)."""
+  p, q = lax.optimization_barrier((p, q))  # see thin_matmul
   out = None
   for j in range(p.shape[-1]):
     t = no_fma(p[..., :, j, None] * q[..., None, :, j])

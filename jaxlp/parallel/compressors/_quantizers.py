@@ -49,6 +49,8 @@ def _cgx_levels(xb, mn, unit, r, top):
   nb = xb.shape[0]
   d = xb - mn
   inv = exact_div(jnp.float32(1.0), jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit))
+  # per-bucket values: materialised, not fused (and recomputed) into every element's loop
+  inv, unit = lax.optimization_barrier((inv, unit))
   q0 = d * inv
   z = q0 + r
   fz = jnp.floor(z)
@@ -122,6 +124,7 @@ class CGX:
       mn = jnp.min(xb, axis=1, keepdims=True)
       top = 2 ** self.bits - 1
       unit = exact_div(mx - mn, top)
+      mn, unit = lax.optimization_barrier((mn, unit))
       if self.stochastic:
         if key is None:
           raise ValueError("cgx(stochastic=True) needs key")
@@ -148,7 +151,7 @@ class CGX:
       top = 2 ** self.bits
       table = meta[:, 1:2] + no_fma(meta[:, 0:1] * jnp.arange(top, dtype=jnp.float32)[None, :])
       base = (jnp.arange(nb, dtype=jnp.uint32) * top)[:, None]
-      out = table.reshape(-1)[(lev + base).reshape(-1)[:nq]]
+      out = lax.optimization_barrier(table).reshape(-1)[(lev + base).reshape(-1)[:nq]]
     else:
       out = jnp.zeros((0,), jnp.float32)
     if self.skip_incomplete:
@@ -227,7 +230,7 @@ class QSGD:
     n = x.shape[0]
     nb = cdiv(n, self.bucket_size)
     xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    norm = sqrt_f32(det_sum(no_fma(xb * xb)))[:, None]
+    norm = lax.optimization_barrier(sqrt_f32(det_sum(no_fma(xb * xb)))[:, None])
     safe = jnp.where(norm > 0, norm, 1.0)
     u = uniform01(key, xb.shape)
     lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
@@ -240,7 +243,9 @@ class QSGD:
     nb = payload["norm"].shape[0]
     code = unpack_bits(payload["codes"], self.bits, n)
     code = jnp.pad(code, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    mag = exact_div((code >> 1).astype(jnp.float32), self.levels)
+    # level/levels for every possible level (a small table, the same IEEE quotients)
+    table = exact_div(jnp.arange(2 ** (self.bits - 1), dtype=jnp.float32), self.levels)
+    mag = lax.optimization_barrier(table)[code >> 1]
     val = payload["norm"][:, None] * jnp.where((code & 1) == 1, -mag, mag)
     return val.reshape(-1)[:n].reshape(shape)
 
@@ -310,6 +315,7 @@ class OneBit:
       sneg = exact_div(det_sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
       spos = exact_div(det_sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
       scales = jnp.stack([sneg, spos])
+    scales = lax.optimization_barrier(scales)
     payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
     if self.error_feedback:
       state = {"residual": x - self.decode(payload, x.shape)}
@@ -473,6 +479,7 @@ class TernGrad:
     mn, mx = jnp.min(x), jnp.max(x)
     gap = exact_div(mx - mn, 2 ** b - 1)
     gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
+    mn, gap_inv = lax.optimization_barrier((mn, gap_inv))
     t = no_fma((x - mn) * gap_inv)
     lev = jnp.round(t)  # round half to even (nearbyint)
     if key is not None:
@@ -496,7 +503,7 @@ class TernGrad:
     h = payload["header"]
     mn = lax.bitcast_convert_type(h[2:6], jnp.float32)
     mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
-    gap = exact_div(mx - mn, 2 ** self.bits - 1)
+    gap = lax.optimization_barrier(exact_div(mx - mn, 2 ** self.bits - 1))
     lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
     return (no_fma(lev * gap) + mn).reshape(shape)
 
