@@ -21,6 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxlp.parallel.compressors as C  # noqa: E402
+from jaxlp.parallel import compressed_wire_bytes  # noqa: E402
 
 
 def resnet18_shapes():
@@ -120,9 +121,12 @@ def main(argv=None):
           flush=True)
     for name in names:
       gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats)
-      # all-gather (sparse/quantized payloads) moves (W-1)*wire per worker; bf16/powersgd ring
-      factor = ring if name in ("bf16", "powersgd2") else (a.workers - 1) / a.workers * 2
-      step = a.compute_ms + 1e3 * factor * wire / bw
+      # bytes each worker sends per step: the engine's own accounting (default filters:
+      # small leaves and vectors in fp32; CGX scatter-reduce-allgather, sparsifiers'
+      # all-gather, PowerSGD's fused P/Q sums, the bf16 ring)
+      sent = compressed_wire_bytes([jax.ShapeDtypeStruct(s, np.float32) for s in shapes],
+                                   COMPRESSORS[name], a.workers)
+      step = a.compute_ms + 1e3 * sent / bw
       print(f"| {mname} | {name} | {gbps:.3g} | {wire / 1e6:.3f} | {4 * n / wire:.1f}x | "
             f"{2 * n / wire:.1f}x | {step:.1f} |", flush=True)
 

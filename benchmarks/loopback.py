@@ -107,20 +107,20 @@ def _numel(s):
 
 
 def wire_bytes_per_worker(name, shapes, bucket_mb, min_size=1024):
-  """Payload bytes one worker puts into the reduction (``wire_bytes``; 4 B/element in fp32)."""
+  """Payload bytes one worker puts into the reduction (``wire_bytes`` of its encodings; 4
+  B/element in fp32). What it SENDS through the collectives at W workers is
+  :func:`jaxlp.parallel.compressed_wire_bytes` (``sent_bytes`` in the worker's JSON)."""
   comp = _compressor(name)
   if comp is None:
     return 4 * sum(_numel(s) for s in shapes)
   total, todo = 0, []
   for s in shapes:
-    ok = _numel(s) >= min_size and len(s) > 1
-    if comp.kind == "lowrank" and comp.matrix_shape(s) is None:
-      ok = False
+    ok = _numel(s) >= min_size and len(s) > 1 and comp.aggregation.compresses(comp, s)
     if ok:
       todo.append(s)
     else:
       total += 4 * _numel(s)
-  if comp.kind == "lowrank" or not bucket_mb:
+  if not comp.elementwise_state or not bucket_mb:  # PowerSGD: one payload per matrix
     return total + sum(comp.wire_bytes(s) for s in todo)
   limit = int(bucket_mb * 2 ** 20) // 4
   size = 0
@@ -141,7 +141,7 @@ def _reduce_fn(name, w, bucket_mb):
   import jax.numpy as jnp
   from jax import lax
 
-  from jaxlp.parallel._compressed import compressed_allreduce
+  from jaxlp.parallel import compressed_allreduce
   comp = _compressor(name)
 
   def fp32(grads, state):
@@ -191,7 +191,7 @@ def worker(port, w, pid, out_path, a):
   from jax.sharding import PartitionSpec as P
 
   import jaxlp.parallel as jp
-  from jaxlp.parallel._compressed import init_compression_state
+  from jaxlp.parallel import compressed_wire_bytes, init_compression_state
 
   if a.fast_compile:
     jax.config.update("jax_disable_most_optimizations", True)
@@ -242,7 +242,9 @@ def worker(port, w, pid, out_path, a):
     local_s = [t / w for t in _timed(loc, (stacked, vst), max(2, a.steps))]
     res["methods"][name] = {
         "step_s": step_s, "compile_s": compile_s, "local_s": local_s, "hash": h.hexdigest(),
-        "wire_bytes": wire_bytes_per_worker(name, shapes, a.bucket_mb)}
+        "wire_bytes": wire_bytes_per_worker(name, shapes, a.bucket_mb),
+        "sent_bytes": (None if comp is None else compressed_wire_bytes(
+            shapes_sd(shapes), comp, w, bucket_mb=a.bucket_mb))}
     with open(out_path, "w") as f:
       json.dump(res, f)
     print(f"[worker {pid}] {name}: compile+first step {compile_s:.1f} s, step "

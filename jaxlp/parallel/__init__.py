@@ -7,6 +7,7 @@ from jaxlp.parallel import compressors as compressors
 from jaxlp.parallel._aps import format_emax as format_emax
 from jaxlp.parallel._compressed import CompressionState as CompressionState
 from jaxlp.parallel._compressed import compressed_allreduce as compressed_allreduce
+from jaxlp.parallel._compressed import compressed_wire_bytes as compressed_wire_bytes
 from jaxlp.parallel._compressed import init_compression_state as init_compression_state
 from jaxlp.parallel._compressed import ordered_psum as ordered_psum
 from jaxlp.parallel._distributed import initialize as initialize
@@ -28,7 +29,8 @@ from jaxlp.parallel._two_level import psum_two_level as psum_two_level
 
 __all__ = [
     "HIPRESS_COSTS", "ORDERS", "CompressionState", "LinearCost", "PlanEntry",
-    "ReduceGradientsState", "SeCoPaCosts", "compressed_allreduce", "compressors", "emulate",
+    "ReduceGradientsState", "SeCoPaCosts", "compressed_allreduce", "compressed_wire_bytes",
+    "compressors", "emulate",
     "format_emax", "hipress_costs", "init_compression_state", "initialize",
     "measure_costs", "ordered_psum", "payload_bytes", "psum", "psum_two_level",
     "reduce_gradients", "secopa_plan", "shutdown",

@@ -14,7 +14,10 @@
 
 Every collective is a plain ``torch.distributed`` call (``all_gather``, ``all_reduce``), so the
 hooks work with gloo (CPU) and NCCL. Results are identical on every rank: the sums are computed
-redundantly, in rank order, from gathered data (``order="chain"``).
+redundantly, in rank order, from gathered data (``order="chain"``), by the same JAX code as
+:func:`jaxlp.parallel.psum`'s chain (IEEE adds with gradual underflow, the format's rounding
+after each add); PowerSGD runs the stages of :mod:`jaxlp.parallel`'s low-rank family
+(``powersgd_start`` / ``powersgd_middle`` / ``powersgd_finish``) around its two sums.
 
 Mean convention: the bucket is divided by W BEFORE the reduction (as ``allreduce_hook`` and
 CGX, and as CPD's examples pre-scale the loss by 1/W); the fp16/bf16 ``cast`` compressor casts
@@ -29,6 +32,7 @@ References:
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +41,30 @@ import torch
 import torch.distributed as dist
 from jax import lax
 
+from jaxlp.formats import FP32
 from jaxlp.formats._compat import cpd_float
 from jaxlp.ops._quantize import quantize
+from jaxlp.parallel._aggregate import powersgd_finish, powersgd_middle, powersgd_start
 from jaxlp.parallel._aps import format_emax
+from jaxlp.parallel._psum import _chain, _check, _Rounder
 from jaxlp.parallel.compressors._base import exact_div
-from jaxlp.parallel.compressors._powersgd import orthogonalize, outer_sum, thin_matmul
 from jaxlp.torch._dlpack import to_jax, to_torch
 
 __all__ = ["CommState", "chain_sum", "comm_hook", "sum_gradients"]
 
-ORDERS = ("chain", "allreduce")
+# How CommState sums its fp32 parts over ranks (not jaxlp.parallel.ORDERS, the summation
+# orders of the low-precision psum): gathered + rank-order chain, or dist.all_reduce.
+FP32_SUM_MODES = ("chain", "allreduce")
 APS_MODES = (False, True, "parameter", "bucket")
+
+
+def __getattr__(name):
+  if name == "ORDERS":
+    warnings.warn("jaxlp.torch.ddp.ORDERS is deprecated: the CommState(order=...) values are "
+                  "jaxlp.torch.ddp.FP32_SUM_MODES (jaxlp.parallel.ORDERS are psum's orders)",
+                  DeprecationWarning, stacklevel=2)
+    return FP32_SUM_MODES
+  raise AttributeError(f"module 'jaxlp.torch.ddp' has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,22 +72,17 @@ APS_MODES = (False, True, "parameter", "bucket")
 
 @functools.cache
 def _chain_fn(fmt, kahan: bool):
-  def q(x):
-    return quantize(x, fmt)
+  """jaxlp.parallel.psum's chain (``_chain``: IEEE float32 adds with gradual underflow, ``Q``
+  after each op) over the rows of a gathered stack, started from +0 as CPD (``res = 0``):
+  a zero row in front makes psum's ``s = Q(g_0)`` CPD's ``Q(0 + g_0)`` (and its Kahan loop
+  CPD's, which starts from ``res = c = 0``)."""
+  _check(fmt, "chain", kahan, "nearest", None)
+  q = _Rounder(fmt, "nearest", None, 0)
 
   def f(stack):
-    res = jnp.zeros(stack.shape[1:], jnp.float32)
-    if not kahan:
-      for r in range(stack.shape[0]):
-        res = q(res + stack[r])
-      return res
-    c = jnp.zeros_like(res)
-    for r in range(stack.shape[0]):
-      y = q(stack[r] - c)
-      t = q(res + y)
-      c = q(q(t - res) - y)
-      res = t
-    return res
+    flat = stack.reshape(stack.shape[0], -1)
+    flat = jnp.concatenate([jnp.zeros((1, flat.shape[1]), jnp.float32), flat])
+    return _chain(flat, q, kahan).reshape(stack.shape[1:])
 
   return jax.jit(f)
 
@@ -80,7 +92,9 @@ def chain_sum(stack, fmt, kahan: bool = False):
 
   ``res = 0; for r: res = Q(res + g_r)``; with ``kahan``: ``y = Q(g_r - c); t = Q(res + y);
   c = Q(Q(t - res) - y); res = t`` (compensation not added back). Returns ``res`` (a SUM).
-  Accepts and returns torch tensors (or JAX arrays).
+  Accepts and returns torch tensors (or JAX arrays). The adds are IEEE float32 with gradual
+  underflow on every backend (the arithmetic of :func:`jaxlp.parallel.psum`), so subnormal
+  partial sums are kept (XLA:CPU's own float adds flush them to zero).
 
   Args:
     stack: ``(W, ...)`` float32 ``torch.Tensor`` (or array-like, converted to a float32 JAX
@@ -92,17 +106,19 @@ def chain_sum(stack, fmt, kahan: bool = False):
     The SUM over the first axis, a torch tensor for a tensor input, else a JAX array.
 
   Raises:
-    TypeError: ``fmt`` is not a jaxlp format.
+    TypeError: ``fmt`` is not a jaxlp format, or not an elementwise one.
 
   Example:
     >>> import torch
-    >>> from jaxlp.formats import cpd_float
+    >>> from jaxlp.formats import BF16, cpd_float
     >>> from jaxlp.torch.ddp import chain_sum
     >>> stack = torch.tensor([[1.0], [0.125], [0.125], [0.125], [0.125]])  # W = 5 ranks
     >>> chain_sum(stack, cpd_float(5, 2))  # each 1 + 0.125 rounds back to 1
     tensor([1.])
     >>> chain_sum(stack, cpd_float(5, 2), kahan=True)  # the exact 1.5
     tensor([1.5000])
+    >>> chain_sum(torch.tensor([[3e-39], [3e-39]]), BF16)  # subnormals add up
+    tensor([6.0611e-39])
   """
   if isinstance(stack, torch.Tensor):
     return to_torch(_chain_fn(fmt, bool(kahan))(to_jax(stack.contiguous())))
@@ -247,7 +263,7 @@ def _from_bytes(buf, spec):
 def _codec(comp, n: int):
   """Jitted ``encode(x, state, key) -> (bytes, state)`` and ``decode_sum(stack) -> sum``."""
   state0 = comp.init((n,), jnp.float32)
-  spec = jax.eval_shape(lambda x, s: comp.encode(x, s, jax.random.PRNGKey(0))[0],
+  spec = jax.eval_shape(lambda x, s: comp.encode(x, s, jax.random.key(0))[0],
                         jax.ShapeDtypeStruct((n,), jnp.float32), state0)
   leaves, treedef = jax.tree_util.tree_flatten(spec)
   sizes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in leaves]
@@ -272,26 +288,23 @@ def _codec(comp, n: int):
 
 
 @functools.cache
-def _powersgd_fns(comp, n, m):
+def _powersgd_fns(comp, shape):
+  """The low-rank family's three PowerSGD stages (jitted) for one parameter shape; the hook
+  sums the P's and the Q's over ranks in between."""
 
-  def start(x, err, q):
-    mat = x.reshape(n, m) if n * m == x.shape[0] else jnp.pad(
-        x, (0, n * m - x.shape[0])).reshape(n, m)
-    if err is not None:
-      mat = mat + err.reshape(n, m)
-    q = orthogonalize(q)
-    return mat, thin_matmul(mat, q)
+  def start(x, st, key):
+    (mat,), (p,) = powersgd_start(comp, [comp.to_matrix(x, shape)], [st], [key])
+    return mat, p
 
   def middle(mat, p_sum):
-    p = orthogonalize(p_sum)
-    return p, thin_matmul(mat.T, p)
+    (p,), (q,) = powersgd_middle([mat], [p_sum])
+    return p, q
 
-  def finish(mat, p, q_sum, w):
-    qm = exact_div(q_sum, w)
-    approx = outer_sum(p, qm)
-    return approx.reshape(-1), qm, (mat - approx).reshape(-1)
+  def finish(mat, p, q_sum, st, w):
+    (approx,), (new,) = powersgd_finish(comp, [mat], [p], [q_sum], [st], w, mean=True)
+    return approx.reshape(-1), new
 
-  return jax.jit(start), jax.jit(middle), jax.jit(finish, static_argnums=3)
+  return jax.jit(start), jax.jit(middle), jax.jit(finish, static_argnums=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +324,9 @@ class CommState:
       ``layer_min_size``).
     skip_vectors: reduce parameters with ``ndim <= 1`` (biases, norms) in fp32 (compressors;
       CGX's ``should_compress_``).
-    order: ``"chain"`` (all-gather + rank-order sum: identical bits on every backend) or
-      ``"allreduce"`` (``dist.all_reduce`` for the fp32 parts and PowerSGD's P/Q sums).
+    order: how the fp32 parts and PowerSGD's P/Q sums are summed over ranks
+      (:data:`FP32_SUM_MODES`): ``"chain"`` (all-gather + rank-order IEEE sum, identical bits
+      on every backend) or ``"allreduce"`` (``dist.all_reduce``).
     seed: seed of the per-step compressor noise keys and PowerSGD's initial Q (same on every
       rank).
     process_group: the process group (None = default group).
@@ -356,8 +370,8 @@ class CommState:
       raise ValueError(f"jaxlp.torch.ddp.CommState: {aps=} / {kahan=} need fmt=")
     if fmt is not None:
       quantize(jnp.zeros((1,), jnp.float32), fmt)  # validates the format
-    if order not in ORDERS:
-      raise ValueError(f"jaxlp.torch.ddp.CommState: {order=} must be one of {ORDERS}")
+    if order not in FP32_SUM_MODES:
+      raise ValueError(f"jaxlp.torch.ddp.CommState: {order=} must be one of {FP32_SUM_MODES}")
     if layer_min_size < 0:
       raise ValueError(f"jaxlp.torch.ddp.CommState: {layer_min_size=} must be >= 0")
     self.compressor = compressor
@@ -378,20 +392,19 @@ class CommState:
             f"step={self.step})")
 
   def _sum(self, x):
-    """fp32 SUM over ranks: rank-order chain or ``all_reduce``."""
+    """fp32 SUM over ranks: rank-order chain (:func:`chain_sum` in FP32: IEEE adds) or
+    ``all_reduce``."""
     if self.order == "allreduce":
       x = x.clone()
       dist.all_reduce(x, group=self.process_group)
       return x
-    stack = _gather(x, self.process_group)
-    out = stack[0].clone()
-    for r in range(1, stack.shape[0]):
-      out = out + stack[r]
-    return out
+    return chain_sum(_gather(x, self.process_group), FP32)
+
+  def _step_key(self):
+    return jax.random.fold_in(jax.random.key(self.seed), self.step)
 
   def _key(self, rank, index):
-    k = jax.random.fold_in(jax.random.PRNGKey(self.seed), self.step)
-    return jax.random.fold_in(jax.random.fold_in(k, rank), index)
+    return jax.random.fold_in(jax.random.fold_in(self._step_key(), rank), index)
 
 
 def _bucket_layout(bucket, flat):
@@ -423,9 +436,7 @@ def _compressible(state, shape):
   n = math.prod(shape)
   if n == 0 or n < state.layer_min_size or (state.skip_vectors and len(shape) <= 1):
     return False
-  if comp.kind == "lowrank" and comp.matrix_shape(shape) is None:
-    return False
-  return True
+  return comp.aggregation.compresses(comp, shape)
 
 
 def _compressor_bucket(state, bucket, flat, layout, w):
@@ -461,21 +472,18 @@ def _compressor_bucket(state, bucket, flat, layout, w):
         continue
       n, m, r = comp.matrix_shape(shape)
       if i not in store:
-        init = comp.init(shape, jnp.float32,
-                         key=jax.random.fold_in(jax.random.PRNGKey(state.seed),
-                                                1000003 + 1000 * index + i))
-        store[i] = {"q": init["q"], "error": init.get("error")}
-      st = store[i]
-      start, middle, finish = _powersgd_fns(comp, n, m)
-      mat, p = start(to_jax(flat[s:e].contiguous()), st["error"], st["q"])
+        store[i] = comp.init(shape, jnp.float32,
+                             key=jax.random.fold_in(jax.random.key(state.seed),
+                                                    1000003 + 1000 * index + i))
+      start, middle, finish = _powersgd_fns(comp, shape)
+      # the cold-start (warm_start=False) random Q: the same key on every rank
+      key = jax.random.fold_in(state._step_key(), 1000 * index + i)
+      mat, p = start(to_jax(flat[s:e].contiguous()), store[i], key)
       p_sum = to_jax(state._sum(to_torch(p).reshape(-1)).reshape(n, r))
       p, qloc = middle(mat, p_sum)
       q_sum = to_jax(state._sum(to_torch(qloc).reshape(-1)).reshape(m, r))
-      approx, qm, err = finish(mat, p, q_sum, w)
+      approx, store[i] = finish(mat, p, q_sum, store[i], w)
       out[s:e] = to_torch(approx)[:e - s]
-      st["q"] = qm
-      if comp.error_feedback:
-        st["error"] = err
     return out
 
   x = torch.cat([flat[layout[i][0]:layout[i][1]] for i in comp_idx])

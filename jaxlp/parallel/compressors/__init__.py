@@ -1,9 +1,10 @@
 """Gradient compressors with explicit state, bit-packed payloads and exact wire sizes.
 
 Each compressor has one public name, its factory (``cgx(bits=4)``), which returns a frozen
-config object with ``init / encode / decode / wire_bytes``
-(see :mod:`jaxlp.parallel.compressors._base`). Aggregate with
-:func:`jaxlp.parallel.compressed_allreduce`.
+config object with ``init / encode / decode / wire_bytes`` and its family's ``aggregation``
+(the typed interfaces :class:`Compressor` and :class:`Aggregation`). Aggregate with
+:func:`jaxlp.parallel.compressed_allreduce`; count bytes with
+:func:`jaxlp.parallel.compressed_wire_bytes`.
 """
 
 from jaxlp.parallel.compressors._base import pack_bits as pack_bits
@@ -12,6 +13,10 @@ from jaxlp.parallel.compressors._base import unpack_bits as unpack_bits
 from jaxlp.parallel.compressors._cast import cast as cast
 from jaxlp.parallel.compressors._powersgd import orthogonalize as orthogonalize
 from jaxlp.parallel.compressors._powersgd import powersgd as powersgd
+from jaxlp.parallel.compressors._protocol import Aggregation as Aggregation
+from jaxlp.parallel.compressors._protocol import Bucket as Bucket
+from jaxlp.parallel.compressors._protocol import Compressor as Compressor
+from jaxlp.parallel.compressors._protocol import ReduceContext as ReduceContext
 from jaxlp.parallel.compressors._quantizers import cgx as cgx
 from jaxlp.parallel.compressors._quantizers import onebit as onebit
 from jaxlp.parallel.compressors._quantizers import qsgd as qsgd
@@ -23,7 +28,8 @@ from jaxlp.parallel.compressors._sparse import randomk as randomk
 from jaxlp.parallel.compressors._sparse import topk as topk
 
 __all__ = [
-    "cast", "cgx", "dgc", "graddrop", "onebit", "orthogonalize",
+    "Aggregation", "Bucket", "Compressor", "ReduceContext", "cast", "cgx", "dgc", "graddrop",
+    "onebit", "orthogonalize",
     "pack_bits", "payload_nbytes", "powersgd", "qsgd", "randomk", "tbq", "terngrad", "topk",
     "unpack_bits",
 ]

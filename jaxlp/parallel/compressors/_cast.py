@@ -14,6 +14,7 @@ from jaxlp.formats._codes import from_codes, to_codes
 from jaxlp.formats._float_format import FloatFormat
 from jaxlp.formats._presets import ML_DTYPES_NAMES, PRESETS
 from jaxlp.formats._quantize import quantize as spec_quantize
+from jaxlp.parallel._aggregate import CASTS
 from jaxlp.parallel.compressors._base import numel, pack_bits, packed_nbytes, unpack_bits
 
 _ALIASES = {"fp16": "float16", "float16": "float16", "half": "float16", "bf16": "bfloat16",
@@ -67,6 +68,7 @@ class Cast:
   """
   fmt: object = "bf16"
   kind = "cast"
+  aggregation = CASTS
   elementwise_state = True
 
   def __post_init__(self):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
+from jaxlp.parallel._aggregate import LOW_RANK
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import det_sum, exact_div, no_fma, numel
 
@@ -99,6 +100,7 @@ class PowerSGD:
   error_feedback: bool = True
   batched: bool = False
   kind = "lowrank"
+  aggregation = LOW_RANK
   elementwise_state = False
 
   def __post_init__(self):

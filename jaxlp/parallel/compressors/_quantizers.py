@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp._util import cdiv, check_bool, check_int, check_number
+from jaxlp.parallel._aggregate import DENSE_QUANTIZERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -90,6 +91,7 @@ class CGX:
   stochastic: bool = False
   skip_incomplete: bool = False
   kind = "quantizer"
+  aggregation = DENSE_QUANTIZERS
   elementwise_state = True
 
   def __post_init__(self):
@@ -205,6 +207,7 @@ class QSGD:
   levels: int = 15
   bucket_size: int = 512
   kind = "quantizer"
+  aggregation = DENSE_QUANTIZERS
   elementwise_state = True
 
   def __post_init__(self):
@@ -291,6 +294,7 @@ class OneBit:
   scaling: str = "mean"
   error_feedback: bool = True
   kind = "quantizer"
+  aggregation = DENSE_QUANTIZERS
   elementwise_state = True
 
   def __post_init__(self):
@@ -371,6 +375,7 @@ class TBQ:
   """
   threshold: float = 1.0
   kind = "quantizer"
+  aggregation = DENSE_QUANTIZERS
   elementwise_state = True
 
   def __post_init__(self):
@@ -443,6 +448,7 @@ class TernGrad:
   bits: int = 2
   clip: float | None = None
   kind = "quantizer"
+  aggregation = DENSE_QUANTIZERS
   elementwise_state = True
 
   def __post_init__(self):

@@ -10,6 +10,7 @@ from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.formats._bits import fmix32
+from jaxlp.parallel._aggregate import SPARSIFIERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   det_sum,
@@ -30,6 +31,7 @@ def _flat(g):
 
 class _Sparse:
   kind = "sparse"
+  aggregation = SPARSIFIERS
   elementwise_state = True
 
   def decode(self, payload, shape):
@@ -284,6 +286,7 @@ class RandomK:
   ratio: float = 0.01
   error_feedback: bool = True
   kind = "sparse"
+  aggregation = SPARSIFIERS
   elementwise_state = True
 
   def __post_init__(self):
