@@ -144,16 +144,15 @@ class CGX:
   def decode(self, payload, shape):
     n = numel(shape)
     nq, nb = self._split(n)
+    # decode is elementwise: keep XLA from fusing (and redoing) the encoder's work into it
+    # when both run in one program
+    payload = lax.optimization_barrier(payload)
     if nq:
       meta = payload["meta"].reshape(nb, 2)
-      lev = unpack_bits(payload["levels"], self.bits, nq)
+      lev = unpack_bits(payload["levels"], self.bits, nq).astype(jnp.float32)
       lev = jnp.pad(lev, (0, nb * self.bucket_size - nq)).reshape(nb, -1)
-      # min + unit*level of every level of every bucket (a small table, each product rounded
-      # separately: no FMA), then one gather per element
-      top = 2 ** self.bits
-      table = meta[:, 1:2] + no_fma(meta[:, 0:1] * jnp.arange(top, dtype=jnp.float32)[None, :])
-      base = (jnp.arange(nb, dtype=jnp.uint32) * top)[:, None]
-      out = lax.optimization_barrier(table).reshape(-1)[(lev + base).reshape(-1)[:nq]]
+      out = meta[:, 1:2] + no_fma(meta[:, 0:1] * lev)
+      out = out.reshape(-1)[:nq]
     else:
       out = jnp.zeros((0,), jnp.float32)
     if self.skip_incomplete:
@@ -244,6 +243,7 @@ class QSGD:
   def decode(self, payload, shape):
     n = numel(shape)
     nb = payload["norm"].shape[0]
+    payload = lax.optimization_barrier(payload)  # see CGX.decode
     code = unpack_bits(payload["codes"], self.bits, n)
     code = jnp.pad(code, (0, nb * self.bucket_size - n)).reshape(nb, -1)
     # level/levels for every possible level (a small table, the same IEEE quotients)

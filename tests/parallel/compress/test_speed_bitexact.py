@@ -1,0 +1,135 @@
+"""The fast compressor paths (issue 14) give the bits of the straightforward ones they replaced.
+
+The references below are the previous implementations (bit-stream packing, jax.random.bits
+noise, one IEEE division per CGX element, a division per QSGD element in decode).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlp.parallel.compressors as C
+from jaxlp.parallel.compressors._base import exact_div, no_fma, random_bits32, uniform01
+
+KEY = jax.random.key(11)
+
+
+def _bytes(a):
+  a = np.asarray(a)
+  return a.dtype, a.shape, a.tobytes()
+
+
+def ref_pack(codes, bits, pad_code=0):
+  codes = jnp.ravel(codes).astype(jnp.uint32)
+  n = codes.shape[0]
+  nbytes = (n * bits + 7) // 8
+  if 8 % bits == 0:
+    codes = jnp.pad(codes, (0, nbytes * (8 // bits) - n), constant_values=pad_code)
+  stream = (codes[:, None] >> jnp.arange(bits, dtype=jnp.uint32)[None, :]) & 1
+  stream = jnp.pad(stream.reshape(-1), (0, nbytes * 8 - stream.size))
+  return jnp.sum(stream.reshape(nbytes, 8) << jnp.arange(8, dtype=jnp.uint32)[None, :], axis=1,
+                 dtype=jnp.uint32).astype(jnp.uint8)
+
+
+def ref_unpack(packed, bits, n):
+  stream = ((packed.astype(jnp.uint32)[:, None] >> jnp.arange(8, dtype=jnp.uint32)[None, :])
+            & 1).reshape(-1)
+  stream = stream[:n * bits].reshape(n, bits)
+  return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint32)[None, :], axis=1, dtype=jnp.uint32)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_unpack_equal_bit_stream_reference(bits):
+  rng = np.random.default_rng(bits)
+  for n in (0, 1, 9, 23, 1001):
+    codes = jnp.asarray(rng.integers(0, 2 ** bits, n).astype(np.uint32))
+    pads = (0, 2 ** bits - 1) if 8 % bits == 0 else (0,)
+    for pad in pads:
+      packed = C.pack_bits(codes, bits, pad)
+      assert _bytes(packed) == _bytes(ref_pack(codes, bits, pad)), (n, pad)
+    assert _bytes(C.unpack_bits(packed, bits, n)) == _bytes(codes)
+    if n:
+      assert _bytes(C.unpack_bits(packed, bits, n)) == _bytes(ref_unpack(packed, bits, n))
+
+
+@pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(5),
+                                 jax.random.fold_in(jax.random.key(1), 9)],
+                         ids=["typed", "raw", "folded"])
+def test_random_bits_equal_jax_random_bits(key):
+  for shape in [(), (0,), (1,), (3, 5), (1000,)]:
+    want = jax.random.bits(key, shape, jnp.uint32)
+    assert _bytes(random_bits32(key, shape)) == _bytes(want)
+    assert _bytes(jax.jit(random_bits32, static_argnums=1)(key, shape)) == _bytes(want)
+  keys = jax.random.split(jax.random.key(0), 3)
+  got = jax.vmap(lambda k: uniform01(k, (17,)))(keys)
+  want = jax.vmap(lambda k: (jax.random.bits(k, (17,), jnp.uint32) >> 8).astype(jnp.float32)
+                  * jnp.float32(2.0 ** -24))(keys)
+  assert _bytes(got) == _bytes(want)
+
+
+def ref_cgx(x, bits, bucket, key=None):
+  """The previous CGX encode/decode: one IEEE division per element."""
+  n = x.shape[0]
+  nb = -(-n // bucket)
+  xb = jnp.pad(x, (0, nb * bucket - n), mode="edge").reshape(nb, -1)
+  mx, mn = jnp.max(xb, axis=1, keepdims=True), jnp.min(xb, axis=1, keepdims=True)
+  top = 2 ** bits - 1
+  unit = exact_div(mx - mn, top)
+  r = jnp.float32(0.5) if key is None else uniform01(key, xb.shape)
+  safe = jnp.where(unit < 1e-10, jnp.float32(1.0), unit)
+  lev = jnp.floor(exact_div(xb - mn, safe) + r)
+  lev = jnp.where(unit < 1e-10, 0.0, jnp.clip(lev, 0.0, top))
+  dec = lev.astype(jnp.uint32).astype(jnp.float32)  # what decode reads back
+  out = (mn + no_fma(unit * dec)).reshape(-1)[:n]
+  return ref_pack(lev.reshape(-1)[:n].astype(jnp.uint32), bits), out
+
+
+def _cgx_inputs():
+  rng = np.random.default_rng(0)
+  yield rng.standard_normal(1000).astype(np.float32)
+  yield (rng.integers(0, 16, 1200) * 0.5).astype(np.float32)  # q + 0.5 on integers: ties
+  yield (rng.standard_normal(600) * 1e-9).astype(np.float32)  # unit near / under 1e-10
+  yield np.array([2.5], np.float32)
+  x = rng.standard_normal(900).astype(np.float32)
+  x[5], x[600] = np.inf, np.nan
+  yield x
+
+
+@pytest.mark.parametrize("bits,bucket,stochastic", [(4, 512, False), (8, 64, False),
+                                                    (3, 7, True)])
+def test_cgx_equals_per_element_division(bits, bucket, stochastic):
+  c = C.cgx(bits, bucket, stochastic)
+  key = KEY if stochastic else None
+  enc = jax.jit(lambda x: c.encode(x, (), key)[0])
+  for x in _cgx_inputs():
+    payload = enc(jnp.asarray(x))
+    levels, out = ref_cgx(jnp.asarray(x), bits, bucket, key)
+    assert _bytes(payload["levels"]) == _bytes(levels)
+    assert _bytes(c.decode(payload, x.shape)) == _bytes(out)
+
+
+def test_cgx_near_tie_fallback_paths():
+  """Every bucket near a tie (more than the gathered capacity): the whole-leaf exact path."""
+  x = jnp.asarray((np.arange(64 * 40) % 16 * 0.5).astype(np.float32))
+  c = C.cgx(4, 16)
+  levels, out = ref_cgx(x, 4, 16)
+  payload = jax.jit(lambda x: c.encode(x, ())[0])(x)
+  assert _bytes(payload["levels"]) == _bytes(levels)
+  assert _bytes(c.decode(payload, x.shape)) == _bytes(out)
+  # vmap (the engine's emulation): same bits per worker
+  xs = jnp.stack([x, -x, x * 3])
+  got = jax.vmap(lambda x: c.encode(x, ())[0]["levels"])(xs)
+  for i in range(3):
+    assert _bytes(got[i]) == _bytes(ref_cgx(xs[i], 4, 16)[0])
+
+
+def test_qsgd_decode_equals_per_element_division():
+  c = C.qsgd(15, 64)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal(1000).astype(np.float32))
+  payload, _ = c.encode(x, (), KEY)
+  code = C.unpack_bits(payload["codes"], c.bits, 1000)
+  code = jnp.pad(code, (0, 1024 - 1000)).reshape(16, -1)
+  mag = exact_div((code >> 1).astype(jnp.float32), 15)
+  want = (payload["norm"][:, None] * jnp.where((code & 1) == 1, -mag, mag)).reshape(-1)[:1000]
+  assert _bytes(c.decode(payload, (1000,))) == _bytes(want)
