@@ -304,9 +304,16 @@ class _DenseQuantizers(_Elementwise):
     return 2 * (w - 1) * comp.wire_bytes((cdiv(n, w),))
 
 
+def _bound(comp, w):
+  """A sparsifier bound to its ``w`` workers where its capacity depends on W (DGC's warm-up
+  cap: the message never costs more than the dense all-reduce)."""
+  return comp.for_workers(w) if hasattr(comp, "for_workers") else comp
+
+
 class _Sparsifiers(_Elementwise):
 
   def _reduce_flat(self, comp, x, st, bucket, ctx):
+    comp = _bound(comp, ctx.w)
     k = jax.random.fold_in(ctx.worker_key, bucket.leaves[0])
     if ctx.mean:
       x = exact_div(x, ctx.w)
@@ -315,7 +322,7 @@ class _Sparsifiers(_Elementwise):
   def wire_bytes(self, comp, bucket, w, algorithm) -> int:
     del algorithm
     n = sum(numel(s) for s in bucket.shapes)
-    return (w - 1) * self._gathered_payload(comp, n, bucket.parts)
+    return (w - 1) * self._gathered_payload(_bound(comp, w), n, bucket.parts)
 
 
 def _ring_in_narrow_type(comp) -> bool:

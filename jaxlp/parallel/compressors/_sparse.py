@@ -51,8 +51,14 @@ class DGC(_Sparse):
   exact top-k); send ``v_i`` for ``|v_i| > thr`` (at most the k largest); momentum factor
   masking ``u_i = v_i = 0`` on sent entries. Warm-up (``warmup > 0``): the kept fraction is
   ``max(ratio, 0.25**(1 + step // warmup))`` (75%, 93.75%, 98.4%, ... sparsity, one stage per
-  ``warmup`` steps); the payload then has the capacity of the first stage (``wire_bytes`` is that
-  capacity; ``count`` says how many slots are used). Use plain SGD (no extra momentum) with it.
+  ``warmup`` steps, rising exponentially to the target); the payload then has the capacity of
+  the first stage (``wire_bytes`` is that capacity; ``count`` says how many slots are used),
+  except that the aggregation binds the compressor to its W workers (:meth:`for_workers`) and
+  the capacity is then capped so that the all-gathered message never costs more than the dense
+  fp32 ring all-reduce it replaces: ``(W-1)(4 + 8k) <= 8n(W-1)/W``, i.e. at most
+  ``k = floor(n/W - 1/2)`` values (with W = 8 the first stage keeps 12.5%, not 25%).
+  The momentum correction replaces the optimizer's momentum: use plain SGD with it
+  (``jaxlp train`` refuses DGC together with ``--momentum``).
 
   References:
     Lin et al., "Deep Gradient Compression", ICLR 2018.
@@ -62,6 +68,7 @@ class DGC(_Sparse):
   sample_rate: float | None = 0.01
   clip: float | None = None
   warmup: int = 0
+  workers: int | None = None
 
   def __post_init__(self):
     for name in ("ratio", "momentum", "sample_rate", "clip"):
@@ -75,8 +82,16 @@ class DGC(_Sparse):
   def _max_keep(self):
     return max(self.ratio, 0.25) if self.warmup else self.ratio
 
+  def for_workers(self, w: int) -> DGC:
+    """This compressor as used by ``w`` workers (the warm-up capacity cap needs W)."""
+    return dataclasses.replace(self, workers=int(w)) if self.warmup else self
+
   def capacity(self, n):
-    return sparse_capacity(n, self._max_keep())
+    cap = sparse_capacity(n, self._max_keep())
+    if self.warmup and self.workers and self.workers > 1:
+      dense_cap = (2 * n - self.workers) // (2 * self.workers)  # floor(n/W - 1/2)
+      cap = max(sparse_capacity(n, self.ratio), min(cap, dense_cap))
+    return cap
 
   def init(self, shape, dtype=jnp.float32, key=None):
     n = numel(shape)
