@@ -369,6 +369,11 @@ class Trainer:
       raise ValueError("give either --compress or a gradient format, not both")
     _check_reduce_opts(cfg.compress, self.reduce_opts)
     _check_momentum_correction(self.compressor, cfg)
+    if cfg.order != "chain" and self.fmt is None:
+      raise ValueError(
+          f"--order {cfg.order} applies only to a low-precision gradient sum (--grad-exp/"
+          "--grad-man or --grad-format): fp32 runs reduce with lax.psum and --compress runs "
+          "with the compressor's aggregation (choose it with --compress NAME:algorithm=...)")
     policy = _policy(cfg)
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
     kw = {}
