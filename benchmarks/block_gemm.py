@@ -90,7 +90,7 @@ def gemm_rows(size, repeats, on_gpu):
   for case, fa, fb, g, bits, xx in (
       ("HBFP8 hbfp(7,24)", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7, x),
       ("HBFP8 hbfp(7,24), K-blocks scaled 2^U{-12..12}", F.hbfp(7, 24), F.hbfp(7, 24), 24, 7,
-       x * spread),
+       x * spread[None, :]),
       ("MXINT8 mx(int8,32)", F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32, 7, x)):
     a, b = F.quantize(xx, fa), F.quantize(w, fb)
     t_emu, y_emu = timed(emu, a, b, repeats=repeats)

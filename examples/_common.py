@@ -37,6 +37,7 @@ def run(args, **cfg_kwargs) -> list[dict]:
     # trained in tests/flax and by `jaxlp train --model ...`); everything else as configured.
     cfg.model = "cnn" if cfg.model in ("resnet9", "resnet18", "vgg19") else cfg.model
     cfg.epochs, cfg.max_steps_per_epoch, cfg.width = 1, 2, 4
+    cfg.warmup_epochs = min(cfg.warmup_epochs, cfg.epochs)
     cfg.batch_size = max(cfg.nodes * 2, 16)
     cfg.data, cfg.data_dir = "digits", None
   return train(cfg)
