@@ -188,6 +188,7 @@ def powersgd(rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a value out of range.
 
   Example:

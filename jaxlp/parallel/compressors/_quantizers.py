@@ -182,6 +182,7 @@ def cgx(bits=4, bucket_size=512, stochastic=False, skip_incomplete=False) -> CGX
     or :func:`jaxlp.parallel.compressed_allreduce`).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a value out of range.
 
   Example:
@@ -268,6 +269,7 @@ def qsgd(levels=15, bucket_size=512) -> QSGD:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a value out of range.
 
   Example:
@@ -351,6 +353,7 @@ def onebit(scaling="mean", error_feedback=True) -> OneBit:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: an unknown ``scaling``.
 
   Example:
@@ -416,6 +419,7 @@ def tbq(threshold=1.0) -> TBQ:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a threshold that is not positive.
 
   Example:
@@ -534,6 +538,7 @@ def terngrad(variant="paper", bits=2, clip=None) -> TernGrad:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: an unknown variant or a value out of range.
 
   Example:

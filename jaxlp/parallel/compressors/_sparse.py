@@ -135,6 +135,7 @@ def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a value out of range.
 
   Example:
@@ -190,6 +191,7 @@ def graddrop(drop_ratio=0.99, sample_rate=0.01) -> GradDrop:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a value out of range.
 
   Example:
@@ -239,6 +241,7 @@ def topk(ratio=0.01, error_feedback=True) -> TopK:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a ratio out of range.
 
   Example:
@@ -353,6 +356,7 @@ def randomk(ratio=0.01, error_feedback=True) -> RandomK:
     The compressor (a frozen dataclass).
 
   Raises:
+    TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
     ValueError: a ratio out of range.
 
   Example:
