@@ -71,3 +71,20 @@ def test_verdicts(tmp_path):
   table = report_table({"claim": "x", "settings": [{"name": "n", "rows": rows}]})
   assert "| x | n | fp32 | 0.9000 | 0.9000 (0.9000) | +0.0 | 1.0 | baseline |" in table
   assert not os.listdir(tmp_path)
+
+
+def test_data_dir_runs_the_full_scale_settings(tmp_path, capsys):
+  """``--data-dir`` switches the settings to CIFAR-10 (here a tiny fake folder, at toy size)."""
+  from test_data import _write_cifar
+
+  _write_cifar(str(tmp_path / "data"), n=20)
+  out = tmp_path / "out"
+  assert main(["reproduce", "cgx", "--toy", "--seeds", "0", "--no-plot", "--data-dir",
+               str(tmp_path / "data"), "--out", str(out)]) == 0
+  summary = json.loads((out / "cgx" / "summary.json").read_text())
+  assert summary["data_dir"] == str(tmp_path / "data")
+  setting = summary["settings"][0]
+  assert setting["base"]["data"] == "cifar10" and "(full scale)" in setting["name"]
+  config = json.loads((out / "cgx" / "s0" / "cgx4" / "seed0" / "config.json").read_text())
+  assert config["data"] == "cifar10" and config["data_dir"] == str(tmp_path / "data")
+  assert "full scale" in capsys.readouterr().out
