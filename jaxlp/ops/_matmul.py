@@ -11,19 +11,15 @@ reference elsewhere.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxlp._util import cdiv
-from jaxlp.formats._quantize import DTypeError
 from jaxlp.pallas import _gemm as G
 from jaxlp.pallas._matmul import kernel_applies
 from jaxlp.pallas._matmul import matmul as _kernel_matmul
-
-_FLOAT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
 
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
@@ -78,7 +74,7 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     >>> jaxlp.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=4)
     Array([[260.]], dtype=float32)
   """
-  a, b = _operands(a, b, dimension_numbers)
+  a, b = G.operands(a, b, dimension_numbers)
   kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding,
             dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type)
   G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
@@ -87,48 +83,6 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   if dimension_numbers is not None:  # hashable (a static argument of the dispatch)
     kw["dimension_numbers"] = tuple(tuple(tuple(d) for d in pair) for pair in dimension_numbers)
   return _dispatch(a, b, key, bias, tuple(kw.items()))
-
-
-def _operands(a, b, dimension_numbers):
-  """``a``, ``b`` as jax arrays, with :func:`jaxlp.quantize`'s dtype rule (the caller's
-  dtype must be float32/float16/bfloat16: ``jnp.asarray`` would narrow a numpy float64
-  array silently) and every ``dimension_numbers`` axis in range (not wrapped)."""
-  out = []
-  for name, x in (("a", a), ("b", b)):
-    in_dtype = getattr(x, "dtype", None)
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    dt = x.dtype if in_dtype is None else jnp.dtype(in_dtype)
-    if dt not in _FLOAT_DTYPES or x.dtype not in _FLOAT_DTYPES:
-      raise DTypeError(f"matmul: {name} must be float32, float16 or bfloat16, got "
-                       f"{name}.dtype={dt} (cast explicitly; float64 would be double-rounded "
-                       "through float32)")
-    out.append(x)
-  a, b = out
-  if dimension_numbers is not None:
-    try:
-      (lc, rc), (lb, rb) = dimension_numbers
-      groups = [("lhs contracting", lc, a.ndim), ("rhs contracting", rc, b.ndim),
-                ("lhs batch", lb, a.ndim), ("rhs batch", rb, b.ndim)]
-      groups = [(what, tuple(ds), n) for what, ds, n in groups]
-    except (TypeError, ValueError):
-      raise ValueError("matmul: dimension_numbers must be ((lhs_contracting, rhs_contracting), "
-                       f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
-    for what, ds, n in groups:
-      for d in ds:
-        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
-          raise TypeError(f"matmul: {what} dimension {d!r} in dimension_numbers="
-                          f"{dimension_numbers} is not an int")
-        if not -n <= d < n:
-          raise ValueError(f"matmul: {what} dimension {d} in dimension_numbers="
-                           f"{dimension_numbers} is out of range for an operand with {n} "
-                           "dimension(s)")
-    for side, (c, bt, n) in (("lhs", (groups[0][1], groups[2][1], a.ndim)),
-                             ("rhs", (groups[1][1], groups[3][1], b.ndim))):
-      norm = [int(d) % n for d in c + bt]
-      if len(set(norm)) != len(norm):
-        raise ValueError(f"matmul: dimension_numbers={dimension_numbers} names a {side} "
-                         "dimension twice")
-  return a, b
 
 
 #: Platforms whose compiled code runs the Pallas kernel (Triton on NVIDIA GPUs); every other
@@ -194,7 +148,7 @@ def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
   Returns:
     The product, shaped as ``lax.dot_general`` would shape it.
   """
-  a, b = _operands(a, b, dimension_numbers)
+  a, b = G.operands(a, b, dimension_numbers)
   G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
   dt = G.out_dtype(a, b, preferred_element_type)
   A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)

@@ -18,16 +18,61 @@ form A (Bt, M, K), B (Bt, K, N), output O = Bt*M*N elements with flat index
 from __future__ import annotations
 
 import math
+import numbers
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats._quantize import check_format, is_elementwise
+from jaxlp.formats._quantize import DTypeError, check_format, is_elementwise
 
 ALGORITHMS = ("naive", "kahan", "chunked")
 ROUNDINGS_PER_STEP = {"naive": 2, "kahan": 5, "chunked": 1}
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def operands(a, b, dimension_numbers):
+  """``a``, ``b`` as jax arrays (shared by :func:`jaxlp.matmul`, its reference and
+  :func:`jaxlp.pallas.matmul`), with :func:`jaxlp.quantize`'s dtype rule (the caller's
+  dtype must be float32/float16/bfloat16: ``jnp.asarray`` would narrow a numpy float64
+  array silently) and every ``dimension_numbers`` axis in range (not wrapped)."""
+  out = []
+  for name, x in (("a", a), ("b", b)):
+    in_dtype = getattr(x, "dtype", None)
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    dt = x.dtype if in_dtype is None else jnp.dtype(in_dtype)
+    if dt not in _FLOAT_DTYPES or x.dtype not in _FLOAT_DTYPES:
+      raise DTypeError(f"matmul: {name} must be float32, float16 or bfloat16, got "
+                       f"{name}.dtype={dt} (cast explicitly; float64 would be double-rounded "
+                       "through float32)")
+    out.append(x)
+  a, b = out
+  if dimension_numbers is not None:
+    try:
+      (lc, rc), (lb, rb) = dimension_numbers
+      groups = [("lhs contracting", lc, a.ndim), ("rhs contracting", rc, b.ndim),
+                ("lhs batch", lb, a.ndim), ("rhs batch", rb, b.ndim)]
+      groups = [(what, tuple(ds), n) for what, ds, n in groups]
+    except (TypeError, ValueError):
+      raise ValueError("matmul: dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+                       f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}") from None
+    for what, ds, n in groups:
+      for d in ds:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+          raise TypeError(f"matmul: {what} dimension {d!r} in dimension_numbers="
+                          f"{dimension_numbers} is not an int")
+        if not -n <= d < n:
+          raise ValueError(f"matmul: {what} dimension {d} in dimension_numbers="
+                           f"{dimension_numbers} is out of range for an operand with {n} "
+                           "dimension(s)")
+    for side, (c, bt, n) in (("lhs", (groups[0][1], groups[2][1], a.ndim)),
+                             ("rhs", (groups[1][1], groups[3][1], b.ndim))):
+      norm = [int(d) % n for d in c + bt]
+      if len(set(norm)) != len(norm):
+        raise ValueError(f"matmul: dimension_numbers={dimension_numbers} names a {side} "
+                         "dimension twice")
+  return a, b
 
 
 def check_args(a, b, mul, acc, algorithm, chunk, rounding, key):

@@ -140,10 +140,13 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     The product, shaped as ``lax.dot_general`` would shape it.
 
   Raises:
-    TypeError: ``a`` or ``b`` is not float32, float16 or bfloat16.
-    ValueError: the argument errors of :func:`jaxlp.matmul` (unknown ``algorithm``, a
-      ``mul``/``acc`` that is not an elementwise format, a bad ``chunk``, ``"stochastic"``
-      without ``key``, operands with ndim < 2 and no ``dimension_numbers``).
+    DTypeError: ``a`` or ``b`` is not float32, float16 or bfloat16 (a numpy float64 array
+      included), as in :func:`jaxlp.matmul`.
+    TypeError: a ``dimension_numbers`` entry that is not an int.
+    ValueError: the argument errors of :func:`jaxlp.matmul` (a ``dimension_numbers`` axis
+      out of range or named twice, unknown ``algorithm``, a ``mul``/``acc`` that is not an
+      elementwise format, a bad ``chunk``, ``"stochastic"`` without ``key``, operands with
+      ndim < 2 and no ``dimension_numbers``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -156,7 +159,7 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     Array([[256.],
            [258.]], dtype=float32)
   """
-  a, b = jnp.asarray(a), jnp.asarray(b)
+  a, b = G.operands(a, b, dimension_numbers)
   G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
   dt = G.out_dtype(a, b, preferred_element_type)
   A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)

@@ -2,12 +2,14 @@
 flag, no traceback (issue 15). Runs the command in process (``main``), not in a subprocess."""
 
 import argparse
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxlp
+import jaxlp.pallas
 from jaxlp import formats as F
 from jaxlp.cli import build_parser, main
 from jaxlp.parallel import compressors as C
@@ -174,17 +176,21 @@ def test_block_axes_out_of_range_are_errors():
                                 jaxlp.quantize(x * 3.3, F.mx(F.E4M3FN, 2, axis=0)))
 
 
-def test_matmul_follows_quantize_dtype_rules_and_checks_axes():
+@pytest.mark.parametrize("mm", ["jaxlp", "pallas"])
+def test_matmul_follows_quantize_dtype_rules_and_checks_axes(mm):
+  # jaxlp.pallas.matmul shares jaxlp.matmul's operand checks (one prologue, pallas/_gemm.py)
+  matmul = (jaxlp.matmul if mm == "jaxlp"
+            else functools.partial(jaxlp.pallas.matmul, interpret=True))
   a64, b64 = np.ones((2, 3)), np.ones((3, 2))
   with pytest.raises(TypeError, match="float64") as e1:
-    jaxlp.matmul(a64, b64)
+    matmul(a64, b64)
   with pytest.raises(TypeError, match="float64") as e2:
     jaxlp.quantize(a64, F.BF16)
   assert type(e1.value) is type(e2.value)  # the same DTypeError
   a, b = a64.astype(np.float32), b64.astype(np.float32)
   with pytest.raises(ValueError, match="out of range"):
-    jaxlp.matmul(a, b, dimension_numbers=(((3,), (0,)), ((), ())))
+    matmul(a, b, dimension_numbers=(((3,), (0,)), ((), ())))
   with pytest.raises(ValueError, match="twice"):
-    jaxlp.matmul(a, b, dimension_numbers=(((1, -1), (0, 0)), ((), ())))
-  np.testing.assert_array_equal(jaxlp.matmul(a, b, dimension_numbers=(((-1,), (0,)), ((), ()))),
+    matmul(a, b, dimension_numbers=(((1, -1), (0, 0)), ((), ())))
+  np.testing.assert_array_equal(matmul(a, b, dimension_numbers=(((-1,), (0,)), ((), ()))),
                                 np.full((2, 2), 3.0, np.float32))
