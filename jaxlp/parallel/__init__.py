@@ -17,6 +17,7 @@ from jaxlp.parallel._psum import ORDERS as ORDERS
 from jaxlp.parallel._psum import payload_bytes as payload_bytes
 from jaxlp.parallel._psum import psum as psum
 from jaxlp.parallel._reduce import ReduceGradientsState as ReduceGradientsState
+from jaxlp.parallel._reduce import compressed_optimizer as compressed_optimizer
 from jaxlp.parallel._reduce import reduce_gradients as reduce_gradients
 from jaxlp.parallel._secopa import HIPRESS_COSTS as HIPRESS_COSTS
 from jaxlp.parallel._secopa import LinearCost as LinearCost
@@ -29,7 +30,8 @@ from jaxlp.parallel._two_level import psum_two_level as psum_two_level
 
 __all__ = [
     "HIPRESS_COSTS", "ORDERS", "CompressionState", "LinearCost", "PlanEntry",
-    "ReduceGradientsState", "SeCoPaCosts", "compressed_allreduce", "compressed_wire_bytes",
+    "ReduceGradientsState", "SeCoPaCosts", "compressed_allreduce", "compressed_optimizer",
+    "compressed_wire_bytes",
     "compressors", "emulate",
     "format_emax", "hipress_costs", "init_compression_state", "initialize",
     "measure_costs", "ordered_psum", "payload_bytes", "psum", "psum_two_level",

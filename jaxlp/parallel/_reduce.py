@@ -1,7 +1,9 @@
-"""``reduce_gradients``: the data-parallel all-reduce as an optax transformation."""
+"""``reduce_gradients``: the data-parallel all-reduce as an optax transformation;
+``compressed_optimizer``: it chained before an optimizer, refusing a stacked momentum."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +55,15 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     compressor: a compressor of ``jaxlp.parallel.compressors``; the reduction is then
       ``jaxlp.parallel.compressed_allreduce(..., mean=mean, **compressor_opts)``
       (which takes the mean itself, as each compressor family defines it) and the state holds
-      its :class:`~jaxlp.parallel.CompressionState` (error feedback).
+      its :class:`~jaxlp.parallel.CompressionState` (error feedback). Shapes are static, so
+      ``dgc(..., warmup=...)`` sends every step with the capacity of its FIRST warm-up stage
+      (``ceil(n/4)`` values per leaf or bucket, capped at ``floor(n/W - 1/2)``, the dense
+      all-reduce's bytes), also after the warm-up; its selection still follows the stage of
+      the state's step. To send each stage's own capacity, build one transform per stage with
+      ``compressor=comp.at_stage(s)`` and update with the one of ``comp.stage_at(step)``
+      (a jitted step each; the transforms share the state, and the bits equal this one's).
+      DGC's momentum correction replaces the optimizer's momentum: chain the optimizer with
+      :func:`compressed_optimizer`, which refuses a stacked momentum.
     mean: return the mean instead of the sum.
     key: base PRNG key for stochastic rounding (default ``jax.random.key(0)``); step t
       uses ``fold_in(key, t)``.
@@ -132,6 +142,114 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     return updates, ReduceGradientsState(state.count + 1, state.key, cstate)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+_MOMENTUM_FIELDS = {  # state field -> the transforms that keep it
+    "trace": "optax.trace: optax.sgd(..., momentum=m), optax.rmsprop(..., momentum=m), "
+             "jaxlp.optim.trace",
+    "mu": "a first moment: optax.adam/adamw/lamb/lion/..., jaxlp.optim.scale_by_adam",
+    "momentum": "momentum buffers: jaxlp.optim.lars",
+    "ema": "optax.ema, an exponential moving average of the updates",
+}
+
+
+def _momentum_states(state, path):
+  """``(path, state type, field)`` of every optimizer-state field that holds momentum."""
+  found = []
+  if dataclasses.is_dataclass(state) and not isinstance(state, type):
+    items = [(f.name, getattr(state, f.name)) for f in dataclasses.fields(state)]
+    named = True
+  elif isinstance(state, tuple) and hasattr(state, "_fields"):
+    items, named = list(zip(state._fields, state, strict=True)), True
+  elif isinstance(state, (tuple, list)):
+    items, named = [(f"[{i}]", v) for i, v in enumerate(state)], False
+  elif isinstance(state, dict):
+    items, named = [(f"[{k!r}]", v) for k, v in state.items()], False
+  else:
+    return found
+  for name, value in items:
+    sub = f"{path}.{name}" if named else f"{path}{name}"
+    if named and name in _MOMENTUM_FIELDS and jax.tree_util.tree_leaves(value):
+      found.append((sub, type(state).__name__, name))
+    else:
+      found += _momentum_states(value, sub)
+  return found
+
+
+def compressed_optimizer(optimizer, axis_name, compressor, **reduce_kwargs):
+  """``optax.chain(reduce_gradients(axis_name, compressor=compressor, ...), optimizer)`` that
+  refuses to stack two momentums.
+
+  DGC's momentum correction (Lin et al. 2018, Sec. 3.2) replaces the optimizer's momentum;
+  an optimizer that keeps its own momentum on top applies momentum twice (the digits MLP
+  diverges), and :func:`reduce_gradients` alone cannot see the transforms after it. When the
+  compressor applies momentum correction (its ``momentum_correction`` factor is nonzero, e.g.
+  ``dgc(momentum=0.9)``), ``init`` inspects ``optimizer.init(params)``'s state tree (nested
+  chains, ``inject_hyperparams``, named tuples, dicts, dataclasses) and refuses momentum
+  state: a non-empty field ``trace`` (``optax.trace``, ``optax.sgd(momentum=...)``), ``mu``
+  (Adam-like first moments, Lion), ``momentum`` (``jaxlp.optim.lars``) or ``ema``. A trace
+  with ``momentum=0.0`` counts (the state cannot tell its decay): pass ``momentum=None``.
+  Otherwise the result is exactly the chain: the same state and the same bits.
+
+  Args:
+    optimizer: an ``optax.GradientTransformation`` applied to the reduced gradients.
+    axis_name: worker axis (or tuple of axes), as in :func:`reduce_gradients`.
+    compressor: a compressor of ``jaxlp.parallel.compressors`` (not None).
+    **reduce_kwargs: the other keywords of :func:`reduce_gradients` (``mean``, ``key``,
+      ``min_size``, ``skip_vectors``, ``algorithm``, ``bucket_mb``, ``plan``).
+
+  Returns:
+    ``optax.GradientTransformationExtraArgs`` whose state is the chain's
+    ``(ReduceGradientsState, optimizer state)``.
+
+  Raises:
+    ValueError: ``compressor`` is None; from ``init``: the compressor applies momentum
+      correction and the optimizer keeps momentum state (the message names the state, its
+      transform and the two fixes). :func:`reduce_gradients` raises for bad ``reduce_kwargs``.
+
+  Example:
+    DGC with plain SGD over four workers (a named ``vmap``); SGD with momentum is refused:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jaxlp import parallel as P
+    >>> comp = P.compressors.dgc(ratio=0.5, momentum=0.9, sample_rate=None)
+    >>> tx = P.compressed_optimizer(optax.sgd(0.1), "w", comp, min_size=0)
+    >>> def step(g):
+    ...   updates, _ = tx.update(g, tx.init(g))
+    ...   return updates
+    >>> g = jnp.tile(jnp.array([[4.0, 1.0]]), (4, 1, 1))   # a (1, 2) gradient per worker
+    >>> jax.vmap(step, axis_name="w")(g)[0]   # DGC kept 1 of the 2 values
+    Array([[-0.4, -0. ]], dtype=float32)
+    >>> P.compressed_optimizer(optax.sgd(0.1, momentum=0.9), "w", comp).init(jnp.zeros(2))
+    Traceback (most recent call last):
+    ...
+    ValueError: compressed_optimizer: ...
+  """
+  import optax
+
+  if compressor is None:
+    raise ValueError("compressed_optimizer: compressor is None; for an uncompressed or "
+                     "low-precision sum chain reduce_gradients(axis_name, fmt=...) yourself")
+  chain = optax.chain(reduce_gradients(axis_name, compressor=compressor, **reduce_kwargs),
+                      optimizer)
+  factor = float(getattr(compressor, "momentum_correction", 0.0) or 0.0)
+
+  def init_fn(params):
+    state = chain.init(params)
+    found = _momentum_states(state[1], "optimizer.init(params)") if factor else []
+    if found:
+      where = "; ".join(f"{path} ({kind}.{field}: {_MOMENTUM_FIELDS[field]})"
+                        for path, kind, field in found)
+      raise ValueError(
+          f"compressed_optimizer: the compressor {type(compressor).__name__} applies momentum "
+          f"correction (momentum={factor}), which replaces the optimizer's momentum, but the "
+          f"optimizer keeps momentum state at {where}; stacked, momentum is applied twice. "
+          f"Fix: an optimizer without momentum (e.g. optax.sgd(lr), momentum=None), or keep "
+          f"the optimizer's momentum and set the compressor's momentum=0 (e.g. "
+          f"compressors.dgc(..., momentum=0))")
+    return state
+
+  return optax.GradientTransformationExtraArgs(init_fn, chain.update)
 
 
 def _div(g, w):

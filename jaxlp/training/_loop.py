@@ -8,6 +8,7 @@ the backward pass, so the low-precision SUM across workers is the mean gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -260,8 +261,9 @@ _REDUCE_OPTS = ("algorithm", "bucket_mb", "min_size", "skip_vectors")
 
 def _check_momentum_correction(compressor, cfg) -> None:
   """DGC's momentum correction REPLACES the optimizer's momentum (Lin et al. 2018, Sec. 3.2):
-  stacking both applies momentum twice (the digits MLP diverges). Refuse the pair."""
-  m = getattr(compressor, "momentum", 0.0) if type(compressor).__name__ == "DGC" else 0.0
+  stacking both applies momentum twice (the digits MLP diverges). Refuse the pair. A compressor
+  that applies momentum correction says so with its ``momentum_correction`` factor."""
+  m = getattr(compressor, "momentum_correction", 0.0)
   if m and cfg.momentum:
     raise ValueError(
         f"--compress {cfg.compress}: DGC's momentum correction (momentum={m}) replaces SGD's "
@@ -423,19 +425,50 @@ class Trainer:
       one = init_compression_state(self.compressor, self.params)
       self.comp_state = jax.tree_util.tree_map(
           lambda a: jnp.broadcast_to(a, (cfg.nodes,) + a.shape), one)
-    self.wire_per_step = wire_bytes_per_step(cfg, self.compressor, self.params,
-                                             min_size=self.reduce_opts.get("min_size", 1024))
+    self._wire_bytes: dict = {}  # per warm-up stage
     self.epoch = 0
     self.step = 0
     self._build_step()
 
+  # -- DGC warm-up stages: one static payload capacity (one compiled step) per stage ---------
+  def _stage(self, step: int) -> int:
+    """DGC's warm-up stage of step ``step`` (``DGC.stage_at``); 0 for anything else."""
+    comp = self.compressor
+    return comp.stage_at(step) if callable(getattr(comp, "stage_at", None)) else 0
+
+  def _compressor_at(self, step: int):
+    """The compressor of step ``step``: DGC specialised to that step's warm-up stage (its own
+    static payload capacity, ``DGC.at_stage``), any other compressor as configured."""
+    comp = self.compressor
+    if callable(getattr(comp, "stage_at", None)):
+      return comp.at_stage(comp.stage_at(step))
+    return comp
+
+  def wire_bytes_at(self, step: int) -> int:
+    """Bytes each worker sends at step ``step`` (:func:`wire_bytes_per_step` of that step's
+    compressor: DGC's warm-up stages send less as the sparsity rises)."""
+    stage = self._stage(step)
+    if stage not in self._wire_bytes:
+      self._wire_bytes[stage] = wire_bytes_per_step(
+          self.cfg, self._compressor_at(step), self.params,
+          min_size=self.reduce_opts.get("min_size", 1024))
+    return self._wire_bytes[stage]
+
+  @property
+  def wire_per_step(self) -> int:
+    """Bytes each worker sends per step once any DGC warm-up is over (the steady state)."""
+    comp = self.compressor
+    last = comp.stages * comp.warmup if callable(getattr(comp, "stage_at", None)) else 0
+    return self.wire_bytes_at(last)
+
   # -- the jitted step ---------------------------------------------------------------------
-  def _reduce(self, g, key, comp_state):
+  def _reduce(self, g, key, comp_state, comp=None):
     cfg = self.cfg
     W = cfg.nodes
-    if self.compressor is not None:
+    comp = self.compressor if comp is None else comp
+    if comp is not None:
       # compressed_allreduce with mean=False: the loss is already pre-scaled by 1/W.
-      return compressed_allreduce(g, comp_state, self.axis, self.compressor, mean=False, key=key,
+      return compressed_allreduce(g, comp_state, self.axis, comp, mean=False, key=key,
                                   **self.reduce_opts)
     if self.fmt is None or W == 1:
       return jax.tree_util.tree_map(lambda a: lax.psum(a, self.axis), g), comp_state
@@ -460,24 +493,27 @@ class Trainer:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
 
-    def node_step(params, batch_stats, x, y, key, comp_state):
-      (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x, y)
-      g, comp_state = self._reduce(g, key, comp_state)
-      loss = lax.psum(loss, self.axis)
-      new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, self.axis), new_bs)
-      return g, loss, new_bs, comp_state
+    def make_train_step(comp):
+      def node_step(params, batch_stats, x, y, key, comp_state):
+        (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x,
+                                                                        y)
+        g, comp_state = self._reduce(g, key, comp_state, comp)
+        loss = lax.psum(loss, self.axis)
+        new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, self.axis), new_bs)
+        return g, loss, new_bs, comp_state
 
-    vstep = jax.vmap(node_step, in_axes=(None, None, 0, 0, None, 0), axis_name="nodes")
-    if self.ndev > 1:
-      # Real devices x emulated nodes: shard the worker axis over a device mesh and vmap the
-      # workers of each device; reductions run over ("dev", "nodes"), worker-major.
+      vstep = jax.vmap(node_step, in_axes=(None, None, 0, 0, None, 0), axis_name="nodes")
+      if self.ndev > 1:
+        # Real devices x emulated nodes: shard the worker axis over a device mesh and vmap the
+        # workers of each device; reductions run over ("dev", "nodes"), worker-major.
 
-      mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
-      vstep = jax.shard_map(vstep, mesh=mesh,
-                            in_specs=(P(), P(), P("dev"), P("dev"), P(), P("dev")),
-                            out_specs=P("dev"), check_vma=False)
+        mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
+        vstep = jax.shard_map(vstep, mesh=mesh,
+                              in_specs=(P(), P(), P("dev"), P("dev"), P(), P("dev")),
+                              out_specs=P("dev"), check_vma=False)
+      return jax.jit(functools.partial(train_step, vstep))
 
-    def train_step(params, batch_stats, opt_state, comp_state, x, y, key):
+    def train_step(vstep, params, batch_stats, opt_state, comp_state, x, y, key):
       xs = x.reshape((W, x.shape[0] // W) + x.shape[1:])
       ys = y.reshape((W, y.shape[0] // W))
       cs = comp_state if comp_state is not None else jnp.zeros((W,), jnp.float32)
@@ -492,7 +528,9 @@ class Trainer:
                                    + [jnp.isfinite(loss[0])]))
       return params, bs0, opt_state, (cs if comp_state is not None else None), loss[0], finite
 
-    self._train_step = jax.jit(train_step)
+    # one compiled step per DGC warm-up stage (compiled when the stage starts); else one
+    self._train_steps: dict = {}
+    self._make_train_step = make_train_step
 
     def predict(params, batch_stats, x):
       v = {"params": params}
@@ -521,13 +559,18 @@ class Trainer:
       raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set ({len(perm)})")
     if cfg.max_steps_per_epoch:
       steps = min(steps, cfg.max_steps_per_epoch)
-    losses, nonfinite = [], 0
+    losses, nonfinite, wire = [], 0, 0
     for s in range(steps):
       idx = perm[s * cfg.batch_size:(s + 1) * cfg.batch_size]
       key = jax.random.fold_in(self.step_key, self.step)
+      stage = self._stage(self.step)
+      if stage not in self._train_steps:
+        self._train_steps[stage] = self._make_train_step(self._compressor_at(self.step))
+      wire += self.wire_bytes_at(self.step)
       (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
-       finite) = self._train_step(self.params, self.batch_stats, self.opt_state, self.comp_state,
-                                  jnp.asarray(ds.x_train[idx]), jnp.asarray(ds.y_train[idx]), key)
+       finite) = self._train_steps[stage](self.params, self.batch_stats, self.opt_state,
+                                         self.comp_state, jnp.asarray(ds.x_train[idx]),
+                                         jnp.asarray(ds.y_train[idx]), key)
       losses.append(float(loss))
       nonfinite += int(not bool(finite))
       self.step += 1
@@ -536,7 +579,7 @@ class Trainer:
     acc = self.evaluate()
     self.epoch += 1
     return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), "test_accuracy": acc,
-            "wire_bytes": int(self.wire_per_step * steps), "steps": steps,
+            "wire_bytes": int(wire), "steps": steps,
             "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0}
 
   # -- checkpoints -----------------------------------------------------------------------

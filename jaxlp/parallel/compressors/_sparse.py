@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
@@ -51,14 +52,27 @@ class DGC(_Sparse):
   exact top-k); send ``v_i`` for ``|v_i| > thr`` (at most the k largest); momentum factor
   masking ``u_i = v_i = 0`` on sent entries. Warm-up (``warmup > 0``): the kept fraction is
   ``max(ratio, 0.25**(1 + step // warmup))`` (75%, 93.75%, 98.4%, ... sparsity, one stage per
-  ``warmup`` steps, rising exponentially to the target); the payload then has the capacity of
-  the first stage (``wire_bytes`` is that capacity; ``count`` says how many slots are used),
-  except that the aggregation binds the compressor to its W workers (:meth:`for_workers`) and
-  the capacity is then capped so that the all-gathered message never costs more than the dense
+  ``warmup`` steps, rising exponentially to the target; ``step`` is the state's count of
+  encodes). Stage ``s`` keeps ``k_s = ceil(n * keep_s)`` values (float32 arithmetic);
+  :attr:`stages` is the first stage at the target.
+
+  Payload capacity (JAX shapes are static; ``wire_bytes`` is the capacity, ``count`` says how
+  many slots are used): with ``stage=None`` (the factory's default) one capacity serves every
+  step, the first stage's ``ceil(n/4)``; :meth:`at_stage` specialises the compressor to one
+  stage, whose capacity is ``k_s`` (after warm-up: ``max(ceil(n*ratio), k_s)``, the target's).
+  Either way the aggregation binds the compressor to its W workers (:meth:`for_workers`) and
+  the capacity is capped so that the all-gathered message never costs more than the dense
   fp32 ring all-reduce it replaces: ``(W-1)(4 + 8k) <= 8n(W-1)/W``, i.e. at most
-  ``k = floor(n/W - 1/2)`` values (with W = 8 the first stage keeps 12.5%, not 25%).
-  The momentum correction replaces the optimizer's momentum: use plain SGD with it
-  (``jaxlp train`` refuses DGC together with ``--momentum``).
+  ``k = floor(n/W - 1/2)`` values (with W = 8 the first stage keeps 12.5%, not 25%), and
+  never below the target's ``ceil(n*ratio)``. A stage's compressor selects exactly what the
+  unspecialised one selects at the steps of that stage unless the latter's capacity binds;
+  at a step of an EARLIER stage its smaller capacity truncates the selection. ``jaxlp train``
+  compiles one step per stage (:meth:`stage_at`); with :func:`jaxlp.parallel.reduce_gradients`
+  build one transform per stage with ``compressor=comp.at_stage(s)`` (they share the state).
+
+  The momentum correction replaces the optimizer's momentum (:attr:`momentum_correction`):
+  use plain SGD with it (``jaxlp train`` refuses DGC together with ``--momentum``;
+  :func:`jaxlp.parallel.compressed_optimizer` refuses an optimizer with momentum state).
 
   References:
     Lin et al., "Deep Gradient Compression", ICLR 2018.
@@ -69,11 +83,14 @@ class DGC(_Sparse):
   clip: float | None = None
   warmup: int = 0
   workers: int | None = None
+  stage: int | None = None
 
   def __post_init__(self):
     for name in ("ratio", "momentum", "sample_rate", "clip"):
       check_number("dgc", name, getattr(self, name), none_ok=name in ("sample_rate", "clip"))
     check_int("dgc", "warmup", self.warmup)
+    if self.stage is not None:
+      check_int("dgc", "stage", self.stage)
     if not 0 < self.ratio <= 1:
       raise ValueError(f"ratio={self.ratio} must be in (0, 1]")
     if self.sample_rate is not None and not 0 < self.sample_rate <= 1:
@@ -82,16 +99,55 @@ class DGC(_Sparse):
   def _max_keep(self):
     return max(self.ratio, 0.25) if self.warmup else self.ratio
 
+  @property
+  def momentum_correction(self) -> float:
+    """DGC's momentum-correction factor (0: none); an optimizer's own momentum must then be
+    off (``jaxlp train --momentum 0``, :func:`jaxlp.parallel.compressed_optimizer`)."""
+    return float(self.momentum)
+
+  @property
+  def stages(self) -> int:
+    """Index of the first warm-up stage at the target ratio (0 without warm-up): stages
+    ``0 .. stages-1`` warm up, every later step is at the target."""
+    if not self.warmup:
+      return 0
+    s = 0
+    while np.float32(0.25) ** np.float32(1 + s) > np.float32(self.ratio):
+      s += 1
+    return s
+
+  def stage_at(self, step: int) -> int:
+    """The warm-up stage of encode number ``step`` (0-based), at most :attr:`stages`."""
+    return min(int(step) // self.warmup, self.stages) if self.warmup else 0
+
+  def at_stage(self, stage: int) -> DGC:
+    """This compressor with the static payload capacity of warm-up stage ``stage`` (stages
+    past :attr:`stages` are the target's; without warm-up: ``self``). Its encode computes
+    the same kept fraction from the state's step as before; see the class docstring."""
+    check_int("dgc", "stage", stage)
+    if stage < 0:
+      raise ValueError(f"dgc: stage={stage} must be >= 0")
+    return dataclasses.replace(self, stage=min(stage, self.stages)) if self.warmup else self
+
+  def _stage_count(self, n: int, stage: int) -> int:
+    # encode's k_now = ceil(n * max(ratio, 0.25**(1+stage))) in float32 (0.25**j is exact)
+    keep = np.maximum(np.float32(self.ratio), np.float32(0.25) ** np.float32(1 + stage))
+    return int(np.ceil(np.float32(n) * keep))
+
   def for_workers(self, w: int) -> DGC:
     """This compressor as used by ``w`` workers (the warm-up capacity cap needs W)."""
     return dataclasses.replace(self, workers=int(w)) if self.warmup else self
 
   def capacity(self, n):
-    cap = sparse_capacity(n, self._max_keep())
-    if self.warmup and self.workers and self.workers > 1:
-      dense_cap = (2 * n - self.workers) // (2 * self.workers)  # floor(n/W - 1/2)
-      cap = max(sparse_capacity(n, self.ratio), min(cap, dense_cap))
-    return cap
+    if not self.warmup:
+      return sparse_capacity(n, self.ratio)
+    if self.stage is None:
+      cap = sparse_capacity(n, self._max_keep())
+    else:
+      cap = min(n, self._stage_count(n, self.stage))
+    if self.workers and self.workers > 1:
+      cap = min(cap, (2 * n - self.workers) // (2 * self.workers))  # floor(n/W - 1/2)
+    return max(sparse_capacity(n, self.ratio), cap)
 
   def init(self, shape, dtype=jnp.float32, key=None):
     n = numel(shape)
