@@ -88,7 +88,10 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g.add_argument("--compress", default=None, metavar="SPEC",
                  help="gradient compressor, e.g. cgx:bits=4,bucket=512  powersgd:rank=2  "
                       "dgc:ratio=0.001  onebit  topk:ratio=0.01; reduction options in the same "
-                      "list: algorithm=sra|ring|allgather, bucket_mb=25, min_size=1024")
+                      "list: algorithm=sra|ring|allgather, bucket_mb=25, min_size=1024. DGC "
+                      "needs --momentum 0 (its momentum correction replaces SGD's); "
+                      "dgc:warmup=STEPS is the steps per warm-up stage (one compiled step "
+                      "per stage)")
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=_int(1), default=None, metavar="MANT",
                  help="HBFP mantissa bits (activations, weights and gradients in tiles)")
