@@ -128,6 +128,8 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
   Compressed runs: :func:`jaxlp.parallel.compressed_wire_bytes` with the ``--compress``
   options (``algorithm``, ``bucket_mb``, ``min_size``, ``skip_vectors``; ``min_size`` here
   only when the spec has none) -- the engine's own accounting of its collectives.
+  A DGC with warm-up counts the capacity it is given: the unspecialised one the first stage's,
+  ``comp.at_stage(s)`` stage ``s``'s (:meth:`Trainer.wire_bytes_at` counts each step's stage).
   Low-precision sums use :func:`jaxlp.parallel.payload_bytes` per gradient leaf (the bytes
   the implemented collectives move); fp32 is a ring all-reduce (2(W-1)/W * 4 bytes/element).
   """

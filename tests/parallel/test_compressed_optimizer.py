@@ -82,3 +82,17 @@ def test_plain_sgd_under_dgc_has_the_bits_of_the_manual_chain():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert int(s0[0].count[0]) == 3
   assert not np.allclose(np.asarray(p0["w"]), 0.0)  # the compressed updates moved the params
+
+
+def test_train_check_reads_the_momentum_correction_attribute():
+  import types
+
+  from jaxlp.training import TrainConfig
+  from jaxlp.training._loop import _check_momentum_correction
+
+  cfg = TrainConfig(momentum=0.9, compress="custom")
+  with pytest.raises(ValueError, match="twice"):
+    _check_momentum_correction(types.SimpleNamespace(momentum_correction=0.5), cfg)
+  _check_momentum_correction(types.SimpleNamespace(momentum=0.5), cfg)  # no correction
+  _check_momentum_correction(C.dgc(0.01, momentum=0.0), cfg)
+  _check_momentum_correction(C.dgc(0.01), TrainConfig(momentum=0.0))
