@@ -14,9 +14,14 @@ Layers: the digits MLP of ``jaxlp.training`` (64-128-128-10, batch 128), HBFP8 t
 MXINT8 policies: ``block_dot="exact"`` vs the emulation, ulp differences of the logits and of
 one training step's gradients (softmax cross-entropy).
 
+Conv: one ResNet-18-style 3x3 conv (``--conv-size``: batch 8, 64 -> 64 channels, 16x16, NHWC,
+SAME), forward + both gradients (``jax.vjp``), HBFP8 per-sample (``hbfp_policy(7, 24,
+"per_sample", weight_man_bits=7)``), HBFP8 tiled and MXINT8 policies: ``block_dot="exact"``
+(im2col GEMMs, ``jaxlp/ops/_conv.py``) vs the emulation, time and ulp differences.
+
 GPU rows are printed as "not measured" unless the run is on a GPU (the Pallas kernel is timed
 only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--repeats R]
-[--skip-layers] [--json F]
+[--skip-layers] [--skip-conv] [--conv-size B C HW R] [--json F]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -170,12 +176,62 @@ def layer_rows(batch):
   return out
 
 
+def conv_rows(batch, channels, hw, repeats, on_gpu, n_policies=3):
+  """A 3x3 conv layer: exact block dots (im2col) vs the emulation, forward + vjp (the first
+  ``n_policies`` policies; fewer than all: N(0, 1) inputs only)."""
+  rng = np.random.default_rng(0)
+  x0 = rng.normal(size=(batch, hw, hw, channels))
+  w = jnp.asarray(rng.normal(size=(3, 3, channels, channels)) * 0.05, jnp.float32)
+  g = jnp.asarray(rng.normal(size=(batch, hw, hw, channels)), jnp.float32)
+  # N(0, 1) inputs, and inputs whose channels are scaled by 2**U{-8..8} (un-normalised
+  # activations: block exponents differ, so sums that cross K-blocks round)
+  spread = np.exp2(rng.integers(-8, 9, size=channels))
+  xs = {"N(0,1)": jnp.asarray(x0, jnp.float32),
+        "channels 2^U{-8..8}": jnp.asarray(x0 * spread[None, None, None, :], jnp.float32)}
+  kw = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  flops = 3 * 2 * batch * hw * hw * channels * channels * 9
+  out = []
+  policies = (("HBFP8 per-sample, hbfp(7,24) weights",
+               lambda m: jaxlp.hbfp_policy(7, 24, "per_sample", weight_man_bits=7, block_dot=m)),
+              ("HBFP8 tiled hbfp(7,24)", lambda m: jaxlp.hbfp_policy(7, 24, "tiled", block_dot=m)),
+              ("MXINT8 mx(int8,32)", lambda m: jaxlp.mx_policy("int8", 32, block_dot=m)))
+  data_sets = list(xs.items())[:1] if n_policies < len(policies) else list(xs.items())
+  for (name, pol), (data, x) in itertools.product(policies[:n_policies], data_sets):
+    res = {}
+    for mode in (None, "exact"):
+      conv = jaxlp.conv_general_dilated(pol(mode))
+
+      def step(x, w, g, conv=conv):
+        y, pull = jax.vjp(lambda xx, ww: conv(xx, ww, precision=lax.Precision.HIGHEST, **kw),
+                          x, w)
+        return (y, *pull(g))
+
+      res[mode] = timed(jax.jit(step), x, w, g, repeats=repeats)
+    case = f"conv 3x3 {channels}->{channels}, {hw}x{hw}, batch {batch}, {name}, x {data}"
+    diffs = []
+    for part, a, b in zip(("y", "dx", "dw"), res["exact"][1], res[None][1], strict=True):
+      u = ulps(a, b)
+      diffs.append(f"{part}: max {u.max()} ulp, {np.mean(u > 0):.1%} differ")
+    for path, (t, _) in (("emulation (fp32 conv, HIGHEST), fwd + vjp", res[None]),
+                         ("exact: im2col block GEMMs (CPU: reference), fwd + vjp", res["exact"])):
+      out.append(dict(case=case, path=path, ms=t * 1e3, gflops=flops / t / 1e9,
+                      bits="; ".join(diffs) if path.startswith("exact") else "-"))
+    if not on_gpu:
+      out.append(dict(case=case, path="exact on GPU (int8 routes)", ms=None, gflops=None,
+                      bits="not measured (no GPU)"))
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true", help="tiny sizes (CI smoke test)")
   ap.add_argument("--size", type=int, default=None, help="GEMM size M = N = K (default 512)")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--skip-layers", action="store_true")
+  ap.add_argument("--skip-conv", action="store_true")
+  ap.add_argument("--conv-size", type=int, nargs=4, default=None,
+                  metavar=("BATCH", "CHANNELS", "HW", "REPEATS"),
+                  help="conv row: batch, channels, spatial size, repeats (default 8 64 16 3)")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   args = ap.parse_args(argv)
   size = args.size or (64 if args.small else 512)
@@ -198,9 +254,18 @@ def main(argv=None):
     print("\n| layer | logits: exact vs emulation | grads: exact vs emulation |\n|---|---|---|")
     for r in layers:
       print(f"| {r['case']} | {r['logits']} | {r['grads']} |")
+  convs = []
+  if not args.skip_conv:
+    b, c, hw, rep = args.conv_size or ((2, 8, 6, 1) if args.small else (8, 64, 16, 3))
+    convs = conv_rows(b, c, hw, rep, on_gpu, 1 if args.small and not args.conv_size else 3)
+    print("\n| conv layer | path | ms | GFLOP/s | bits vs emulation |\n|---|---|---|---|---|")
+    for r in convs:
+      ms = "not measured" if r["ms"] is None else f"{r['ms']:.2f}"
+      gf = "not measured" if r["gflops"] is None else f"{r['gflops']:.2f}"
+      print(f"| {r['case']} | {r['path']} | {ms} | {gf} | {r['bits']} |")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(size=size, gemm=rows, layers=layers), f, indent=1)
+      json.dump(dict(size=size, gemm=rows, layers=layers, conv=convs), f, indent=1)
 
 
 if __name__ == "__main__":

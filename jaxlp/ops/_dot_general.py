@@ -121,9 +121,9 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
   gemms = gemms or {}
   if policy.block_dot is not None and len(gemms) != 3:
     raise NotImplementedError(
-        f"jaxlp: block_dot={policy.block_dot!r} is implemented for jaxlp.dot_general only "
-        "(2-D operands, one contracting dimension, no batch dimensions), not for this op "
-        "(e.g. conv_general_dilated); use block_dot=None there")
+        f"jaxlp: block_dot={policy.block_dot!r} is implemented for jaxlp.dot_general "
+        "(2-D operands, one contracting dimension, no batch dimensions) and "
+        "jaxlp.conv_general_dilated only, not for this op; use block_dot=None there")
   if policy.stochastic and key is None:
     raise ValueError(
         "jaxlp: the policy uses rounding='stochastic' but no key was given: pass "

@@ -183,8 +183,10 @@ class DotPolicy:
         GPU). Relative to None only the rounding of sums that cross K-blocks differs
         (within a block both are exact for HBFP8-sized blocks); measured in the README
         ("Block formats on integer tensor cores"). Supported for 2-D ``dot_general``
-        with one contracting dimension and no batch dimensions; operands whose blocks run
-        across the contraction get K-blocks of 1 (valid, slow). Definition:
+        with one contracting dimension and no batch dimensions, and for ungrouped
+        convolutions (GEMMs on im2col matrices, K-blocks = the quantization blocks: see
+        :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run across the
+        contraction get K-blocks of 1 (valid, slow). Definition:
         ``jaxlp/ops/_block_dot.py``.
       * ``"fp8"``: fast mode for ``mx(E4M3FN/E5M2/...)`` and elementwise float formats
         with <= 3 mantissa bits: operands cast to fp8 dtypes with per-block (MX) or

@@ -239,8 +239,8 @@ def test_unsupported_ops_refuse():
   with pytest.raises(NotImplementedError, match="block_dot='exact' supports only 2-D"):
     jaxlp.dot_general(policy)(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), (((2,), (0,)), ((), ())))
   conv = jaxlp.conv_general_dilated(policy)
-  with pytest.raises(NotImplementedError, match="dot_general only"):
-    conv(jnp.ones((1, 2, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID")
+  with pytest.raises(NotImplementedError, match="feature_group_count=1"):
+    conv(jnp.ones((1, 4, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID", feature_group_count=2)
   wide = jaxlp.hbfp_policy(15, 0, "tiled", block_dot="exact")
   with pytest.raises(ValueError, match="fwd GEMM"):
     jaxlp.dot_general(wide)(jnp.ones((2, 8)), jnp.ones((8, 2)), DN)
