@@ -100,7 +100,13 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "--hbfp or --policy hbfp8/hbfp12")
   g.add_argument("--weight-man", type=_int(1), default=None, metavar="MANT",
                  help="HBFP wide weight storage mantissa bits (e.g. 16; needs --hbfp)")
-  g.add_argument("--policy", default=None, help="layer policy preset: hbfp8, hbfp12, mxfp8, e4m3")
+  g.add_argument("--policy", default=None,
+                 help="layer policy preset: hbfp8, hbfp12, mxfp8, mxint8, e4m3")
+  g.add_argument("--exact-blocks", action="store_true",
+                 help="integer block policies (--hbfp, --policy hbfp8/hbfp12/mxint8): exact "
+                      "integer dot per K-block, K-blocks summed in fp32 in a declared order "
+                      "(DotPolicy(block_dot='exact')): the same bits on CPU (reference) and "
+                      "GPU (int8 tensor cores where the significands fit int8)")
   g = p.add_argument_group("optimisation")
   g.add_argument("--epochs", type=_int(1), default=10,
                  help="epochs to train to (on --resume: may grow)")

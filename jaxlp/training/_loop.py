@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.ops._block_dot import check_exact
 from jaxlp.parallel import ORDERS as ORDERS
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import payload_bytes, psum
@@ -44,7 +45,7 @@ class TrainConfig:
   ``data_dir``, ``width``); workers and gradient reduction (``nodes``, ``devices``,
   ``grad_exp``/``grad_man`` or ``grad_format``, ``order``, ``aps``, ``kahan``, ``lars``,
   ``compress``); forward/backward quantization (``hbfp``, ``tile``, ``weight_man``,
-  ``policy``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
+  ``policy``, ``exact_blocks``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
   ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
   ``overwrite``, ``migrate_pickle``, ``quiet``). ``max_steps_per_epoch`` caps an epoch (for
   quick tests).
@@ -82,6 +83,7 @@ class TrainConfig:
   tile: int | None = None
   weight_man: int | None = None
   policy: str | None = None
+  exact_blocks: bool = False
   epochs: int = 10
   batch_size: int = 128
   lr: float = 0.05
@@ -152,6 +154,7 @@ def wire_bytes_per_step(cfg: TrainConfig, compressor=None, params=None, *,
 
 
 HBFP_TILE = 24  # TrainConfig.tile None: HBFPEmulator's default tile
+EXACT_PRESETS = ("hbfp8", "hbfp12", "mxint8")  # --policy presets --exact-blocks applies to
 
 
 def _policy(cfg: TrainConfig):
@@ -162,6 +165,9 @@ def _policy(cfg: TrainConfig):
     raise ValueError(f"--tile {cfg.tile} applies only to HBFP (--hbfp or --policy hbfp8/"
                      "hbfp12); remove it")
   if cfg.hbfp is None and cfg.policy is None:
+    if cfg.exact_blocks:
+      raise ValueError("--exact-blocks needs an integer block policy: --hbfp MANT or --policy "
+                       f"{'/'.join(EXACT_PRESETS)}")
     return None
   tile = HBFP_TILE if cfg.tile is None else cfg.tile
 
@@ -174,17 +180,32 @@ def _policy(cfg: TrainConfig):
       flag = f"--hbfp {cfg.hbfp}" if cfg.hbfp is not None else f"--policy {cfg.policy}"
       raise ValueError(f"{flag} --tile {tile}: {e}") from None
 
-  if cfg.hbfp is not None:
-    return hbfp(cfg.hbfp)
   presets = {
       "hbfp8": lambda: hbfp(8),
       "hbfp12": lambda: hbfp(12),
       "mxfp8": lambda: jaxlp.mx_policy(),
+      "mxint8": lambda: jaxlp.mx_policy("int8"),
       "e4m3": lambda: jaxlp.float_policy(fwd=jaxlp.formats.E4M3, bwd=jaxlp.formats.E5M2),
   }
-  if cfg.policy not in presets:
+  if cfg.hbfp is not None:
+    policy = hbfp(cfg.hbfp)
+  elif cfg.policy in presets:
+    policy = presets[cfg.policy]()
+  else:
     raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}")
-  return presets[cfg.policy]()
+  if not cfg.exact_blocks:
+    return policy
+  # exact integer block dots (DotPolicy(block_dot="exact")): the same bits on every backend
+  if cfg.hbfp is None and cfg.policy not in EXACT_PRESETS:
+    raise ValueError(f"--exact-blocks applies to integer block policies (--hbfp, --policy "
+                     f"{'/'.join(EXACT_PRESETS)}), not --policy {cfg.policy}; remove it")
+  man = cfg.hbfp if cfg.hbfp is not None else {"hbfp8": 8, "hbfp12": 12}.get(cfg.policy)
+  try:
+    if man is not None and tile:  # K-blocks <= tile: refuse an inexact int32 dot up front
+      check_exact(tile, man, man, what="train")
+    return dataclasses.replace(policy, block_dot="exact")
+  except ValueError as e:
+    raise ValueError(f"--exact-blocks: {e}") from None
 
 
 _INT_FIELDS = {  # field: (lowest allowed, None allowed)
@@ -193,7 +214,8 @@ _INT_FIELDS = {  # field: (lowest allowed, None allowed)
     "batch_size": (1, False), "warmup_epochs": (0, False), "seed": (0, False),
     "width": (1, False), "max_steps_per_epoch": (1, True)}
 _FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= this
-_BOOL_FIELDS = ("aps", "kahan", "lars", "resume", "overwrite", "migrate_pickle", "quiet")
+_BOOL_FIELDS = ("aps", "kahan", "lars", "exact_blocks", "resume", "overwrite", "migrate_pickle",
+                "quiet")
 _STR_FIELDS = ("model", "data", "data_dir", "grad_format", "order", "compress", "policy",
                "schedule", "out")
 

@@ -38,6 +38,7 @@ BAD = {
     "--tile": (["--tile", "-1"], "--tile"),
     "--weight-man": (["--weight-man", "16"], "--weight-man"),
     "--policy": (["--policy", "fp3"], "--policy"),
+    "--exact-blocks": (["--exact-blocks", "--policy", "mxfp8"], "--exact-blocks"),
     "--epochs": (["--epochs", "0"], "--epochs"),
     "--batch-size": (["--batch-size", "0"], "--batch-size"),
     "--lr": (["--lr", "nan"], "--lr"),

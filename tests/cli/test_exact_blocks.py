@@ -1,0 +1,56 @@
+"""``jaxlp train --exact-blocks``: exact integer block dots (``block_dot="exact"``) for the
+integer block policies, recorded in config.json and checked on resume; refused elsewhere."""
+
+import json
+
+import pytest
+
+from jaxlp.cli import main
+from jaxlp.training import TrainConfig, Trainer
+from jaxlp.training._loop import _policy
+
+TOY = ["--epochs", "1", "--max-steps-per-epoch", "1", "--batch-size", "16", "--width", "1",
+       "--quiet"]
+
+
+def _run(argv, capsys):
+  try:
+    rc = main(argv)
+  except SystemExit as e:
+    rc = e.code
+  return rc, capsys.readouterr().err
+
+
+def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys):
+  out = tmp_path / "run"
+  rc, err = _run(["train", "--model", "cnn", "--hbfp", "8", "--exact-blocks", *TOY,
+                  "--out", str(out)], capsys)
+  assert rc == 0, err
+  assert json.loads((out / "config.json").read_text())["exact_blocks"] is True
+  rc, err = _run(["train", "--model", "cnn", "--hbfp", "8", *TOY, "--out", str(out),
+                  "--resume"], capsys)
+  assert rc == 2 and "--exact-blocks False (the run has True)" in err, err
+
+
+def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run():
+  """Documented (README, "Block formats on integer tensor cores"): on the digits MLP every
+  sum of block products fits float32's 24 bits, so the exact block dots give the same bits
+  as today's emulation -- the same loss and accuracy."""
+  cfg = dict(model="mlp", hbfp=8, epochs=1, batch_size=16, width=1, max_steps_per_epoch=1,
+             quiet=True)
+  assert _policy(TrainConfig(**cfg, exact_blocks=True)).block_dot == "exact"
+  m_exact = Trainer(TrainConfig(**cfg, exact_blocks=True)).run_epoch()
+  m_emu = Trainer(TrainConfig(**cfg)).run_epoch()
+  assert m_exact["train_loss"] == m_emu["train_loss"]
+  assert m_exact["test_accuracy"] == m_emu["test_accuracy"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--exact-blocks"], "--exact-blocks needs an integer block policy"),
+    (["--exact-blocks", "--policy", "e4m3"], "not --policy e4m3"),
+    (["--exact-blocks", "--hbfp", "16", "--tile", "64"], "--exact-blocks: jaxlp train"),
+])
+def test_refused_combinations_exit_2(args, needle, capsys):
+  rc, err = _run(["train", *TOY, *args], capsys)
+  lines = err.strip().splitlines()
+  assert rc == 2 and len(lines) == 1 and needle in lines[0], err
