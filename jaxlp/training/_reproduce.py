@@ -108,6 +108,11 @@ _MLP = {"model": "mlp", "nodes": 8, "epochs": 30}
 _CNN = {"model": "cnn", "nodes": 8, "epochs": 30}
 _CIFAR = {"data": "cifar10", "model": "resnet18", "nodes": 8, "epochs": 30, "batch_size": 512,
           "lr": 0.1, "weight_decay": 5e-4}
+# the seeds' own full-scale models: CPD's DavidNet (ResNet-9, triangular LR peaking at 0.4 in
+# epoch 5, 24 epochs; examples/cpd_davidnet.py) and HiPress's VGG-19 (on CIFAR-10)
+_DAVIDNET = {"data": "cifar10", "model": "resnet9", "nodes": 8, "epochs": 24, "batch_size": 512,
+             "lr": 0.4, "schedule": "triangle", "warmup_epochs": 5, "weight_decay": 5e-4}
+_VGG19 = dict(_CIFAR, model="vgg19")
 
 CLAIMS: dict[str, Claim] = {c.name: c for c in (
     Claim(
@@ -125,7 +130,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
             Row("fp32+LARS", {"lars": True, "lr": 2.0}, claim=False),
             Row("E3M0+APS+LARS", {"grad_exp": 3, "grad_man": 0, "aps": True, "lars": True,
                                   "lr": 2.0}),
-        ), full=_CIFAR),)),
+        ), full=_DAVIDNET),)),
     Claim(
         "aps", "CPD (APS: the 8-bit gain)",
         "APS improves accuracy for all precisions: 8-bit gradients that underflow without it "
@@ -137,7 +142,7 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
                      Row("E4M3+APS", {"grad_format": "E4M3", "aps": True}),
                      Row("E5M2", {"grad_format": "E5M2"}, claim=False),
                      Row("E5M2+APS", {"grad_format": "E5M2", "aps": True}),
-                 ), full=dict(_CIFAR, nodes=256)),)),
+                 ), full=dict(_DAVIDNET, nodes=256)),)),
     Claim(
         "hbfp", "HBFPEmulator (Drumond et al.: Hybrid Block Floating Point, NeurIPS 2018)",
         "DNNs trained with HBFP (all dot products in block floating point with tiles, other "
@@ -168,15 +173,15 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
             Row("TernGrad", {"compress": "terngrad:algorithm=allgather"}),
             Row("GradDrop 99%", {"compress": "graddrop"}),
             Row("GradDrop 90%", {"compress": "graddrop:drop_ratio=0.9"}, claim=False),
-        ), full=_CIFAR),
+        ), full=_VGG19),
          Setting("MLP, 8 workers, DGC (momentum correction replaces SGD's momentum)", _MLP, (
              Row("DGC 99.9%", {"compress": "dgc:ratio=0.001", "momentum": 0.0}),
              Row("DGC 99%", {"compress": "dgc:ratio=0.01", "momentum": 0.0}),
-         ), full=_CIFAR),
+         ), full=_VGG19),
          Setting("CNN, 8 workers, 60 epochs (1-bit SGD needs more steps than fp32 to converge)",
                  dict(_CNN, epochs=60), (
                      Row("onebit", {"compress": "onebit:algorithm=allgather"}),
-                 ), full=_CIFAR))),
+                 ), full=_VGG19))),
     Claim(
         "ddp", "PyTorch DDP communication hooks (the DDP MNIST seed; Vogels et al., PowerSGD)",
         "fp16 compression and PowerSGD rank 2 train to the accuracy of plain SGD.",
@@ -199,7 +204,7 @@ def _config(base: dict, flags: dict, seed: int, out: str, *, data_dir, toy: bool
     fields["data_dir"] = data_dir
   if toy:  # the whole pipeline, smallest: a narrow MLP, 2 workers, one epoch of two steps
     fields |= {"model": "mlp", "width": 2, "epochs": 1, "max_steps_per_epoch": 2, "nodes": 2,
-               "batch_size": 16}
+               "batch_size": 16, "warmup_epochs": min(fields.get("warmup_epochs", 0), 1)}
   exists = os.path.exists(os.path.join(out, CONFIG))
   fields |= {"resume": exists and not overwrite, "overwrite": overwrite}
   return TrainConfig(**fields)

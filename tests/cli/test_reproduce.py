@@ -88,3 +88,25 @@ def test_data_dir_runs_the_full_scale_settings(tmp_path, capsys):
   config = json.loads((out / "cgx" / "s0" / "cgx4" / "seed0" / "config.json").read_text())
   assert config["data"] == "cifar10" and config["data_dir"] == str(tmp_path / "data")
   assert "full scale" in capsys.readouterr().out
+
+
+def test_full_scale_settings_use_the_seeds_models(tmp_path):
+  """CPD's claims run DavidNet (ResNet-9, its triangular schedule), HiPress's VGG-19, the
+  others ResNet-18 / the MNIST CNN; every full-scale row is a valid configuration, also at toy
+  size (which shrinks it to the MLP)."""
+  from jaxlp.training import CLAIMS
+  from jaxlp.training._loop import check_config
+  from jaxlp.training._reproduce import _config
+
+  models = {}
+  for name, claim in CLAIMS.items():
+    for setting in claim.settings:
+      models.setdefault(name, set()).add(setting.full["model"])
+      for row in setting.rows:
+        for toy in (False, True):
+          cfg = _config(setting.full, row.flags, 0, str(tmp_path / "r"),
+                        data_dir=str(tmp_path / "d"), toy=toy, overwrite=False)
+          check_config(cfg)
+  assert models["cpd"] == models["aps"] == {"resnet9"}
+  assert models["hipress"] == {"vgg19"}
+  assert models["hbfp"] == models["cgx"] == {"resnet18"}
