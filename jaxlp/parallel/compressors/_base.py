@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlp.formats._bits import fma_guard
+from jaxlp.formats._bits import fma_guard, fmix32
 from jaxlp.parallel._arith import div_f32
 
 
@@ -78,23 +78,24 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
     shifts = jnp.arange(per, dtype=jnp.uint32) * bits
     words = jnp.sum(codes.reshape(nbytes, per) << shifts[None, :], axis=1, dtype=jnp.uint32)
     return words.astype(jnp.uint8)
-  # 8 codes fill ``bits`` bytes exactly: byte j of a group ORs the (at most 2) codes whose
-  # stream bits overlap [8j, 8j + 8), shifted into place (no per-bit temporaries); the bytes
-  # are placed by selects (a stack of columns lowers to a slow interleaving copy on XLA:CPU).
+  # 8 codes fill ``bits`` bytes exactly. A group's 8*bits <= 64 stream bits are assembled into
+  # two uint32 words (lo: stream bits 0..31, hi: 32..63) by shift-sums over the (groups, 8)
+  # view (the codes' bits are disjoint, so a sum is an OR); the words are materialised once
+  # and byte j of the group is ``(lo >> 8j) | (hi >> (8j - 32))`` (XLA shifts by >= 32 give 0,
+  # and a "negative" amount wraps to >= 32). Strided per-column slices or a stack of columns
+  # lower to slow gathers / interleaving copies on XLA:CPU.
   groups = -(-n // 8)
   g = jnp.pad(codes, (0, 8 * groups - n)).reshape(groups, 8)
-  col = lax.broadcasted_iota(jnp.int32, (groups, bits), 1)
-  out = jnp.zeros((groups, bits), jnp.uint32)
-  for j in range(bits):
-    byte = None
-    for i in range(8):
-      lo = i * bits - 8 * j  # position of code i's bit 0 relative to byte j's bit 0
-      if lo >= 8 or lo + bits <= 0:
-        continue
-      part = g[:, i] << jnp.uint32(lo) if lo >= 0 else g[:, i] >> jnp.uint32(-lo)
-      byte = part if byte is None else byte | part
-    out = jnp.where(col == j, byte[:, None], out)
-  return (out & jnp.uint32(0xFF)).reshape(-1)[:nbytes].astype(jnp.uint8)
+  start = np.arange(8) * bits  # stream position of code i's bit 0 within its group
+  lo_shl = np.minimum(start, 32).astype(np.uint32)
+  hi_shr = np.where(start < 32, 32 - start, 0).astype(np.uint32)
+  hi_shl = np.where(start < 32, 0, start - 32).astype(np.uint32)
+  lo = jnp.sum(g << lo_shl[None, :], axis=1, dtype=jnp.uint32)
+  hi = jnp.sum((g >> hi_shr[None, :]) << hi_shl[None, :], axis=1, dtype=jnp.uint32)
+  lo, hi = lax.optimization_barrier((lo, hi))
+  sh = lax.broadcasted_iota(jnp.uint32, (groups, bits), 1) * jnp.uint32(8)
+  out = (lo[:, None] >> sh) | (hi[:, None] >> (sh - jnp.uint32(32)))
+  return out.reshape(-1)[:nbytes].astype(jnp.uint8)
 
 
 def unpack_bits(packed, bits: int, n: int):
@@ -137,9 +138,24 @@ def unpack_bits(packed, bits: int, n: int):
   return (out & mask).reshape(-1)[:n]
 
 
-def no_fma(x):
-  """Keep ``x`` (a float32 product) from being contracted with a following add into an FMA."""
-  return fma_guard(jnp.asarray(x, jnp.float32))
+def no_fma(x, anchor=None):
+  """Keep ``x`` (a float32 product) from being contracted with a following add into an FMA.
+
+  Without ``anchor`` every element goes through :func:`jaxlp.formats._bits.fma_guard` (two
+  integer hashes per element). With ``anchor`` (any non-empty array computed at run time that
+  does not depend on ``x``, e.g. a per-bucket scale), the bits of ``x`` are XOR-ed with one
+  scalar zero that the compiler cannot prove to be zero (``fmix32(a) == fmix32(a ^ 1)`` of
+  the anchor's first element ``a``, false since fmix32 is a bijection, materialised by an
+  optimisation barrier): one XOR per element.
+  Either way the value is ``x`` unchanged. The anchor must not be ``x`` or derived from it:
+  reading an element of the product makes XLA materialise it.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if anchor is None or jnp.size(anchor) == 0:
+    return fma_guard(x)
+  a = lax.bitcast_convert_type(jnp.ravel(jnp.asarray(anchor, jnp.float32))[0], jnp.uint32)
+  zero = lax.optimization_barrier((fmix32(a) == fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32))
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ zero, jnp.float32)
 
 
 def exact_div(a, d):
@@ -210,6 +226,17 @@ def _threefry2x32(k0, k1, x0, x1):
   return x0, x1
 
 
+def _threefry_key_data(key, n: int):
+  """The two uint32 key words when the fast Threefry path applies (a Threefry-2x32 key,
+  ``jax_threefry_partitionable`` on, fewer than ``2**32`` elements), else None."""
+  typed = jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key)
+  impl = str(jax.random.key_impl(key)) if typed else str(jax.config.jax_default_prng_impl)
+  if (impl != "threefry2x32" or not jax.config.jax_threefry_partitionable or n >= 2 ** 32
+      or (not typed and jnp.shape(key) != (2,))):
+    return None
+  return jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
+
+
 def random_bits32(key, shape):
   """``jax.random.bits(key, shape, jnp.uint32)``, the same bits, computed faster on CPU.
 
@@ -221,21 +248,53 @@ def random_bits32(key, shape):
   """
   shape = tuple(shape)
   n = numel(shape)
-  typed = jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key)
-  impl = str(jax.random.key_impl(key)) if typed else str(jax.config.jax_default_prng_impl)
-  if (impl != "threefry2x32" or not jax.config.jax_threefry_partitionable or n >= 2 ** 32
-      or (not typed and jnp.shape(key) != (2,))):
+  kd = _threefry_key_data(key, n)
+  if kd is None:
     return jax.random.bits(key, shape, dtype=jnp.uint32)
-  kd = jax.random.key_data(key) if typed else jnp.asarray(key, jnp.uint32)
   lo = lax.iota(jnp.uint32, n)
   w0, w1 = _threefry2x32(kd[0], kd[1], jnp.zeros_like(lo), lo)
   return (w0 ^ w1).reshape(shape)
 
 
 def uniform01(key, shape):
-  """U[0, 1) float32 noise with 24 random bits (exactly representable): the top 24 bits of
-  ``jax.random.bits(key, shape, uint32)`` (via :func:`random_bits32`) times ``2**-24``."""
-  bits = random_bits32(key, shape)
+  """U[0, 1) float32 noise with 24 random bits per element (exactly representable).
+
+  The noise of the quantizers (QSGD, TernGrad, stochastic CGX). With ``n = prod(shape)``
+  elements in row-major order and ``h = ceil(n / 2)``, each Threefry-2x32 evaluation feeds
+  two elements: for ``j < h``, ``(w0, w1) = threefry2x32(key, (0, j))`` (20 rounds, the
+  counter JAX uses for element ``j``), element ``j`` takes the top 24 bits of ``w0`` and
+  element ``h + j`` (when ``< n``) the top 24 bits of ``w1``, times ``2**-24``. That is half
+  the hashing of ``jax.random.bits`` (which XORs the two words into one), at full Threefry
+  quality; the two halves are contiguous, so no interleaving copy is needed. With any other
+  key implementation, ``jax_threefry_partitionable`` off or ``n >= 2**32``, the bits are the
+  top 24 of ``jax.random.bits(key, shape, uint32)``.
+
+  Args:
+    key: a PRNG key (typed or raw ``uint32[2]``).
+    shape: the output shape.
+
+  Returns:
+    float32 array of ``shape`` with values ``k * 2**-24``, ``0 <= k < 2**24``.
+
+  Example:
+    >>> import jax
+    >>> from jaxlp.parallel.compressors._base import uniform01
+    >>> u = uniform01(jax.random.key(0), (3, 5))
+    >>> u.shape, bool((u >= 0).all() & (u < 1).all())
+    ((3, 5), True)
+  """
+  shape = tuple(shape)
+  n = numel(shape)
+  kd = _threefry_key_data(key, n)
+  if kd is None:
+    bits = jax.random.bits(key, shape, dtype=jnp.uint32)
+  else:
+    h = (n + 1) // 2
+    j = lax.iota(jnp.uint32, h)
+    w = _threefry2x32(kd[0], kd[1], jnp.zeros_like(j), j)
+    # materialised once: a consumer fusing the hash in would evaluate it per word
+    w0, w1 = lax.optimization_barrier(w)
+    bits = jnp.concatenate([w0, w1])[:n].reshape(shape)
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 

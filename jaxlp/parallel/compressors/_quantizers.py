@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxlp._util import cdiv, check_bool, check_int, check_number
@@ -42,31 +44,47 @@ def _cgx_levels(xb, mn, unit, r, top):
   A correctly rounded division per element is slow (integer significand arithmetic); only
   the floor of ``q + r`` is needed, and it can change only where ``q + r`` is within a few
   ulps of an integer. So ``q`` is estimated as ``(x - min) * (1/unit)`` (relative error below
-  ``2**-22``), and the buckets where some ``q + r`` lies within ``2**-19 * (q + 1)`` of an
-  integer -- a window wider than the estimate's error plus the add's rounding -- are redone
-  with the exact division (at most ``nb // 16 + 16`` buckets gathered; more than that and the
-  whole leaf is redone exactly, which inputs lying on the level grid can trigger).
+  ``2**-22``), and the buckets where some ``q + r`` lies within ``2**-21 * (q + 1)`` of an
+  integer are redone with the exact division. The window covers the estimate's error
+  (``2**-22 q``), the rounding of ``q + r`` and the rounding boundary around the integer
+  (``2**-24 (q + r)`` each), with ``r < 1``; an FMA-contracted ``q + r`` only shrinks the
+  error. Up to ``nb // 16 + 16`` (then ``nb // 4 + 16``) ambiguous buckets are gathered and
+  redone; more than that and the whole leaf is redone exactly (inputs lying on the level grid
+  can trigger it). A NaN level (an inf/NaN bucket) also marks its bucket.
   """
   nb = xb.shape[0]
-  d = xb - mn
-  inv = exact_div(jnp.float32(1.0), jnp.where(unit < _CGX_EPS, jnp.float32(1.0), unit))
+  bad = unit < _CGX_EPS
+  inv = exact_div(jnp.float32(1.0), jnp.where(bad, jnp.float32(1.0), unit))
   # per-bucket values: materialised, not fused (and recomputed) into every element's loop
-  inv, unit = lax.optimization_barrier((inv, unit))
-  q0 = d * inv
+  inv, unit, bad = lax.optimization_barrier((inv, unit, bad))
+  q0 = (xb - mn) * inv
   z = q0 + r
   fz = jnp.floor(z)
-  lev = jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(fz, 0.0, top))
-  near = jnp.minimum(z - fz, fz + 1.0 - z) <= jnp.float32(2.0 ** -19) * (q0 + 1.0)
-  amb = jnp.any(near & (unit >= _CGX_EPS), axis=1)
-  cap = min(nb, nb // 16 + 16)
-  rows = jnp.nonzero(amb, size=cap, fill_value=nb)[0]
-  rc = jnp.minimum(rows, nb - 1)
-  rr = r[rc] if jnp.ndim(r) else r
-  fixed = _cgx_levels_exact(d[rc], unit[rc], rr, top)
-  lev = lev.at[rows].set(fixed, mode="drop")
-  if cap == nb:
-    return lev
-  return lax.cond(jnp.sum(amb) > cap, lambda: _cgx_levels_exact(d, unit, r, top), lambda: lev)
+  lev = jnp.where(bad, 0.0, jnp.clip(fz, 0.0, top))
+  near = jnp.minimum(z - fz, fz + 1.0 - z) <= jnp.float32(2.0 ** -21) * (q0 + 1.0)
+  # one pass: a near-tie element (or a NaN level: an inf/NaN bucket) is marked by the level
+  # -1 and a bucket is ambiguous when its smallest level is negative. The marked buckets are
+  # all redone exactly, so no mark survives (a fused any() over a boolean mask lowers to a
+  # materialised mask and a reduce-window chain on XLA:CPU).
+  lev = jnp.where((near & ~bad) | jnp.isnan(lev), -1.0, lev)
+  amb = jnp.min(lev, axis=1) < 0
+  rr = r if jnp.ndim(r) else None
+
+  def redo(cap):
+    rows = jnp.nonzero(amb, size=cap, fill_value=nb)[0]
+    rc = jnp.minimum(rows, nb - 1)
+    fixed = _cgx_levels_exact(xb[rc] - mn[rc], unit[rc], r if rr is None else rr[rc], top)
+    return lev.at[rows].set(fixed, mode="drop")
+
+  caps = sorted({min(nb, nb // 16 + 16), min(nb, nb // 4 + 16)})
+  branches = [functools.partial(redo, cap) for cap in caps]
+  if caps[-1] < nb:
+    branches.append(lambda: _cgx_levels_exact(xb - mn, unit, r, top))
+  if len(branches) == 1:
+    return branches[0]()
+  count = jnp.sum(amb)
+  which = sum((count > cap).astype(jnp.int32) for cap in caps[:len(branches) - 1])
+  return lax.switch(which, branches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +95,9 @@ class CGX:
   ``unit = (max - min)/(2^bits - 1)`` in fp32; ``level = 0`` if ``unit < 1e-10`` else
   ``min(floor((x - min)/unit + r), 2^bits - 1)`` with ``r = 0.5`` (deterministic, CGX's default
   build: round half up in level space) or ``r ~ U[0, 1)`` (``stochastic=True``, QSGD-style
-  unbiased). Decode ``min + unit*level`` (product rounded separately: no FMA). Payload:
+  unbiased; ``r`` of element ``i`` is element ``i`` of ``uniform01(key, (nq,))``, ``nq`` the
+  number of quantized elements). Decode ``min + unit*level`` (product rounded separately: no
+  FMA). Payload:
   ``meta = [unit_0, min_0, unit_1, min_1, ...]`` (float32) + levels packed LSB-first
   (``ceil(n*bits/8)`` bytes, no alignment padding) + with ``skip_incomplete`` the raw
   ``n mod bucket_size`` tail in fp32. A partial last bucket otherwise has its own min/max.
@@ -112,30 +132,54 @@ class CGX:
     nq = (n // self.bucket_size) * self.bucket_size if self.skip_incomplete else n
     return nq, cdiv(nq, self.bucket_size)
 
+  def _parts(self, nq):
+    """``(full, rem)``: full buckets and the size of the partial last one. The two are
+    handled separately (no pad-copy of the gradient); when the full buckets end on a byte
+    boundary of the level stream, their levels are packed/unpacked on their own too."""
+    full = nq // self.bucket_size
+    rem = nq - full * self.bucket_size
+    aligned = (full * self.bucket_size * self.bits) % 8 == 0
+    return full, rem, aligned
+
+  def _levels(self, xb, r):
+    top = 2 ** self.bits - 1
+    mx = jnp.max(xb, axis=1, keepdims=True)
+    mn = jnp.min(xb, axis=1, keepdims=True)
+    unit = exact_div(mx - mn, top)
+    mn, unit = lax.optimization_barrier((mn, unit))
+    lev = _cgx_levels(xb, mn, unit, r, top)
+    return lev.astype(jnp.uint32), jnp.concatenate([unit, mn], axis=1)
+
   def encode(self, g, state, key=None):
     x = _flat_f32(g)
     n = x.shape[0]
     nq, nb = self._split(n)
-    xq = x[:nq]
     if nq == 0:
       meta = jnp.zeros((0,), jnp.float32)
       packed = jnp.zeros((0,), jnp.uint8)
     else:
-      xb = jnp.pad(xq, (0, nb * self.bucket_size - nq), mode="edge").reshape(nb, -1)
-      mx = jnp.max(xb, axis=1, keepdims=True)
-      mn = jnp.min(xb, axis=1, keepdims=True)
-      top = 2 ** self.bits - 1
-      unit = exact_div(mx - mn, top)
-      mn, unit = lax.optimization_barrier((mn, unit))
       if self.stochastic:
         if key is None:
           raise ValueError("cgx(stochastic=True) needs key")
-        r = uniform01(key, xb.shape)
+        r = uniform01(key, (nq,))
       else:
-        r = jnp.float32(0.5)
-      lev = _cgx_levels(xb, mn, unit, r, top)
-      packed = pack_bits(lev.reshape(-1)[:nq].astype(jnp.uint32), self.bits)
-      meta = jnp.concatenate([unit, mn], axis=1).reshape(-1)
+        r = None
+      full, rem, aligned = self._parts(nq)
+      bs = self.bucket_size
+      levs, metas = [], []
+      for lo, rows, cols in ((0, full, bs), (full * bs, 1 if rem else 0, rem)):
+        if rows == 0:
+          continue
+        sl = slice(lo, lo + rows * cols)
+        rr = jnp.float32(0.5) if r is None else r[sl].reshape(rows, cols)
+        lev, meta = self._levels(x[sl].reshape(rows, cols), rr)
+        levs.append(lev.reshape(-1))
+        metas.append(meta)
+      if aligned:
+        packed = jnp.concatenate([pack_bits(lev, self.bits) for lev in levs])
+      else:
+        packed = pack_bits(jnp.concatenate(levs), self.bits)
+      meta = jnp.concatenate(metas).reshape(-1)
     payload = {"meta": meta, "levels": packed}
     if self.skip_incomplete:
       payload["tail"] = x[nq:]
@@ -147,16 +191,31 @@ class CGX:
     # decode is elementwise: keep XLA from fusing (and redoing) the encoder's work into it
     # when both run in one program
     payload = lax.optimization_barrier(payload)
+    outs = []
     if nq:
+      full, rem, aligned = self._parts(nq)
+      bs = self.bucket_size
       meta = payload["meta"].reshape(nb, 2)
-      lev = unpack_bits(payload["levels"], self.bits, nq).astype(jnp.float32)
-      lev = jnp.pad(lev, (0, nb * self.bucket_size - nq)).reshape(nb, -1)
-      out = meta[:, 1:2] + no_fma(meta[:, 0:1] * lev)
-      out = out.reshape(-1)[:nq]
-    else:
-      out = jnp.zeros((0,), jnp.float32)
+      packed = payload["levels"]
+      if not aligned:
+        every = unpack_bits(packed, self.bits, nq)
+      for i, (lo, rows, cols) in enumerate(((0, full, bs), (full * bs, 1 if rem else 0, rem))):
+        if rows == 0:
+          continue
+        if aligned:
+          start = lo * self.bits // 8
+          lev = unpack_bits(packed[start:start + packed_nbytes(rows * cols, self.bits)],
+                            self.bits, rows * cols)
+        else:
+          lev = every[lo:lo + rows * cols]
+        lev = lev.astype(jnp.float32).reshape(rows, cols)
+        m = meta[i * full:i * full + rows]
+        outs.append((m[:, 1:2] + no_fma(m[:, 0:1] * lev, anchor=payload["meta"])).reshape(-1))
     if self.skip_incomplete:
-      out = jnp.concatenate([out, payload["tail"]])
+      outs.append(payload["tail"])
+    if not outs:
+      return jnp.zeros(shape, jnp.float32)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return out.reshape(shape)
 
   def wire_bytes(self, shape, dtype=jnp.float32):
@@ -194,10 +253,20 @@ def cgx(bits=4, bucket_size=512, stochastic=False, skip_incomplete=False) -> CGX
   return CGX(bits, bucket_size, stochastic, skip_incomplete)
 
 
+def _recip_split(levels: int):
+  """``1/levels`` as float32 ``hi + lo``: ``hi`` keeps 16 significant bits (so ``l * hi`` is
+  exact for any ``l < 2**8``), ``lo`` is the float32 rounding of the rest."""
+  m = 1.0 / levels
+  e = math.floor(math.log2(m))
+  hi = np.float32(round(m * 2.0 ** (15 - e)) * 2.0 ** (e - 15))
+  return hi, np.float32(m - float(hi))
+
+
 @dataclasses.dataclass(frozen=True)
 class QSGD:
   """QSGD: per bucket ``norm = ||x||_2``; ``level = floor(|x|/norm*levels + u)``, u ~ U[0,1)
-  (unbiased); decode ``norm*sign*level/levels``. Codes = sign bit + level, packed
+  (unbiased; ``u = uniform01(key, (nb, bucket_size))`` over the zero-padded buckets);
+  decode ``norm*sign*level/levels``. Codes = sign bit + level, packed
   (``1 + ceil(log2(levels+1))`` bits); float32 norm per bucket.
 
   References:
@@ -233,10 +302,10 @@ class QSGD:
     n = x.shape[0]
     nb = cdiv(n, self.bucket_size)
     xb = jnp.pad(x, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    norm = lax.optimization_barrier(sqrt_f32(det_sum(no_fma(xb * xb)))[:, None])
+    norm = lax.optimization_barrier(sqrt_f32(det_sum(no_fma(xb * xb, anchor=x)))[:, None])
     safe = jnp.where(norm > 0, norm, 1.0)
     u = uniform01(key, xb.shape)
-    lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels)) + u)
+    lev = jnp.floor(no_fma(jnp.abs(xb) / safe * jnp.float32(self.levels), anchor=norm) + u)
     lev = jnp.where(norm > 0, jnp.clip(lev, 0, self.levels), 0).astype(jnp.uint32)
     code = (lev << 1) | (xb < 0).astype(jnp.uint32)
     return {"norm": norm.reshape(-1), "codes": pack_bits(code.reshape(-1)[:n], self.bits)}, state
@@ -247,9 +316,14 @@ class QSGD:
     payload = lax.optimization_barrier(payload)  # see CGX.decode
     code = unpack_bits(payload["codes"], self.bits, n)
     code = jnp.pad(code, (0, nb * self.bucket_size - n)).reshape(nb, -1)
-    # level/levels for every possible level (a small table, the same IEEE quotients)
-    table = exact_div(jnp.arange(2 ** (self.bits - 1), dtype=jnp.float32), self.levels)
-    mag = lax.optimization_barrier(table)[code >> 1]
+    # level/levels, correctly rounded, without a division or a table gather: 1/levels split
+    # into hi (16 significant bits, so level*hi is exact) + lo; level*hi + level*lo rounds to
+    # the IEEE quotient for every levels in 1..127 and every level < 2**(bits-1) (checked
+    # exhaustively by tests/parallel/compress/test_speed_dense.py, with and without FMA)
+    hi, lo = _recip_split(self.levels)
+    lev = (code >> 1).astype(jnp.float32)
+    mag = no_fma(lev * jnp.float32(hi), anchor=payload["norm"]) + no_fma(
+      lev * jnp.float32(lo), anchor=payload["norm"])
     val = payload["norm"][:, None] * jnp.where((code & 1) == 1, -mag, mag)
     return val.reshape(-1)[:n].reshape(shape)
 
@@ -435,11 +509,13 @@ class TernGrad:
   """TernGrad.
 
   ``variant="paper"`` (default; Wen et al. 2017): ``s = max|g|`` (after optional clipping to
-  ``clip*std``, the paper's c = 2.5), ``g~ = s*sign(g)*Bernoulli(|g|/s)`` -- unbiased ternary;
-  2-bit codes ``sign+1`` + float32 ``s``.
+  ``clip*std``, the paper's c = 2.5), ``g~ = s*sign(g)*Bernoulli(|g|/s)`` -- unbiased ternary,
+  kept where ``u*s < |g|`` with ``u = uniform01(key, (n,))``; 2-bit codes ``sign+1`` + float32
+  ``s``.
   ``variant="hipress"`` (HiPress ``terngrad_body.h``, b-bit max-min over the whole tensor):
   ``gap = (mx-mn)/(2^b-1)``, ``level = rne((x-mn)/(gap+1e-8))`` or with a key
-  ``trunc((x-mn)/(gap+1e-8) + u)`` (the trailing partial byte always deterministic, as in
+  ``trunc((x-mn)/(gap+1e-8) + u)``, ``u = uniform01(key, (n,))`` (the trailing partial byte
+  always deterministic, as in
   HiPress; u in [0, 1), so HiPress's u == 1 overflow defect cannot happen); decode
   ``level*gap + mn``. Message = 10-byte header ``[b:u8][tail:u8][mn:f32 LE][mx:f32 LE]`` +
   codes packed LSB-first.
@@ -479,7 +555,9 @@ class TernGrad:
         std = sqrt_f32(exact_div(det_sum(no_fma(jnp.square(x - mu))), x.shape[0]))
         c = jnp.float32(self.clip) * std
         x = jnp.clip(x, -c, c)
-      s = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)
+      # max|x| as max(max x, -min x) (+ 0 turns a -0 into +0, as abs does): two reductions
+      # of x itself (XLA:CPU materialises |x| before a reduction)
+      s = jnp.maximum(jnp.max(x), -jnp.min(x)) + jnp.float32(0) if x.size else jnp.float32(0)
       u = uniform01(key, x.shape)
       keep = u * s < jnp.abs(x)
       code = jnp.where(keep, jnp.where(x < 0, 0, 2), 1).astype(jnp.uint32)
@@ -490,7 +568,7 @@ class TernGrad:
     gap = exact_div(mx - mn, 2 ** b - 1)
     gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
     mn, gap_inv = lax.optimization_barrier((mn, gap_inv))
-    t = no_fma((x - mn) * gap_inv)
+    t = no_fma((x - mn) * gap_inv, anchor=gap_inv)
     lev = jnp.round(t)  # round half to even (nearbyint)
     if key is not None:
       per = 8 // b
@@ -515,7 +593,7 @@ class TernGrad:
     mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
     gap = lax.optimization_barrier(exact_div(mx - mn, 2 ** self.bits - 1))
     lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
-    return (no_fma(lev * gap) + mn).reshape(shape)
+    return (no_fma(lev * gap, anchor=mn) + mn).reshape(shape)
 
   def wire_bytes(self, shape, dtype=jnp.float32):
     n = numel(shape)
