@@ -172,7 +172,7 @@ class DGC(_Sparse):
     if key is None and self.sample_rate is not None:
       raise ValueError("dgc with sample_rate needs key")
     thr = sample_threshold(jnp.abs(v), key, keep, self.sample_rate)
-    payload, idx = select_sparse(v, jnp.abs(v), thr, self.capacity(n), k_now)
+    payload, idx = select_sparse(v, None, thr, self.capacity(n), k_now)
     return payload, {"u": zero_at(u, idx), "v": zero_at(v, idx), "step": step + 1}
 
 
@@ -232,7 +232,7 @@ class GradDrop(_Sparse):
     if key is None and self.sample_rate is not None:
       raise ValueError("graddrop with sample_rate needs key")
     thr = sample_threshold(jnp.abs(r), key, keep, self.sample_rate)
-    payload, idx = select_sparse(r, jnp.abs(r), thr, self.capacity(r.shape[0]))
+    payload, idx = select_sparse(r, None, thr, self.capacity(r.shape[0]))
     return payload, {"residual": zero_at(r, idx)}
 
 
@@ -280,7 +280,7 @@ class TopK(_Sparse):
     x = _flat(g)
     if self.error_feedback:
       x = x + state["residual"]
-    payload, idx = select_sparse(x, jnp.abs(x), -1.0, self.capacity(x.shape[0]))
+    payload, idx = select_sparse(x, None, -1.0, self.capacity(x.shape[0]))
     if self.error_feedback:
       state = {"residual": zero_at(x, idx)}
     return payload, state

@@ -1,0 +1,138 @@
+"""The sparse selection without a full top_k (issue 14, item 5) selects the same elements.
+
+``ref_select`` / ``ref_threshold`` are the previous implementations (a ``lax.top_k`` over all n
+elements; a sorted sample). The new path may list the (idx, val) pairs in another order (the
+decode is a scatter of distinct indices), so payloads are compared as sets; decoded values and
+residuals bit for bit.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxlp.parallel.compressors as C
+from jaxlp.parallel.compressors._base import (
+  _FAST_MIN,
+  sample_threshold,
+  select_sparse,
+  sparse_decode,
+  zero_at,
+)
+
+N = _FAST_MIN + 7000  # above the size where the compaction path starts, not a multiple of 32
+
+
+def ref_threshold(mag, key, keep, sample_rate):
+  n = mag.shape[0]
+  cnt = max(1, math.ceil(n * sample_rate))
+  idx = jax.random.randint(key, (cnt,), 0, n)
+  samples = -jnp.sort(-mag[idx])
+  pos = jnp.minimum(jnp.floor(cnt * jnp.asarray(keep, jnp.float32)).astype(jnp.int32), cnt - 1)
+  return samples[pos]
+
+
+def ref_select(values, mag, thr, k_cap, k_now=None):
+  n = values.shape[0]
+  cand = jnp.where(mag > thr, mag, -1.0)
+  top, idx = lax.top_k(cand, k_cap)
+  valid = top >= 0
+  if k_now is not None:
+    valid = valid & (jnp.arange(k_cap) < k_now)
+  idx = jnp.where(valid, idx, n).astype(jnp.int32)
+  val = jnp.where(valid, values[jnp.minimum(idx, n - 1)], 0.0).astype(jnp.float32)
+  return {"count": jnp.sum(valid, dtype=jnp.int32).reshape(1), "idx": idx, "val": val}, idx
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _both(v, thr, k_now, k_cap, exact, with_k_now):
+  kn = k_now if with_k_now else None
+  t = -1.0 if exact else thr
+  a = ref_select(v, jnp.abs(v), t, k_cap, kn)
+  b = select_sparse(v, None, t, k_cap, kn)
+  n = v.shape[0]
+  return (a[0], b[0], sparse_decode(a[0], n), sparse_decode(b[0], n), zero_at(v, a[1]),
+          zero_at(v, b[1]))
+
+
+def _pairs(p):
+  idx, val = np.asarray(p["idx"]), np.asarray(p["val"])
+  o = np.argsort(idx, kind="stable")
+  return int(p["count"][0]), idx[o].tobytes(), val[o].tobytes()
+
+
+def _check(v, thr, k_cap, k_now, exact):
+  a, b, da, db, ra, rb = _both(v, jnp.float32(thr), jnp.int32(k_now or 0), k_cap, exact,
+                               k_now is not None)
+  assert _pairs(a) == _pairs(b), (thr, k_cap, k_now, exact)
+  assert np.asarray(da).tobytes() == np.asarray(db).tobytes()
+  assert np.asarray(ra).tobytes() == np.asarray(rb).tobytes()
+  return np.asarray(b["idx"])[:int(b["count"][0])]
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  yield "normal", rng.standard_normal(N)
+  yield "ints", rng.integers(-5, 6, N)  # massive ties, also at every threshold
+  yield "equal", np.full(N, 0.5)
+  yield "zeros", np.zeros(N)
+  yield "sparse", rng.standard_normal(N) * (rng.random(N) < 0.004)  # fewer nonzeros than k
+  yield "nan_inf", np.where(rng.random(N) < 0.01, np.nan,
+                            np.where(rng.random(N) < 0.002, -np.inf, rng.standard_normal(N)))
+
+
+@pytest.mark.parametrize("name,x", list(_inputs()), ids=lambda a: a if isinstance(a, str) else "")
+def test_selection_equals_full_top_k(name, x):
+  v = jnp.asarray(x.astype(np.float32))
+  mags = np.sort(np.nan_to_num(np.abs(np.asarray(v)), nan=0.0))[::-1]
+  for k_cap in (9, 400):
+    got = _check(v, 0.0, k_cap, None, True)  # exact top-k (TopK; sample_rate=None)
+    if name == "normal":  # the compaction path was taken: ascending indices
+      assert (np.diff(got) > 0).all() and len(got) == k_cap
+    if k_cap == 9:  # (compile time) the other variants at k_cap = 400 only
+      continue
+    _check(v, 0.0, k_cap, k_cap // 3, True)
+    key = jax.random.key(k_cap)
+    thr = sample_threshold(jnp.abs(v), key, k_cap / N, 0.01)
+    want = ref_threshold(jnp.abs(v), key, k_cap / N, 0.01)
+    assert np.asarray(thr).tobytes() == np.asarray(want).tobytes() or (
+      np.isnan(thr) and np.isnan(want))
+    # sampled, crafted: at the k-th magnitude (ties at the threshold), just above it (count ==
+    # k_cap or fewer), 0, and so low that the candidates overflow the buffer (fallback)
+    for t in (thr, mags[k_cap], mags[k_cap - 1], 0.0, mags[min(N - 1, 5 * k_cap + 2000)]):
+      _check(v, t, k_cap, None, False)
+      _check(v, t, k_cap, k_cap // 2, False)
+
+
+def test_sampled_threshold_nan_and_traced_keep():
+  x = np.random.default_rng(1).standard_normal(N).astype(np.float32)
+  x[::50] = np.nan  # 2% NaN: positions past the non-NaN samples give NaN, as the sort did
+  mag, key = jnp.abs(jnp.asarray(x)), jax.random.key(3)
+  for keep in (0.01, 0.97, 1.0):
+    a, b = sample_threshold(mag, key, keep, 0.01), ref_threshold(mag, key, keep, 0.01)
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes() or (np.isnan(a) and np.isnan(b))
+  traced = jax.jit(lambda m, k: sample_threshold(m, key, k, 0.01))(mag, jnp.float32(0.25))
+  assert traced == ref_threshold(mag, key, 0.25, 0.01)
+
+
+def test_sparsifiers_under_vmap_match_per_worker():
+  """vmap (the engine's emulated workers) turns the lax.cond into a select: same bits."""
+  rng = np.random.default_rng(2)
+  xs = jnp.asarray(rng.standard_normal((2, N)).astype(np.float32))
+  xs = xs.at[1, :N // 2].set(0.0)
+  for comp in (C.topk(0.01), C.graddrop(0.99)):  # DGC: the same selection as GradDrop
+    st = comp.init((N,))
+    key = jax.random.key(5)
+    enc = jax.jit(lambda x, comp=comp, st=st, key=key: comp.encode(x, st, key))
+    batched = jax.jit(jax.vmap(lambda x, comp=comp, st=st, key=key: comp.encode(x, st, key)))(xs)
+    for i in range(2):
+      p, s = enc(xs[i])
+      pb = jax.tree_util.tree_map(lambda a, i=i: a[i], batched)
+      assert _pairs(p) == _pairs(pb[0])
+      for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(pb[1]),
+                      strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
