@@ -375,10 +375,10 @@ def powersgd_start(comp, mats, states, keys):
 
 def powersgd_middle(ms, p_sums):
   """``P = orth(sum P)``, ``Q = M^T P``. Returns ``(ps, local Q's)``; the Q's are then summed."""
-  from jaxlp.parallel.compressors._powersgd import orthogonalize, thin_matmul  # noqa: PLC0415
+  from jaxlp.parallel.compressors._powersgd import orthogonalize, thin_matmul_t  # noqa: PLC0415
 
   ps = [orthogonalize(p) for p in p_sums]
-  return ps, [thin_matmul(m.T, p) for m, p in zip(ms, ps, strict=True)]
+  return ps, [thin_matmul_t(m, p) for m, p in zip(ms, ps, strict=True)]
 
 
 def powersgd_finish(comp, ms, ps, q_sums, states, w, mean=True):

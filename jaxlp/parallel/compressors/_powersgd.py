@@ -25,7 +25,29 @@ def thin_matmul(a, b):
   # the bits); the barrier keeps XLA from fusing that chain into the product and recomputing it
   # for every element of a (measured: 100x slower on CPU). The values are unchanged.
   b = lax.optimization_barrier(b)
-  cols = [det_sum(no_fma(a * b[..., None, :, j]), axis=-1) for j in range(b.shape[-1])]
+  cols = [det_sum(no_fma(a * b[..., None, :, j], anchor=b), axis=-1) for j in range(b.shape[-1])]
+  return jnp.stack(cols, axis=-1)
+
+
+def _pairwise_sum_rows(x):
+  """:func:`det_sum` along axis -2 (the same pairs, the same zero padding when odd), adding
+  whole contiguous rows: no transpose of a large matrix."""
+  if x.shape[-2] == 0:
+    return jnp.zeros(x.shape[:-2] + x.shape[-1:], x.dtype)
+  while x.shape[-2] > 1:
+    if x.shape[-2] % 2:
+      x = jnp.concatenate([x, jnp.zeros(x.shape[:-2] + (1,) + x.shape[-1:], x.dtype)], axis=-2)
+    x = x[..., 0::2, :] + x[..., 1::2, :]
+  return x[..., 0, :]
+
+
+def thin_matmul_t(a, b):
+  """``a (..., k, n)`` transposed times ``b (..., k, r)``: the bits of
+  ``thin_matmul(swapaxes(a, -1, -2), b)`` (the same products, the same pairwise tree), summed
+  over a's rows in place (``M^T P`` without materialising ``M^T``)."""
+  b = lax.optimization_barrier(b)  # see thin_matmul
+  cols = [_pairwise_sum_rows(no_fma(a * b[..., :, j, None], anchor=b))
+          for j in range(b.shape[-1])]
   return jnp.stack(cols, axis=-1)
 
 
@@ -35,7 +57,7 @@ def outer_sum(p, q):
   p, q = lax.optimization_barrier((p, q))  # see thin_matmul
   out = None
   for j in range(p.shape[-1]):
-    t = no_fma(p[..., :, j, None] * q[..., None, :, j])
+    t = no_fma(p[..., :, j, None] * q[..., None, :, j], anchor=p)
     out = t if out is None else out + t
   return out
 
@@ -155,7 +177,7 @@ class PowerSGD:
     q = orthogonalize(state["q"]) if self.warm_start or key is None else orthogonalize(
         jax.random.normal(key, state["q"].shape))
     p = orthogonalize(thin_matmul(mat, q))
-    q = thin_matmul(mat.T, p)
+    q = thin_matmul_t(mat, p)
     new = dict(state, q=q, iter=state["iter"] + 1)
     if self.error_feedback:
       new["error"] = (mat - outer_sum(p, q)).reshape(-1)
