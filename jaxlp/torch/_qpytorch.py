@@ -12,6 +12,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from jaxlp.formats._block import qpytorch_block
@@ -28,6 +30,22 @@ from jaxlp.torch._quantize import (
 )
 
 _QPT_ROUNDINGS = ("stochastic", "nearest")
+
+
+@functools.lru_cache(maxsize=64, typed=True)
+def _cached_format(ctor, *args):
+  return ctor(*args)
+
+
+def _format(ctor, *args):
+  """``ctor(*args)``, the same object again for the same argument values and types (a
+  bounded cache: the compiled-executable cache then matches formats by identity, and the
+  constructor's checks run once per distinct arguments). Unhashable arguments go straight to
+  the constructor (and its error)."""
+  try:
+    return _cached_format(ctor, *args)
+  except TypeError:
+    return ctor(*args)
 
 
 def _check(x, rounding, what):
@@ -76,7 +94,7 @@ def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=N
     tensor([ 9.3750e-02,  1.2500e+00, -2.5000e+00,  9.6000e+01])
   """
   _check(x, rounding, "float_quantize")
-  fmt = qpytorch_float(exp, man)
+  fmt = _format(qpytorch_float, exp, man)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 
@@ -115,7 +133,7 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
             [ 0.0000, 96.0000]])
   """
   _check(x, rounding, "block_quantize")
-  fmt = qpytorch_block(wl, dim)
+  fmt = _format(qpytorch_block, wl, dim)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 
@@ -156,7 +174,7 @@ def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stoch
     tensor([  0.1250,   1.3125,  -2.6875, 100.0000])
   """
   _check(x, rounding, "fixed_point_quantize")
-  fmt = QPyTorchFixedPoint(wl, fl, clamp, symmetric)
+  fmt = _format(QPyTorchFixedPoint, wl, fl, clamp, symmetric)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 

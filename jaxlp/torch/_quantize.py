@@ -11,7 +11,7 @@ import torch
 
 from jaxlp.formats._quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
 from jaxlp.ops._quantize import quantize_words
-from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
+from jaxlp.torch._dlpack import check_quantize_dtype, export_fast, import_fast, jax_device_of
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
 TORCH_FORMAT_TYPES = (*FORMAT_TYPES, QPyTorchFixedPoint)
@@ -143,27 +143,68 @@ def _kernel(fmt, rounding, with_mask, x, key):
   return quantize_words(xf, kw, fmt, rounding).astype(x.dtype)
 
 
-@functools.cache
-def compiled(fmt, rounding: str, with_mask: bool = False):
-  """The jitted JAX function ``(x, key) -> q`` for one (format, rounding); cached."""
-  return jax.jit(functools.partial(_kernel, fmt, rounding, with_mask))
+#: Most compiled executables :func:`executable` keeps (least recently used ones go first).
+CACHE_SIZE = 256
+
+_JAX_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16,
+               torch.bfloat16: jnp.bfloat16}
+
+# The key words of a call that takes none (read-only: shared by every call).
+_NO_KEY = np.zeros(2, np.uint32)
+_NO_KEY.setflags(write=False)
 
 
-def _key_array(key):
-  # A host array: jit moves it to the device of the committed tensor argument with the call
-  # (an explicit device_put first cost ~50 us per call on the CPU).
-  return np.zeros(2, np.uint32) if key is None else key
+def _config():
+  """The JAX settings a trace of :func:`_kernel` reads (part of :func:`executable`'s key, so a
+  changed setting compiles anew, as ``jax.jit`` would)."""
+  c = jax.config
+  return c.jax_enable_x64, c.jax_default_prng_impl, c.jax_threefry_partitionable
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def executable(fmt, rounding: str, with_mask: bool, dtype, shape, device, config):
+  """The compiled ``(x, key words) -> q`` (or ``(q, mask)``) for one torch dtype, shape and
+  device: ``(executable, JAX device, on_cpu)``.
+
+  One ``jax.jit(...).lower(...).compile()`` per key, kept in this bounded LRU cache (thread
+  safe; a race compiles twice and keeps one). Calling the executable skips ``jax.jit``'s
+  per-call signature and static-argument hashing; everything a call could get wrong is part of
+  the key (a new dtype, shape or device builds and checks anew). ``config`` is
+  :func:`_config` at the call.
+
+  Raises:
+    TypeError: ``dtype`` is not float32, float16 or bfloat16.
+    ValueError: the device cannot be shared with JAX (as :func:`jaxlp.torch.to_jax`).
+  """
+  del config  # only a cache key: the trace below reads the live settings
+  if dtype not in _JAX_DTYPES:
+    raise TypeError(f"jaxlp.torch.quantize: tensor dtype must be torch.float32, torch.float16 "
+                    f"or torch.bfloat16, got dtype={dtype}")
+  jdev = jax_device_of(device)
+  sharding = jax.sharding.SingleDeviceSharding(jdev)
+  x = jax.ShapeDtypeStruct(tuple(shape), _JAX_DTYPES[dtype], sharding=sharding)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding)
+  exe = jax.jit(functools.partial(_kernel, fmt, rounding, with_mask)).lower(x, key).compile()
+  return exe, jdev, jdev.platform == "cpu"
+
+
+def _call(t, fmt, rounding, with_mask, key):
+  exe, jdev, on_cpu = executable(fmt, rounding, with_mask, t.dtype, t.shape, t.device,
+                                 _config())
+  out = exe(import_fast(t, jdev), _NO_KEY if key is None else key)
+  if with_mask:
+    return export_fast(out[0], on_cpu), export_fast(out[1], on_cpu)
+  return export_fast(out, on_cpu)
 
 
 def quantize_raw(t, fmt, rounding, key):
   """Quantize tensor ``t`` (no autograd) with an explicit uint32[2] key (or None)."""
-  return to_torch(compiled(fmt, rounding)(to_jax(t), _key_array(key)))
+  return _call(t, fmt, rounding, False, key)
 
 
 def quantize_raw_mask(t, fmt, rounding, key):
   """(q, clamp mask) for :class:`QPyTorchFixedPoint` (QPyTorch's ``_mask`` kernels)."""
-  q, m = compiled(fmt, rounding, True)(to_jax(t), _key_array(key))
-  return to_torch(q), to_torch(m)
+  return _call(t, fmt, rounding, True, key)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -184,8 +225,9 @@ def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
   """Round every element of torch tensor ``t`` to ``fmt``: the same bits as ``jaxlp.quantize``.
 
   The tensor is shared with JAX through DLPack (no copy for contiguous CPU/CUDA tensors),
-  quantized by a jitted JAX function cached per (format, rounding), and the result comes
-  back as a tensor of the same shape, dtype and device.
+  quantized by a compiled JAX function cached per (format, rounding, dtype, shape, device;
+  at most 256 kept, least recently used dropped first), and the result comes back as a
+  tensor of the same shape, dtype and device.
 
   Stochastic rounding: the JAX key is ``jax.random.key(seed)`` when ``seed`` is given
   (i.e. uint32 words ``[seed >> 32, seed & 0xFFFFFFFF]``), else two uint32 words drawn
