@@ -5,22 +5,14 @@ import dataclasses
 import json
 
 import pytest
+from test_flags import _run
 
-from jaxlp.cli import main
 from jaxlp.training import TrainConfig, Trainer
 from jaxlp.training._loop import _policy
 from jaxlp.training._runs import config_differences
 
 TOY = ["--epochs", "1", "--max-steps-per-epoch", "1", "--batch-size", "16", "--width", "1",
        "--quiet"]
-
-
-def _run(argv, capsys):
-  try:
-    rc = main(argv)
-  except SystemExit as e:
-    rc = e.code
-  return rc, capsys.readouterr().err
 
 
 def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys):
