@@ -31,12 +31,13 @@ def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys
       "--exact-blocks False (the run has True)"]
 
 
-def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run():
+@pytest.mark.parametrize("policy", [{"hbfp": 8}, {"policy": "mxint8"}])
+def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run(policy):
   """Documented (README, "Block formats on integer tensor cores"): on the digits MLP every
   sum of block products fits float32's 24 bits, so the exact block dots give the same bits
-  as today's emulation -- the same loss and accuracy."""
-  cfg = dict(model="mlp", hbfp=8, epochs=1, batch_size=16, width=1, max_steps_per_epoch=1,
-             quiet=True)
+  as today's emulation -- the same loss and accuracy (``--hbfp 8`` and ``--policy mxint8``)."""
+  cfg = dict(model="mlp", epochs=1, batch_size=16, width=1, max_steps_per_epoch=1,
+             quiet=True, **policy)
   assert _policy(TrainConfig(**cfg, exact_blocks=True)).block_dot == "exact"
   m_exact = Trainer(TrainConfig(**cfg, exact_blocks=True)).run_epoch()
   m_emu = Trainer(TrainConfig(**cfg)).run_epoch()
