@@ -195,3 +195,18 @@ def test_the_guard_catches_both_gpu_failure_classes():
     else:
       with pytest.raises(AttributeError, match="TypedNdArray"):
         lower_for_cuda(f, spec)
+
+
+def test_exact_block_conv_lowers_for_cuda():
+  """``block_dot="exact"`` convolutions (im2col + the exact block GEMM) under value_and_grad
+  lower for CUDA with no op Triton cannot compile, every GEMM through the block GEMM kernel."""
+  conv = jaxlp.conv_general_dilated(jaxlp.mx_policy("int8", block_dot="exact"))
+
+  def loss(x, w):
+    return jnp.sum(conv(x, w, (1, 1), "SAME"))
+
+  x = jax.ShapeDtypeStruct((2, 64, 8, 8), jnp.float32)
+  w = jax.ShapeDtypeStruct((32, 64, 3, 3), jnp.float32)
+  _, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  _assert_clean(mods, "conv_general_dilated block_dot='exact'")
+  assert kernel_names(mods).count("jaxlp_block_gemm") == 3
