@@ -161,6 +161,36 @@ def no_fma(x, anchor=None):
   return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ zero, jnp.float32)
 
 
+def materialize(x):
+  """``x`` (float32 or a 32-bit integer type) unchanged, bit for bit, but computed once into
+  a buffer of its own instead of being fused into (and recomputed by) every consumer.
+
+  For per-bucket or per-tensor values (a norm, a scale) that are broadcast over the elements.
+  XLA:CPU drops ``optimization_barrier`` before fusion and fuses any chain of cheap
+  elementwise ops into a consumer that broadcasts it, so an integer-exact square root of a
+  bucket norm ran once per element, twice (encode and decode): about 4x QSGD's time. An
+  integer division is one of the ops XLA never duplicates into such a consumer
+  (``InstructionFusion::IsExpensive``): the bits are divided by a one that no compiler can
+  prove to be one (``fmix32(a) != fmix32(a ^ 1)``, always true: fmix32 is a bijection).
+  On other backends it costs one integer division per element of ``x``.
+  """
+  x = jnp.asarray(x)
+  dt = x.dtype
+  if x.size == 0 or dt.itemsize != 4:
+    return x
+  b = x if jnp.issubdtype(dt, jnp.unsignedinteger) else lax.bitcast_convert_type(x, jnp.uint32)
+  a = jnp.ravel(b)[0]
+  one = (fmix32(a) != fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32)
+  b = lax.optimization_barrier(b // one)
+  return b if b.dtype == dt else lax.bitcast_convert_type(b, dt)
+
+
+def per_element(v, size: int, n: int):
+  """Per-bucket values ``v`` (shape ``(nb,)``) repeated for each of the ``size`` elements of
+  their bucket, first ``n`` entries: the flat vector ``v[i // size]``."""
+  return jnp.broadcast_to(v[:, None], (v.shape[0], size)).reshape(-1)[:n]
+
+
 def exact_div(a, d):
   """``a / d`` correctly rounded (IEEE 754 float32 division, round to nearest even, gradual
   underflow) on every backend, also under ``vmap``; float32 result, broadcast as ``a / d``.
