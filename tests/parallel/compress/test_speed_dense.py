@@ -126,6 +126,58 @@ def test_qsgd_decode_every_code_equals_division(levels):
   assert _bytes(c.decode(payload, (n,))) == _bytes(want)
 
 
+def np_qsgd_levels(x, norm, u, levels, bucket):
+  """QSGD codes from the payload's norms: level = floor((|x| * f32(1/norm)) * levels + u),
+  every operation rounded to float32 (numpy: no FMA)."""
+  x = np.asarray(x, np.float32).ravel()
+  nrm = np.repeat(np.asarray(norm, np.float32), bucket)[:x.size]
+  with np.errstate(divide="ignore"):
+    inv = np.where(nrm > 0, np.float32(1.0) / nrm, np.float32(0.0)).astype(np.float32)
+  lev = np.floor((np.abs(x) * inv).astype(np.float32) * np.float32(levels) + u)
+  lev = np.where(inv > 0, np.clip(lev, 0, levels), 0).astype(np.uint32)
+  return (lev << 1) | (x < 0).astype(np.uint32)
+
+
+@pytest.mark.parametrize("levels,bucket", [(15, 64), (7, 10), (127, 512), (1, 3)])
+def test_qsgd_encode_equals_the_numpy_definition(levels, bucket):
+  rng = np.random.default_rng(levels)
+  key = jax.random.key(levels)
+  c = C.qsgd(levels, bucket)
+  for name, x in _crafted(rng):
+    p = jax.jit(lambda x, c=c: c.encode(x, (), key)[0])(jnp.asarray(x))
+    norm = np.asarray(p["norm"])
+    xb = np.pad(x, (0, norm.size * bucket - x.size)).reshape(norm.size, bucket)
+    np.testing.assert_allclose(norm, np.sqrt((xb.astype(np.float64) ** 2).sum(1)), rtol=1e-6)
+    want = np_qsgd_levels(x, norm, np.asarray(uniform01(key, (x.size,))), levels, bucket)
+    assert _bytes(p["codes"]) == _bytes(np_pack(want, c.bits)), name
+
+
+@pytest.mark.parametrize("comp", [C.cgx(4, 64), C.cgx(3, 100, stochastic=True), C.qsgd(15, 64)],
+                         ids=repr)
+def test_conv_shaped_leaf_equals_its_flat_vector(comp):
+  """The elementwise passes run on the flat vector (per_element): a 4-D leaf encodes and
+  decodes to the bits of the same values given flat."""
+  x = np.random.default_rng(0).standard_normal((16, 8, 3, 3)).astype(np.float32)
+  key = jax.random.key(2)
+  p4 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x))
+  p1 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x.ravel()))
+  assert jax.tree_util.tree_map(_bytes, p4) == jax.tree_util.tree_map(_bytes, p1)
+  assert _bytes(comp.decode(p4, x.shape)) == _bytes(
+    np.asarray(comp.decode(p1, (x.size,))).reshape(x.shape))
+
+
+def test_materialize_and_per_element_keep_the_bits():
+  from jaxlp.parallel.compressors._base import materialize, per_element
+  bits = np.array([0, 1, 0x80000000, 0x7F800000, 0xFFC00001, 0x00000001, 0x3F800000],
+                  np.uint32)
+  for dt in (np.float32, np.int32, np.uint32):
+    v = jnp.asarray(bits.view(dt))
+    assert _bytes(jax.jit(materialize)(v)) == _bytes(v)
+    assert _bytes(jax.vmap(materialize)(v[None])[0]) == _bytes(v)
+  assert _bytes(per_element(jnp.arange(3.0), 4, 10)) == _bytes(
+    np.repeat(np.arange(3.0, dtype=np.float32), 4)[:10])
+
+
 def test_terngrad_scale_is_max_abs_on_signed_zeros_and_nan():
   key = jax.random.key(0)
   for x in ([-0.0, -0.0], [0.0, -0.0, -3.0], [np.nan, 1.0], [-np.inf, 2.0], [1.0, -1.0]):
