@@ -20,6 +20,7 @@ from jaxlp.parallel.compressors._base import (
   no_fma,
   numel,
   pack_bits,
+  pack_bits_vectorized,
   packed_nbytes,
   per_element,
   uniform01,
@@ -581,7 +582,8 @@ class TernGrad:
       u = uniform01(key, x.shape)
       keep = u * s < jnp.abs(x)
       code = jnp.where(keep, jnp.where(x < 0, 0, 2), 1).astype(jnp.uint32)
-      return {"scale": s.reshape(1).astype(jnp.float32), "codes": pack_bits(code, 2, 1)}, state
+      return {"scale": s.reshape(1).astype(jnp.float32),
+              "codes": pack_bits_vectorized(code, 2, 1)}, state
     n = x.shape[0]
     b = self.bits
     mn, mx = jnp.min(x), jnp.max(x)
@@ -601,7 +603,8 @@ class TernGrad:
     header = jnp.concatenate([jnp.array([b, tail], jnp.uint8),
                               lax.bitcast_convert_type(mn, jnp.uint8),
                               lax.bitcast_convert_type(mx, jnp.uint8)])
-    return {"header": header, "codes": pack_bits(lev, b)}, state
+    pack = pack_bits if key is None else pack_bits_vectorized  # see pack_bits_vectorized
+    return {"header": header, "codes": pack(lev, b)}, state
 
   def decode(self, payload, shape):
     n = numel(shape)
