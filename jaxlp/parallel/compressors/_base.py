@@ -185,9 +185,18 @@ def no_fma(x, anchor=None):
   x = jnp.asarray(x, jnp.float32)
   if anchor is None or jnp.size(anchor) == 0:
     return fma_guard(x)
-  a = lax.bitcast_convert_type(jnp.ravel(jnp.asarray(anchor, jnp.float32))[0], jnp.uint32)
-  zero = lax.optimization_barrier((fmix32(a) == fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32))
+  zero = _opaque_zero(jnp.asarray(anchor, jnp.float32))
   return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ zero, jnp.float32)
+
+
+def _opaque_zero(anchor):
+  """uint32 0 that no compiler can prove to be 0: ``fmix32(a) == fmix32(a ^ 1)`` of the bit
+  pattern ``a`` of ``anchor``'s first element (false: fmix32 is a bijection), materialised by
+  an optimisation barrier. ``anchor``: a non-empty 32-bit array computed at run time."""
+  a = jnp.ravel(anchor)[0]
+  if a.dtype != jnp.uint32:
+    a = lax.bitcast_convert_type(a, jnp.uint32)
+  return lax.optimization_barrier((fmix32(a) == fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32))
 
 
 def materialize(x):
@@ -197,10 +206,10 @@ def materialize(x):
   For per-bucket or per-tensor values (a norm, a scale) that are broadcast over the elements.
   XLA:CPU drops ``optimization_barrier`` before fusion and fuses any chain of cheap
   elementwise ops into a consumer that broadcasts it, so an integer-exact square root of a
-  bucket norm ran once per element, twice (encode and decode): about 4x QSGD's time. An
-  integer division is one of the ops XLA never duplicates into such a consumer
-  (``InstructionFusion::IsExpensive``): the bits are divided by a one that no compiler can
-  prove to be one (``fmix32(a) != fmix32(a ^ 1)``, always true: fmix32 is a bijection).
+  bucket norm ran once per element, twice (encode and decode): QSGD's encode+decode took
+  1.9-2.4x as long. An integer division is one of the ops XLA never duplicates into such a
+  consumer (``InstructionFusion::IsExpensive``): the bits are divided by a one that no
+  compiler can prove to be one (``1 ^`` :func:`_opaque_zero` of ``x`` itself).
   On other backends it costs one integer division per element of ``x``.
   """
   x = jnp.asarray(x)
@@ -208,9 +217,7 @@ def materialize(x):
   if x.size == 0 or dt.itemsize != 4:
     return x
   b = x if jnp.issubdtype(dt, jnp.unsignedinteger) else lax.bitcast_convert_type(x, jnp.uint32)
-  a = jnp.ravel(b)[0]
-  one = (fmix32(a) != fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32)
-  b = lax.optimization_barrier(b // one)
+  b = lax.optimization_barrier(b // (_opaque_zero(b) ^ jnp.uint32(1)))
   return b if b.dtype == dt else lax.bitcast_convert_type(b, dt)
 
 
