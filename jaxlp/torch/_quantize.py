@@ -11,6 +11,7 @@ import torch
 
 from jaxlp.formats._quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
 from jaxlp.ops._quantize import quantize_words
+from jaxlp.torch import _triton
 from jaxlp.torch._dlpack import check_quantize_dtype, export_fast, import_fast, jax_device_of
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
@@ -189,6 +190,10 @@ def executable(fmt, rounding: str, with_mask: bool, dtype, shape, device, config
 
 
 def _call(t, fmt, rounding, with_mask, key):
+  if t.is_cuda and _triton.available():  # the native path (same bits), where it applies
+    out = _triton.quantize(t, fmt, rounding, key, with_mask)
+    if out is not None:
+      return out
   exe, jdev, on_cpu = executable(fmt, rounding, with_mask, t.dtype, t.shape, t.device,
                                  _config())
   out = exe(import_fast(t, jdev), _NO_KEY if key is None else key)
@@ -224,10 +229,13 @@ class _StraightThrough(torch.autograd.Function):
 def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
   """Round every element of torch tensor ``t`` to ``fmt``: the same bits as ``jaxlp.quantize``.
 
-  The tensor is shared with JAX through DLPack (no copy for contiguous CPU/CUDA tensors),
+  CUDA tensors of the formats QPyTorch has (``FloatFormat`` and its presets,
+  ``qpytorch_float``, ``FixedPoint``, ``QPyTorchFixedPoint``, ``qpytorch_block``) are rounded
+  by Triton kernels on torch's current stream (``jaxlp/torch/_triton.py``). Every other
+  tensor is shared with JAX through DLPack (no copy for contiguous CPU/CUDA tensors),
   quantized by a compiled JAX function cached per (format, rounding, dtype, shape, device;
   at most 256 kept, least recently used dropped first), and the result comes back as a
-  tensor of the same shape, dtype and device.
+  tensor of the same shape, dtype and device. Both give the bits of ``jaxlp.quantize``.
 
   Stochastic rounding: the JAX key is ``jax.random.key(seed)`` when ``seed`` is given
   (i.e. uint32 words ``[seed >> 32, seed & 0xFFFFFFFF]``), else two uint32 words drawn

@@ -121,3 +121,34 @@ def test_conv2d_and_quant_gemm_on_cuda():
   assert_same_bits(got, ref, "quant_gemm")
   # per-MAC rounding in a fixed k order: the same bits as on the CPU as well
   assert_same_bits(got, jt.cpd.quant_gemm(a.cpu(), b.cpu(), man=2, exp=5), "quant_gemm cpu")
+
+
+def test_triton_kernels_match_the_spec_on_the_gpu():
+  """The native path (``jaxlp/torch/_triton.py``) on 1M random and every crafted bit pattern,
+  26 formats, every rounding, float32/float16/bfloat16: the bits of the JAX spec on the CPU."""
+  pytest.importorskip("triton")
+  import _triton_check
+
+  problems = _triton_check.check("cuda", 1 << 20,
+                                 (torch.float32, torch.float16, torch.bfloat16))
+  assert not problems, "\n".join(problems[:20])
+
+
+def test_cuda_tensors_take_the_triton_path_where_it_applies(monkeypatch):
+  pytest.importorskip("triton")
+  from jaxlp.torch import _quantize as Q
+
+  x = torch.randn(64, 64, device=CUDA)
+  mx = jt.quantize(x, F.mx(F.E4M3FN, 32))  # no kernel for MX: the JAX route, before the patch
+
+  def jax_route(*args, **kwargs):
+    raise AssertionError("the JAX route ran for a format the Triton kernels take")
+
+  monkeypatch.setattr(Q, "executable", jax_route)
+  for out in (jt.float_quantize(x, 5, 2, "stochastic", seed=3),
+              jt.fixed_point_quantize(x, 8, 4, rounding="nearest"),
+              jt.block_quantize(x, 8, 0, "nearest"),
+              jt.quantize(x, F.E4M3, "up"),
+              jt.Quantizer(F.qpytorch_float(4, 3), forward_rounding="nearest")(x)):
+    assert out.device == CUDA and out.shape == x.shape
+  assert mx.device == CUDA

@@ -1,0 +1,170 @@
+"""The torch bridge's native path for CUDA tensors: Triton kernels with the spec's bits.
+
+Why (measured on one H100, torch 2.11, jax 0.11.2, 2026-11-26; ``benchmarks/RESULTS.md``):
+through JAX a call costs a DLPack import (~35 us), the executable's dispatch (~27 us) and an
+export (~11 us) before any work, so ``float_quantize`` took ~145 us per call at 4K elements
+(QPyTorch: ~14 us) and was host-bound at 16M. A Triton kernel launched on torch's current
+stream has none of these costs and reads and writes each element once.
+
+What runs here: :class:`FloatFormat` (every preset, every rounding), :class:`QPyTorchFloat`
+(``float_quantize``), :class:`FixedPoint`, :class:`QPyTorchFixedPoint`
+(``fixed_point_quantize``, with the clamp mask) and :class:`QPyTorchBlock`
+(``block_quantize``: the block maxima by ``torch.amax``, then one kernel) on float32, float16 and
+bfloat16 CUDA tensors below 2**31 elements. Every other format, a JAX configuration whose
+``jax.random.bits`` this module does not reproduce (another default PRNG, or
+``jax_threefry_partitionable`` off), or a machine without Triton takes the JAX route
+(``jaxlp/torch/_quantize.py``), with the same bits.
+
+The kernels are ports of the jnp definitions (``jaxlp/torch/_triton_kernels.py``); this module
+computes their constants from the format objects, once per (format, rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import torch
+
+from jaxlp.formats._bits import INF_BITS, QNAN_BITS, SIGN_MASK, f32_bits
+from jaxlp.formats._block import QPyTorchBlock
+from jaxlp.formats._compat import QPyTorchFloat
+from jaxlp.formats._fixed_point import FixedPoint, _f32_toward_zero_bits
+from jaxlp.formats._float_format import FloatFormat
+from jaxlp.torch._formats import QPyTorchFixedPoint
+
+#: Elements per Triton program, and its warps.
+BLOCK = 2048
+NUM_WARPS = 4
+#: Largest tensor the kernels take (their offsets are int32).
+MAX_ELEMENTS = 2**31 - 1 - BLOCK
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def available() -> bool:
+  """Whether Triton is installed (checked once; the kernels' module is imported on first use)."""
+  return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _k():
+  from jaxlp.torch import _triton_kernels  # noqa: PLC0415 -- imports triton
+
+  return _triton_kernels
+
+
+def stochastic_supported() -> bool:
+  """Whether the kernels reproduce the spec's noise under the current JAX configuration: the
+  spec derives its hash key with ``jax.random.bits`` on the uint32[2] key data, which the
+  kernels compute as Threefry-2x32 in JAX's partitionable scheme (the default)."""
+  c = jax.config
+  return c.jax_default_prng_impl == "threefry2x32" and bool(c.jax_threefry_partitionable)
+
+
+@functools.lru_cache(maxsize=256)
+def plan(fmt, rounding: str):
+  """(kernel name, constexpr arguments) for ``fmt`` and ``rounding``, or None where no kernel
+  applies. The constants are the format's own (its ``max_normal``, bounds, ...)."""
+  codes = _k().ROUND_CODES
+  if rounding not in getattr(fmt, "supported_roundings", ()):
+    return None
+  rc = codes[rounding]
+  if type(fmt) is FloatFormat:
+    maxb = f32_bits(fmt.max_normal)
+    if fmt.overflow == "saturate":
+      over = 0
+    elif fmt.overflow == "nan":
+      over = 1
+    else:
+      over = {"toward_zero": 0, "up": 3, "down": 4}.get(rounding, 2)
+    if fmt.has_inf:
+      infv = INF_BITS
+    else:
+      infv = maxb if fmt.overflow == "saturate" else QNAN_BITS
+    q_small = fmt.emin - fmt.man_bits if fmt.subnormals else fmt.emin
+    return "float_kernel", dict(
+        ROUND=rc, M=fmt.man_bits, EMIN=fmt.emin, SUBNORMALS=fmt.subnormals,
+        BIG=f32_bits(2.0**q_small), MAXB=maxb, OVER=over, INFV=infv,
+        NEG_ZERO=fmt.has_negative_zero)
+  if type(fmt) is QPyTorchFloat:
+    e, m = fmt.exp_bits, fmt.man_bits
+    max_val = (2.0 - 2.0**-m) * 2.0 ** (2 ** (e - 1))
+    return "qpytorch_float_kernel", dict(ROUND=rc, E=e, M=m, SAT=f32_bits(max_val),
+                                         SMAG=f32_bits(2.0 ** (2 - 2 ** (e - 1))))
+  if type(fmt) is FixedPoint:
+    hi = _f32_toward_zero_bits(fmt.max_value)
+    lo = _f32_toward_zero_bits(-fmt.min_value) | SIGN_MASK
+    return "fixed_kernel", dict(ROUND=rc, FL=fmt.fl, CLAMP=fmt.clamp, HI=hi, LO=lo)
+  if type(fmt) is QPyTorchFixedPoint:
+    lo, hi = fmt.bounds_bits
+    return "qpytorch_fixed_kernel", dict(ROUND=rc, FL=fmt.fl, CLAMP=fmt.clamp, HI=hi, LO=lo)
+  if type(fmt) is QPyTorchBlock and fmt.wl < 23:  # (wl = 23 nearest is refused by the spec)
+    return "qpytorch_block_kernel", dict(ROUND=rc, WL=fmt.wl, CLIPV=f32_bits(2 ** (fmt.wl - 1) - 1))
+  return None
+
+
+def _block_max(x, dim: int):
+  """(float32 block maxima of |x|, inner, size) for :class:`QPyTorchBlock` along ``dim``."""
+  a = x.abs().float()
+  if dim == -1:
+    return a.amax().reshape(1), 1, 1
+  others = tuple(d for d in range(x.dim()) if d != dim)
+  mx = a.amax(dim=others) if others else a
+  inner = 1
+  for s in x.shape[dim + 1:]:
+    inner *= s
+  return mx.contiguous(), inner, x.shape[dim]
+
+
+def quantize(t, fmt, rounding: str, words, with_mask: bool = False):
+  """``t`` (a CUDA tensor) rounded to ``fmt`` by a Triton kernel: the tensor (or ``(q,
+  mask)`` for :class:`QPyTorchFixedPoint` with ``with_mask``), or None where this path does
+  not apply (the caller then takes the JAX route). ``words``: the uint32[2] key data of a
+  stochastic call, else None."""
+  idx = t.device.index
+  if idx is None or idx == torch.cuda.current_device():
+    return run(t, fmt, rounding, words, with_mask)
+  with torch.cuda.device(idx):
+    return run(t, fmt, rounding, words, with_mask)
+
+
+def run(t, fmt, rounding: str, words, with_mask: bool = False):
+  """:func:`quantize` on the current device (or, for tests, on CPU tensors in Triton's
+  interpreter: ``TRITON_INTERPRET=1`` before this module's kernels are imported)."""
+  if t.dtype not in _DTYPES or t.numel() > MAX_ELEMENTS:
+    return None
+  if with_mask and type(fmt) is not QPyTorchFixedPoint:
+    return None
+  p = plan(fmt, rounding)
+  if p is None:
+    return None
+  if isinstance(fmt, QPyTorchBlock) and fmt.dim >= t.dim():
+    return None  # the JAX route raises the error
+  k0 = k1 = 0
+  if rounding == "stochastic":
+    if not stochastic_supported():
+      return None
+    k0, k1 = int(words[0]), int(words[1])
+  name, consts = p
+  x = t.detach()
+  if not x.is_contiguous():
+    x = x.contiguous()
+  n = x.numel()
+  y = torch.empty_like(x)
+  mask = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if with_mask else None
+  if n:
+    kernel = getattr(_k(), name)
+    grid = ((n + BLOCK - 1) // BLOCK,)
+    if name == "qpytorch_block_kernel":
+      mx, inner, size = _block_max(x, fmt.dim)
+      kernel[grid](x, mx, y, n, inner, size, k0, k1, **consts, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    elif name == "qpytorch_fixed_kernel":
+      kernel[grid](x, y, y if mask is None else mask, n, k0, k1, **consts,
+                   WITH_MASK=with_mask, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    else:
+      kernel[grid](x, y, n, k0, k1, **consts, BLOCK=BLOCK, num_warps=NUM_WARPS)
+  if with_mask:
+    return y, mask.view(torch.bool)
+  return y

@@ -1,0 +1,118 @@
+"""Checks the torch bridge's Triton kernels (``jaxlp/torch/_triton.py``) against the JAX spec,
+bit for bit (NaN-aware), for every format family and rounding the kernels take.
+
+``python _triton_check.py cpu`` runs the kernels in Triton's interpreter on CPU tensors (the
+caller sets ``TRITON_INTERPRET=1``); ``cuda`` runs them on the GPU. The reference is always
+the JAX route on the CPU (``jaxlp.torch._quantize`` with a CPU tensor: the spec). Exit status
+1 and one line per difference on failure.
+"""
+
+import sys
+
+import numpy as np
+import torch
+
+from jaxlp import formats as F
+from jaxlp.torch import _quantize as Q
+from jaxlp.torch import _triton as T
+from jaxlp.torch._formats import QPyTorchFixedPoint
+
+FRACS = np.array([0, 1, 2, 3, 0x400000, 0x3FFFFF, 0x7FFFFF, 0x200000, 0x100000, 0x080000,
+                  0x7FFFFE, 0x600000, 0x500000, 0x180000, 0x0C0000, 0x300001], np.uint32)
+
+FORMATS = [
+    F.E4M3, F.E5M2, F.E4M3FN, F.BF16, F.FP16, F.FloatFormat(3, 2, specials="fnuz"),
+    F.FloatFormat(4, 3, subnormals=False), F.FloatFormat(2, 1, specials="finite"),
+    F.FloatFormat(8, 23), F.FloatFormat(5, 10, overflow="saturate"),
+    F.qpytorch_float(5, 2), F.qpytorch_float(8, 7), F.qpytorch_float(4, 3),
+    F.qpytorch_float(8, 23), F.qpytorch_float(1, 0),
+    F.FixedPoint(8, 4), F.FixedPoint(16, 10, symmetric=True), F.FixedPoint(4, -2, clamp=False),
+    QPyTorchFixedPoint(8, 4), QPyTorchFixedPoint(30, 3), QPyTorchFixedPoint(6, 140, clamp=False),
+    QPyTorchFixedPoint(8, 4, symmetric=True),
+    F.qpytorch_block(8, -1), F.qpytorch_block(4, -1), F.qpytorch_block(8, 0),
+    F.qpytorch_block(2, 1),
+]
+
+
+#: Short names for a subset (``python _triton_check.py cpu 256 float16 E4M3,QPF52``).
+NAMED = {"E4M3": F.E4M3, "BF16": F.BF16, "QPF52": F.qpytorch_float(5, 2),
+         "QPF87": F.qpytorch_float(8, 7), "QPFX": QPyTorchFixedPoint(8, 4),
+         "QPB": F.qpytorch_block(8, 0)}
+
+
+def crafted(n_random, seed=0):
+  """Every exponent field x 16 fractions (ties, half-ulps, extremes), both signs, then
+  ``n_random`` random bit patterns: float32 (as a CPU tensor)."""
+  rng = np.random.default_rng(seed)
+  c = (np.repeat(np.arange(256, dtype=np.uint32), FRACS.size) << 23) | np.tile(FRACS, 256)
+  r = rng.integers(0, 2**32, n_random, dtype=np.uint64).astype(np.uint32)
+  return torch.from_numpy(np.concatenate([c, c | np.uint32(0x80000000), r]).view(np.float32))
+
+
+def differences(got, ref):
+  a = got.float().cpu().numpy()
+  b = ref.float().cpu().numpy()
+  same = (np.isnan(a) & np.isnan(b)) | (a.view(np.uint32) == b.view(np.uint32))
+  return np.flatnonzero(~same.reshape(-1))
+
+
+def inputs(fmt, x):
+  if isinstance(fmt, F.QPyTorchBlock):
+    if fmt.dim == -1:  # one block for the whole tensor: keep it finite and non-degenerate
+      return x[x.abs() < 1e30][:4096].clone()
+    return x[: x.numel() // 8 * 8].reshape(-1, 8)
+  return x
+
+
+def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=None,
+          roundings=None) -> list[str]:
+  x0 = crafted(n_random)
+  words = np.array([123, 4567], np.uint32)
+  bad = []
+  checked = 0
+  for fmt in FORMATS if formats is None else formats:
+    for rounding in fmt.supported_roundings:
+      if roundings is not None and rounding not in roundings:
+        continue
+      for dtype in dtypes:
+        x = inputs(fmt, x0).to(dtype)
+        w = words if rounding == "stochastic" else None
+        xd = x.to(device)
+        got = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w)
+        if got is None:
+          bad.append(f"no kernel for {fmt!r} {rounding} {dtype}")
+          continue
+        if got.device != xd.device or got.dtype != dtype or got.shape != x.shape:
+          bad.append(f"{fmt!r} {rounding} {dtype}: got {got.device} {got.dtype} {got.shape}")
+          continue
+        ref = Q.quantize_raw(x, fmt, rounding, w)
+        d = differences(got, ref)
+        if isinstance(fmt, QPyTorchFixedPoint):
+          gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
+          rm = Q.quantize_raw_mask(x, fmt, rounding, w)
+          d = np.union1d(d, differences(gm[0], rm[0]))
+          if not torch.equal(gm[1].cpu(), rm[1]):
+            bad.append(f"{fmt!r} {rounding} {dtype}: clamp masks differ")
+        checked += 1
+        if d.size:
+          i = d[0]
+          xi = x.reshape(-1)[i:i + 1].float().numpy().view(np.uint32)[0]
+          bad.append(f"{fmt!r} {rounding} {dtype}: {d.size} differ, first at {i} "
+                     f"(x bits {xi:#010x}: {got.reshape(-1)[i].item()!r} vs "
+                     f"{ref.reshape(-1)[i].item()!r})")
+  if not checked:
+    bad.append("nothing checked")
+  return bad
+
+
+if __name__ == "__main__":
+  # usage: _triton_check.py DEVICE [N_RANDOM] [DTYPES] [FORMAT NAMES (nearest, stochastic)]
+  dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+  n = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+  names = "float32,float16,bfloat16" if len(sys.argv) <= 3 else sys.argv[3]
+  dts = tuple(getattr(torch, d) for d in names.split(","))
+  fmts = [NAMED[k] for k in sys.argv[4].split(",")] if len(sys.argv) > 4 else None
+  problems = check(dev, n, dts, fmts, ("nearest", "stochastic") if fmts else None)
+  count = len(FORMATS if fmts is None else fmts)
+  print("\n".join(problems) if problems else f"ok: {count} formats, {dev}")
+  sys.exit(1 if problems else 0)
