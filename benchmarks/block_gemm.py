@@ -62,6 +62,12 @@ def ulps(x, y):
   return np.where(np.isnan(x) & np.isnan(y), 0, d)
 
 
+def _format_row(r):
+  ms = "not measured" if r["ms"] is None else f"{r['ms']:.2f}"
+  gf = "not measured" if r["gflops"] is None else f"{r['gflops']:.2f}"
+  return f"| {r['case']} | {r['path']} | {ms} | {gf} | {r['bits']} |"
+
+
 def timed(fn, *args, repeats=5):
   out = jax.block_until_ready(fn(*args))  # compile
   times = []
@@ -76,6 +82,10 @@ def emulation(a, b):
   return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
+#: Largest (K-blocks, M, N) int32 intermediate of the XLA int8 route that is timed.
+X8_MAX_GB = 4
+
+
 def gemm_rows(size, repeats, on_gpu):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
@@ -86,6 +96,7 @@ def gemm_rows(size, repeats, on_gpu):
   def row(case, path, seconds, bits_note):
     rows.append(dict(case=case, path=path, ms=None if seconds is None else seconds * 1e3,
                      gflops=None if seconds is None else flops / seconds / 1e9, bits=bits_note))
+    print(_format_row(rows[-1]), flush=True)  # as it goes: a later row may run out of memory
 
   # wide range: every K-block of 24 columns scaled by 2**U{-12..12}, so that the block
   # exponents differ and sums crossing K-blocks round (on N(0, 1) data, and even with
@@ -103,14 +114,19 @@ def gemm_rows(size, repeats, on_gpu):
     ref = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_reference(a, b, g, bits, bits))
     x8 = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_xla_int8(a, b, g, bits, bits))
     t_ref, y_ref = timed(ref, a, b, repeats=repeats)
-    t_x8, y_x8 = timed(x8, a, b, repeats=repeats)
     u = ulps(y_ref, y_emu)
-    same = "same bits as reference" if np.array_equal(
-        np.asarray(y_x8).view(np.uint32), np.asarray(y_ref).view(np.uint32)) else "DIFFERENT"
     row(case, "emulation (fp32 dot, HIGHEST)", t_emu,
         f"vs exact: max {u.max()} ulp, mean {u.mean():.3f} ulp, {np.mean(u > 0):.1%} differ")
     row(case, "exact: reference (int32 dot per K-block, scan)", t_ref, "defines the bits")
-    row(case, "exact: XLA int8 dot (batched over K-blocks)", t_x8, same)
+    x8_gb = -(-size // g) * size * size * 4 / 2**30  # its (nb, M, N) int32 intermediate
+    if x8_gb <= X8_MAX_GB:
+      t_x8, y_x8 = timed(x8, a, b, repeats=repeats)
+      same = "same bits as reference" if np.array_equal(
+          np.asarray(y_x8).view(np.uint32), np.asarray(y_ref).view(np.uint32)) else "DIFFERENT"
+      row(case, "exact: XLA int8 dot (batched over K-blocks)", t_x8, same)
+    else:
+      row(case, "exact: XLA int8 dot (batched over K-blocks)", None,
+          f"skipped: its (K-blocks, M, N) int32 product is {x8_gb:.0f} GiB")
     if on_gpu:
       pk = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_pallas(a, b, g, bits, bits))
       t_pk, y_pk = timed(pk, a, b, repeats=repeats)
@@ -125,6 +141,11 @@ def gemm_rows(size, repeats, on_gpu):
       ("float E4M3 (per-tensor)", F.E4M3, F.E4M3, None)):
     a, b = F.quantize(x, fa), F.quantize(w, fb)
     t_emu, y_emu = timed(emu, a, b, repeats=repeats)
+    fp8_gb = (1 if g is None else -(-size // g)) * size * size * 4 / 2**30
+    if fp8_gb > X8_MAX_GB:
+      row(case, "fp8 fast mode (fp8 dot, fp32 out)", None,
+          f"skipped: its (K-blocks, M, N) float32 product is {fp8_gb:.0f} GiB")
+      continue
     fp8 = jax.jit(lambda a, b, fa=fa, fb=fb, g=g: BD.fp8_dot(a, b, fa, fb, g))
     t_8, y_8 = timed(fp8, a, b, repeats=repeats)
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
@@ -242,12 +263,8 @@ def main(argv=None):
   print(f"# block GEMM paths: {platform.processor() or platform.machine()}, "
         f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{size}^3, median of {args.repeats}")
-  rows = gemm_rows(size, args.repeats, on_gpu)
   print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
-  for r in rows:
-    ms = "not measured" if r["ms"] is None else f"{r['ms']:.2f}"
-    gf = "not measured" if r["gflops"] is None else f"{r['gflops']:.2f}"
-    print(f"| {r['case']} | {r['path']} | {ms} | {gf} | {r['bits']} |")
+  rows = gemm_rows(size, args.repeats, on_gpu)  # prints each row as it is measured
   layers = []
   if not args.skip_layers:
     layers = layer_rows(16 if args.small else 128)

@@ -1,11 +1,15 @@
-"""Training-step time of quantized layers: fp32 vs HBFP8 vs MXFP8 vs float E4M3 policies.
+"""Training-step time of quantized layers: fp32 / TF32 vs HBFP8, MXFP8, MXINT8, float E4M3.
 
 Models: ResNet-18 (CIFAR shape 32x32x3, batch 128, width 64) and an MLP (784-512-512-10,
 batch 128), every Dense/Conv quantized with ``jaxlp.flax.quantize_model``; one jitted SGD step
 (forward, backward, update); median wall time over ``--steps`` steps after a warm-up (compile)
 step, all policies in the same run. ``--small`` shrinks the models for CI.
 
-Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--steps N] [--json F]
+Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
+       [--json F]
+
+``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
+``hbfp8_tiled_exact``, ``mxint8_exact``, ``mxfp8_fp8``, are not in the default set: slow on CPU).
 """
 
 from __future__ import annotations
@@ -34,12 +38,22 @@ from jaxlp.flax.models import MLP, ResNet18
 from jaxlp.formats import E4M3, E4M3FN, E5M2
 from jaxlp.ops._policy import DotPolicy, float_policy, hbfp_policy, mx_policy
 
+#: name -> (policy, matmul precision of the step's plain float32 GEMMs, None: JAX's default).
+#: "fp32" is float32 arithmetic (``precision="highest"``); "tf32" the same model with TF32
+#: tensor-core matmuls (GPU; on CPU it equals fp32). The quantized policies run their GEMMs
+#: at JAX's default precision (their operands' significands fit TF32/bf16 exactly).
 POLICIES = {
-    "fp32": DotPolicy(),
-    "hbfp8": hbfp_policy(7, 24),
-    "mxfp8": mx_policy(E4M3FN, 32),
-    "float_e4m3": float_policy(E4M3, E5M2),
+    "fp32": (DotPolicy(), "highest"),
+    "tf32": (DotPolicy(), "tensorfloat32"),
+    "hbfp8": (hbfp_policy(7, 24), None),
+    "hbfp8_tiled": (hbfp_policy(7, 24, "tiled"), None),
+    "hbfp8_tiled_exact": (hbfp_policy(7, 24, "tiled", block_dot="exact"), None),
+    "mxint8_exact": (mx_policy("int8", 32, block_dot="exact"), None),
+    "mxfp8": (mx_policy(E4M3FN, 32), None),
+    "mxfp8_fp8": (mx_policy(E4M3FN, 32, block_dot="fp8"), None),
+    "float_e4m3": (float_policy(E4M3, E5M2), None),
 }
+DEFAULT_POLICIES = "fp32,tf32,hbfp8,mxfp8,float_e4m3"
 
 
 def numpy_init(model, x, seed=0):
@@ -105,7 +119,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="tiny models for CI")
   ap.add_argument("--models", default="resnet18,mlp")
-  ap.add_argument("--policies", default=",".join(POLICIES))
+  ap.add_argument("--policies", default=DEFAULT_POLICIES,
+                  help=f"comma-separated, from {', '.join(POLICIES)}")
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--json", default=None, help="write the results to this file")
   args = ap.parse_args(argv)
@@ -120,7 +135,11 @@ def main(argv=None):
     model, x, labels = make_case(mname, args.small)
     base = None
     for pname in args.policies.split(","):
-      t, c, loss = time_step(model, x, labels, POLICIES[pname], steps)
+      if pname not in POLICIES:
+        ap.error(f"--policies: unknown policy {pname!r}; choose from {', '.join(POLICIES)}")
+      policy, precision = POLICIES[pname]
+      with jax.default_matmul_precision(precision):
+        t, c, loss = time_step(model, x, labels, policy, steps)
       base = t if pname == "fp32" else base
       ratio = t / base if base else float("nan")
       rows.append(dict(model=mname, policy=pname, step_ms=1e3 * t, compile_s=c,

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/layers.py --small (MLP, all four policies)."""
+"""Smoke test of benchmarks/layers.py --small (MLP, the default policies; a bad --policies is
+refused)."""
 
 import json
 import os
@@ -16,6 +17,15 @@ def test_layers_benchmark_small(tmp_path):
                      capture_output=True, text=True, env=env, timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = json.loads(out.read_text())
-  assert [row["policy"] for row in rows] == ["fp32", "hbfp8", "mxfp8", "float_e4m3"]
+  assert [row["policy"] for row in rows] == ["fp32", "tf32", "hbfp8", "mxfp8", "float_e4m3"]
   assert all(row["step_ms"] > 0 and row["overhead"] > 0 for row in rows)
   assert "| mlp (batch 32) | hbfp8 |" in r.stdout
+
+
+def test_layers_benchmark_refuses_an_unknown_policy():
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+                      "--models", "mlp", "--policies", "fp32,hbfp9"],
+                     capture_output=True, text=True, env=env, timeout=120)
+  assert r.returncode == 2
+  assert "--policies: unknown policy 'hbfp9'" in r.stderr and "hbfp8_tiled_exact" in r.stderr
