@@ -354,10 +354,12 @@ def _qpytorch_fixed(bits, rand, ROUND: tl.constexpr, FL: tl.constexpr, CLAMP: tl
     else:
       q = _qpytorch_fixed_nearest(bits, fl_t, rand)
   else:
-    y_mag = _ldexp_bits(tl.where(finite, mag, 0), fl_t)
     r = _round_to_quantum(tl.where(finite, mag, 0), -fl_t, sgn, rand, 5)
     q = tl.where(finite, r | sgn, bits)
-    q = tl.where(finite & (y_mag == INF), INF | sgn, q)
+    # the spec's ``ldexp_bits(mag, fl) == inf``: floor(log2 |x|) + fl >= 128, i.e. a normal x
+    # with field + fl >= 255 (a subnormal x has floor(log2 |x|) < -126 and fl <= 149)
+    field = (mag >> 23).to(tl.int32)
+    q = tl.where(finite & (field >= 1) & (field + FL >= 255), INF | sgn, q)
   if CLAMP:
     notnan = (q & ABS) <= INF
     k = _order_key(q)

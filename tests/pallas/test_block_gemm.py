@@ -50,3 +50,38 @@ def test_interpret_matches_reference(fa, fb, g, shape):
 def test_rejects_wide_significands():
   with pytest.raises(ValueError, match="<= 7 bits"):
     block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 11, 7, interpret=True)
+
+
+def test_fast_scaling_equals_scale_exact_on_its_range():
+  """The kernel's fast scaling, ``fl32(n) * 2**q`` for FAST_Q_MIN <= q <= FAST_Q_MAX, has
+  ``scale_exact``'s bits (ties of the int -> float conversion, the extremes of n and q)."""
+  from jaxlp.pallas import _block_gemm as PB
+
+  rng = np.random.default_rng(1)
+  special = [0, 1, -1, 2**24 + 1, 2**24 + 3, -(2**24 + 1), 2**25 + 2, 2**31 - 1, -(2**31 - 1),
+             2**30 + 64, 123456789]
+  n = np.concatenate([special, rng.integers(-(2**31 - 1), 2**31, 4000)]).astype(np.int32)
+  q = np.concatenate([[PB.FAST_Q_MIN, PB.FAST_Q_MAX, 0, -1, 1],
+                      rng.integers(PB.FAST_Q_MIN, PB.FAST_Q_MAX + 1, 200)]).astype(np.int32)
+  nn, qq = (jnp.asarray(v) for v in np.meshgrid(n, q))
+  fast = nn.astype(jnp.float32) * PB.pow2_f32(qq)
+  assert _same(fast, BD.scale_exact(nn, qq))
+  assert _same(BD.flush(fast), fast)  # normal or +0.0: accumulate's flush is the identity
+
+
+def test_interpret_mixes_fast_and_exact_tiles():
+  """N(0, 1) blocks (fast scaling), all-zero blocks, blocks scaled to 2**-130 (their partials
+  leave the normal range: exact scaling) and an overflowing block, in one GEMM."""
+  rng = np.random.default_rng(2)
+  M, K, N, g = 40, 96, 36, 24
+  x = rng.normal(size=(M, K))
+  x[:16, :24] = 0.0  # all-zero blocks
+  x[20:24, 24:48] *= 2.0**-130  # tiny blocks
+  x[30, 72:] *= 2.0**100
+  w = rng.normal(size=(K, N))
+  w[48:72, :4] *= 2.0**-20
+  a = F.quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
+  b = F.quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
+  ref = BD.block_dot_reference(a, b, g, 7, 7)
+  for bm in (16, 32):
+    assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16), ref)

@@ -28,7 +28,8 @@ FORMATS = [
     F.qpytorch_float(8, 23), F.qpytorch_float(1, 0),
     F.FixedPoint(8, 4), F.FixedPoint(16, 10, symmetric=True), F.FixedPoint(4, -2, clamp=False),
     QPyTorchFixedPoint(8, 4), QPyTorchFixedPoint(30, 3), QPyTorchFixedPoint(6, 140, clamp=False),
-    QPyTorchFixedPoint(8, 4, symmetric=True),
+    QPyTorchFixedPoint(8, 4, symmetric=True), QPyTorchFixedPoint(8, 149, clamp=False),
+    QPyTorchFixedPoint(8, -100),
     F.qpytorch_block(8, -1), F.qpytorch_block(4, -1), F.qpytorch_block(8, 0),
     F.qpytorch_block(2, 1),
 ]
