@@ -12,9 +12,10 @@ added to the float32 accumulator (started at the first block's partial) with
 or, where the tile's block exponents keep every partial a normal float32, the conversion
 times a power of two, which has the same bits there (a ``lax.cond`` per tile and K-block).
 
-GPU notes: on an H100 (2026-11-26) it gives the reference's bits at 4096^3 and 8192^3 and runs
-at 11-22 TFLOP/s. The per-K-block ``scale_exact`` (~30 integer operations per output every 24
-or 32 MACs) dominates, not the int8 MMA. bm, bn are powers of two >= 16.
+GPU notes: on an H100 (2026-11-26), before the fast scaling, it gave the reference's bits at
+4096^3 and 8192^3 and ran at 11-22 TFLOP/s. The per-K-block ``scale_exact`` dominated (~30
+integer operations per output every 24 or 32 MACs), not the int8 MMA. The fast scaling is
+not measured on a GPU yet. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations
