@@ -2,6 +2,10 @@
 
 * :func:`to_jax` / :func:`to_torch`: zero-copy DLPack exchange.
 * :func:`quantize`: any jaxlp format on a torch tensor, bit-identical to ``jaxlp.quantize``.
+  CUDA tensors of the QPyTorch-style formats (``FloatFormat``, ``qpytorch_float``,
+  ``FixedPoint``, ``QPyTorchFixedPoint``, ``qpytorch_block``) run Triton kernels on torch's
+  current stream (``jaxlp/torch/_triton.py``; needs the ``triton`` package). Everything else
+  goes through JAX.
 * QPyTorch drop-ins: :func:`float_quantize`, :func:`block_quantize`,
   :func:`fixed_point_quantize`, :func:`quantizer`, :class:`Quantizer`, :class:`OptimLP`.
 * CPD drop-ins: ``jaxlp.torch.cpd.float_quantize``, ``quantizer``, ``Quantizer``,
