@@ -6,8 +6,13 @@ Each kernel is a line-by-line port of the jnp definition it names (``jaxlp/forma
 same branches, the same constants (computed on the host by the format objects, see
 ``jaxlp/torch/_triton.py``). Stochastic noise is the spec's counter-based hash of the flat
 element index (``hash_bits``) under the two words ``jax.random.bits(key, (2,))`` of the key,
-which the host computes. Tests compare every kernel with the spec bit for bit (NaN-aware), in
-Triton's interpreter on the CPU and on a GPU when one is present.
+which each program derives from the key data (Threefry-2x32, :func:`_key_words`). Tests
+compare every kernel with the spec bit for bit (NaN-aware), in Triton's interpreter on the CPU
+and on a GPU when one is present.
+
+Float arithmetic appears only where the spec has it (QPyTorch's subnormal rebase and fixed
+point rounding) and in scalings by powers of two that are exact where they are used, so FMA
+contraction (Triton's default) cannot change a result.
 
 This module imports ``triton`` at import time: it is imported only when a CUDA tensor is
 quantized and Triton is installed (``jaxlp/torch/_triton.py``).
