@@ -30,7 +30,6 @@ from jax.experimental import pallas as pl
 from jaxlp._util import next_pow2, round_up
 from jaxlp.ops import _block_dot as BD
 
-
 #: q range of the fast scaling (see the kernel): a nonzero |n| < 2**31 times 2**q is a normal
 #: float32 for -126 <= q <= 96, so ``fl32(n) * 2**q`` equals ``scale_exact(n, q)`` there (and
 #: ``flush`` of it is the identity); zero gives +0.0 in both.

@@ -125,7 +125,8 @@ def test_conv2d_and_quant_gemm_on_cuda():
 
 def test_triton_kernels_match_the_spec_on_the_gpu():
   """The native path (``jaxlp/torch/_triton.py``) on 1M random and every crafted bit pattern,
-  every format of ``_triton_check.FORMATS``, every rounding, float32/float16/bfloat16: the bits of the JAX spec on the CPU."""
+  every format of ``_triton_check.FORMATS``, every rounding, float32/float16/bfloat16: the
+  bits of the JAX spec on the CPU."""
   pytest.importorskip("triton")
   import _triton_check
 
