@@ -62,27 +62,18 @@ def _rotl(x, R: tl.constexpr):
 
 
 @triton.jit
-def _tf_round(x0, x1, ka, kb, I: tl.constexpr):
-  """Four Threefry-2x32 rounds (rotations of round group ``I - 1``), then key injection ``I``:
-  ``x0 += ka``, ``x1 += kb + I``."""
-  if I % 2 == 1:
-    r0: tl.constexpr = 13
-    r1: tl.constexpr = 15
-    r2: tl.constexpr = 26
-    r3: tl.constexpr = 6
-  else:
-    r0: tl.constexpr = 17
-    r1: tl.constexpr = 29
-    r2: tl.constexpr = 16
-    r3: tl.constexpr = 24
+def _tf_round(x0, x1, ka, kb, I: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr,
+              R2: tl.constexpr, R3: tl.constexpr):
+  """Four Threefry-2x32 rounds (rotations R0..R3), then key injection ``I``: ``x0 += ka``,
+  ``x1 += kb + I``."""
   x0 = x0 + x1
-  x1 = x0 ^ _rotl(x1, r0)
+  x1 = x0 ^ _rotl(x1, R0)
   x0 = x0 + x1
-  x1 = x0 ^ _rotl(x1, r1)
+  x1 = x0 ^ _rotl(x1, R1)
   x0 = x0 + x1
-  x1 = x0 ^ _rotl(x1, r2)
+  x1 = x0 ^ _rotl(x1, R2)
   x0 = x0 + x1
-  x1 = x0 ^ _rotl(x1, r3)
+  x1 = x0 ^ _rotl(x1, R3)
   return x0 + ka, x1 + kb + I
 
 
@@ -90,11 +81,11 @@ def _tf_round(x0, x1, ka, kb, I: tl.constexpr):
 def _threefry2x32(k0, k1, x0, x1):
   """Threefry-2x32, 20 rounds (Salmon et al., SC 2011), on uint32 scalars."""
   k2 = k0 ^ k1 ^ 0x1BD11BDA
-  x0, x1 = _tf_round(x0 + k0, x1 + k1, k1, k2, 1)
-  x0, x1 = _tf_round(x0, x1, k2, k0, 2)
-  x0, x1 = _tf_round(x0, x1, k0, k1, 3)
-  x0, x1 = _tf_round(x0, x1, k1, k2, 4)
-  return _tf_round(x0, x1, k2, k0, 5)
+  x0, x1 = _tf_round(x0 + k0, x1 + k1, k1, k2, 1, 13, 15, 26, 6)
+  x0, x1 = _tf_round(x0, x1, k2, k0, 2, 17, 29, 16, 24)
+  x0, x1 = _tf_round(x0, x1, k0, k1, 3, 13, 15, 26, 6)
+  x0, x1 = _tf_round(x0, x1, k1, k2, 4, 17, 29, 16, 24)
+  return _tf_round(x0, x1, k2, k0, 5, 13, 15, 26, 6)
 
 
 @triton.jit
