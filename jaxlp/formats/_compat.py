@@ -132,6 +132,16 @@ class QPyTorchFloat:
 
   supported_roundings = ("nearest", "stochastic")
 
+  @property
+  def _saturation_bits(self) -> int:
+    """Bits of the largest value, ``(2 - 2**-man) * 2**(2**(exp-1))`` (+inf's for exp = 8)."""
+    return B.f32_bits((2.0 - 2.0**-self.man_bits) * 2.0 ** (2 ** (self.exp_bits - 1)))
+
+  @property
+  def _rebase_bits(self) -> int:
+    """Bits of ``2**min_exp``, the subnormal branch's rebase constant."""
+    return B.f32_bits(2.0 ** (2 - 2 ** (self.exp_bits - 1)))
+
   def _round_bits(self, bits, rounding, rand, rand_bits):
     E, M = self.exp_bits, self.man_bits
     if M == 23:
@@ -155,12 +165,11 @@ class QPyTorchFloat:
     # Normal branch.
     qn = round_pattern(bits)
     qfield = ((qn >> 23) & B.u32(0xFF)).astype(B.I32)
-    max_val = (2.0 - 2.0**-M) * 2.0**max_exp
-    sat = B.u32(B.f32_bits(max_val)) | (bits & B.u32(B.SIGN_MASK))
+    sat = B.u32(self._saturation_bits) | (bits & B.u32(B.SIGN_MASK))
     qn = jnp.where((qn != 0) & (qfield > 127 + max_exp), sat, qn)
 
     # Subnormal branch: v = fl32(x + s); round v; q = fl32(v' - s), s = copysign(2^min_exp).
-    s_mag = B.u32(B.f32_bits(2.0**min_exp))
+    s_mag = B.u32(self._rebase_bits)
     s_bits = s_mag | (bits & B.u32(B.SIGN_MASK))
     if E == 8:
       # |x| < 2^-126 = s: same-sign add/sub of these patterns is exact integer arithmetic

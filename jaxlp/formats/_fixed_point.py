@@ -72,6 +72,13 @@ class FixedPoint:
   def min_value(self) -> float:
     return -self.max_value if self.symmetric else -(2.0 ** (self.wl - self.fl - 1))
 
+  @property
+  def _clamp_bits(self) -> tuple[int, int]:
+    """Bits of the clamp bounds (max, min), rounded toward zero into float32 (exact whenever
+    wl <= 25)."""
+    return (_f32_toward_zero_bits(self.max_value),
+            _f32_toward_zero_bits(-self.min_value) | B.SIGN_MASK)
+
   def _round_bits(self, bits, rounding, rand, rand_bits):
     sign, mag, _ = B.split(bits)
     finite = B.is_finite_mag(mag)
@@ -81,8 +88,7 @@ class FixedPoint:
     out = jnp.where(finite, out, bits)
     if self.clamp:
       # The bounds rounded toward zero into float32 (exact whenever wl <= 25).
-      hi = B.u32(_f32_toward_zero_bits(self.max_value))
-      lo = B.u32(_f32_toward_zero_bits(-self.min_value)) | B.u32(B.SIGN_MASK)
+      hi, lo = (B.u32(b) for b in self._clamp_bits)
       omag = out & B.u32(B.ABS_MASK)
       nan = B.is_nan_mag(omag)
       neg = (out & B.u32(B.SIGN_MASK)) != 0

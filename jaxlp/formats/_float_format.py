@@ -209,35 +209,54 @@ class FloatFormat:
       max_bits = B.ldexp_bits(max_bits, scale_exp)
     finite = B.is_finite_mag(mag)
     over = r > max_bits
-    if saturate or self.overflow == "saturate":
+    rule = self._overflow_rule(rounding, saturate)
+    if rule == "max":
       over_val = max_bits
-    elif self.overflow == "nan":
+    elif rule == "nan":
       over_val = B.u32(B.QNAN_BITS)
-    else:  # inf, with IEEE directed-rounding exceptions
-      if rounding == "toward_zero":
-        over_val = max_bits
-      elif rounding == "up":
-        over_val = jnp.where(sign, max_bits, B.u32(B.INF_BITS))
-      elif rounding == "down":
-        over_val = jnp.where(sign, B.u32(B.INF_BITS), max_bits)
-      else:
-        over_val = B.u32(B.INF_BITS)
+    elif rule == "inf_if_positive":
+      over_val = jnp.where(sign, max_bits, B.u32(B.INF_BITS))
+    elif rule == "inf_if_negative":
+      over_val = jnp.where(sign, B.u32(B.INF_BITS), max_bits)
+    else:
+      over_val = B.u32(B.INF_BITS)
     out = jnp.where(over, over_val, r)
 
     # Non-finite inputs.
     is_inf = mag == B.u32(B.INF_BITS)
-    if self.has_inf:
-      inf_val = B.u32(B.INF_BITS)
-    elif self.overflow == "saturate":
-      inf_val = max_bits
-    else:
-      inf_val = B.u32(B.QNAN_BITS)
+    inf_val = {"inf": B.u32(B.INF_BITS), "max": max_bits,
+               "nan": B.u32(B.QNAN_BITS)}[self._inf_input_rule]
     out = jnp.where(finite, out, jnp.where(is_inf, inf_val, B.u32(B.QNAN_BITS)))
     is_nan_out = B.is_nan_mag(out)
     signed = out | jnp.where(sign & ~is_nan_out, B.u32(B.SIGN_MASK), B.u32(0))
     if not self.has_negative_zero:
       signed = jnp.where(out == 0, B.u32(0), signed)
     return signed
+
+  def _overflow_rule(self, rounding: str, saturate: bool = False) -> str:
+    """What a finite value that rounds beyond ``max_normal`` becomes: ``"max"``, ``"nan"``,
+    ``"inf"``, or IEEE's directed-rounding exceptions ``"inf_if_positive"`` (``up``: ±max
+    for negatives) and ``"inf_if_negative"`` (``down``). Shared with the torch bridge's
+    Triton kernel (``jaxlp/torch/_triton.py``)."""
+    if saturate or self.overflow == "saturate":
+      return "max"
+    if self.overflow == "nan":
+      return "nan"
+    return {"toward_zero": "max", "up": "inf_if_positive",
+            "down": "inf_if_negative"}.get(rounding, "inf")
+
+  @property
+  def _inf_input_rule(self) -> str:
+    """What an input infinity becomes: ``"inf"``, ``"max"`` (saturating) or ``"nan"``."""
+    if self.has_inf:
+      return "inf"
+    return "max" if self.overflow == "saturate" else "nan"
+
+  @property
+  def _quantum_below_normal(self) -> int:
+    """The quantum exponent below the normal range (subnormal spacing, or ``emin`` without
+    subnormals): ``_round_mag``'s ``big`` is ``2**`` this."""
+    return self.emin - self.man_bits if self.subnormals else self.emin
 
   def _round_mag(self, mag, field, rounding, sign, rand, rand_bits):
     """``round_to_quantum(mag, qe)`` with qe = this format's quantum, from the exponent field.
@@ -254,12 +273,10 @@ class FloatFormat:
       # qe = max(e, emin) - m  =>  d = max(23 - m, emin + 150 - m - f1)
       d = jnp.maximum(23 - m, (emin + 150 - m) - f1)
       d_range = (23 - m, max(23 - m, emin + 149 - m))
-      q_small = emin - m  # qe wherever d > 23 - m
     else:
       # qe = emin if e < emin else e - m
       d = jnp.where(field < emin + 127, (emin + 150) - f1, 23 - m)
       d_range = (min(23 - m, 24), max(23 - m, emin + 149))
-      q_small = emin
-    big = B.u32(B.f32_bits(2.0**q_small))
+    big = B.u32(B.f32_bits(2.0**self._quantum_below_normal))  # qe wherever d > 23 - m
     return B.round_dropped_bits(mag, d, rounding, big=big, negative=sign, rand=rand,
                                 rand_bits=rand_bits, d_range=d_range)

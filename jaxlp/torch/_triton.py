@@ -27,10 +27,10 @@ import importlib.util
 import jax
 import torch
 
-from jaxlp.formats._bits import INF_BITS, QNAN_BITS, SIGN_MASK, f32_bits
+from jaxlp.formats._bits import INF_BITS, QNAN_BITS, f32_bits
 from jaxlp.formats._block import QPyTorchBlock
 from jaxlp.formats._compat import QPyTorchFloat
-from jaxlp.formats._fixed_point import FixedPoint, _f32_toward_zero_bits
+from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.formats._float_format import FloatFormat
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
@@ -73,34 +73,23 @@ def plan(fmt, rounding: str):
   rc = codes[rounding]
   if type(fmt) is FloatFormat:
     maxb = f32_bits(fmt.max_normal)
-    if fmt.overflow == "saturate":
-      over = 0
-    elif fmt.overflow == "nan":
-      over = 1
-    else:
-      over = {"toward_zero": 0, "up": 3, "down": 4}.get(rounding, 2)
-    if fmt.has_inf:
-      infv = INF_BITS
-    else:
-      infv = maxb if fmt.overflow == "saturate" else QNAN_BITS
-    q_small = fmt.emin - fmt.man_bits if fmt.subnormals else fmt.emin
+    over = {"max": 0, "nan": 1, "inf": 2, "inf_if_positive": 3,
+            "inf_if_negative": 4}[fmt._overflow_rule(rounding)]
+    infv = {"inf": INF_BITS, "max": maxb, "nan": QNAN_BITS}[fmt._inf_input_rule]
     return "float_kernel", dict(
         ROUND=rc, M=fmt.man_bits, EMIN=fmt.emin, SUBNORMALS=fmt.subnormals,
-        BIG=f32_bits(2.0**q_small), MAXB=maxb, OVER=over, INFV=infv,
-        NEG_ZERO=fmt.has_negative_zero)
+        BIG=f32_bits(2.0**fmt._quantum_below_normal), MAXB=maxb, OVER=over,
+        INFV=infv, NEG_ZERO=fmt.has_negative_zero)
   if type(fmt) is QPyTorchFloat:
-    e, m = fmt.exp_bits, fmt.man_bits
-    max_val = (2.0 - 2.0**-m) * 2.0 ** (2 ** (e - 1))
-    return "qpytorch_float_kernel", dict(ROUND=rc, E=e, M=m, SAT=f32_bits(max_val),
-                                         SMAG=f32_bits(2.0 ** (2 - 2 ** (e - 1))))
+    return "qpytorch_float_kernel", dict(ROUND=rc, E=fmt.exp_bits, M=fmt.man_bits,
+                                         SAT=fmt._saturation_bits, SMAG=fmt._rebase_bits)
   if type(fmt) is FixedPoint:
-    hi = _f32_toward_zero_bits(fmt.max_value)
-    lo = _f32_toward_zero_bits(-fmt.min_value) | SIGN_MASK
+    hi, lo = fmt._clamp_bits
     return "fixed_kernel", dict(ROUND=rc, FL=fmt.fl, CLAMP=fmt.clamp, HI=hi, LO=lo)
   if type(fmt) is QPyTorchFixedPoint:
     lo, hi = fmt.bounds_bits
     return "qpytorch_fixed_kernel", dict(ROUND=rc, FL=fmt.fl, CLAMP=fmt.clamp, HI=hi, LO=lo)
-  if type(fmt) is QPyTorchBlock and fmt.wl < 23:  # (wl = 23 nearest is refused by the spec)
+  if type(fmt) is QPyTorchBlock and fmt.wl < 23:  # (wl = 23 keeps the JAX route)
     return "qpytorch_block_kernel", dict(ROUND=rc, WL=fmt.wl, CLIPV=f32_bits(2 ** (fmt.wl - 1) - 1))
   return None
 
