@@ -28,17 +28,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxlp._util import next_pow2, round_up
+from jaxlp.formats import _bits as B
 from jaxlp.ops import _block_dot as BD
 
 #: q range of the fast scaling (see the kernel): a nonzero |n| < 2**31 times 2**q is a normal
 #: float32 for -126 <= q <= 96, so ``fl32(n) * 2**q`` equals ``scale_exact(n, q)`` there (and
 #: ``flush`` of it is the identity); zero gives +0.0 in both.
 FAST_Q_MIN, FAST_Q_MAX = -126, 96
-
-
-def pow2_f32(q):
-  """2.0**q as float32 for int32 q in [-126, 127] (built on the exponent field)."""
-  return lax.bitcast_convert_type((q + 127) << 23, jnp.float32)
 
 
 def _chunk(g: int) -> int:
@@ -64,7 +60,7 @@ def _make_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
       # exact scaling is the int32 -> float32 conversion (rounded once) times 2**q (exact):
       # two instructions per output instead of scale_exact's integer rounding.
       fast = (jnp.min(qa) + jnp.min(qb) >= FAST_Q_MIN) & (jnp.max(qa) + jnp.max(qb) <= FAST_Q_MAX)
-      return lax.cond(fast, lambda: n.astype(jnp.float32) * pow2_f32(q),
+      return lax.cond(fast, lambda: n.astype(jnp.float32) * B.from_bits(B.pow2_bits(q)),
                       lambda: BD.scale_exact(n, q))
 
     o_ref[...] = lax.fori_loop(1, nb, lambda t, s: BD.accumulate(s, partial(t)), partial(0))

@@ -55,6 +55,7 @@ def test_rejects_wide_significands():
 def test_fast_scaling_equals_scale_exact_on_its_range():
   """The kernel's fast scaling, ``fl32(n) * 2**q`` for FAST_Q_MIN <= q <= FAST_Q_MAX, has
   ``scale_exact``'s bits (ties of the int -> float conversion, the extremes of n and q)."""
+  from jaxlp.formats import _bits as B
   from jaxlp.pallas import _block_gemm as PB
 
   rng = np.random.default_rng(1)
@@ -64,7 +65,7 @@ def test_fast_scaling_equals_scale_exact_on_its_range():
   q = np.concatenate([[PB.FAST_Q_MIN, PB.FAST_Q_MAX, 0, -1, 1],
                       rng.integers(PB.FAST_Q_MIN, PB.FAST_Q_MAX + 1, 200)]).astype(np.int32)
   nn, qq = (jnp.asarray(v) for v in np.meshgrid(n, q))
-  fast = nn.astype(jnp.float32) * PB.pow2_f32(qq)
+  fast = nn.astype(jnp.float32) * B.from_bits(B.pow2_bits(qq))
   assert _same(fast, BD.scale_exact(nn, qq))
   assert _same(BD.flush(fast), fast)  # normal or +0.0: accumulate's flush is the identity
 
