@@ -15,13 +15,13 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
+import _triton_check as C  # noqa: E402  (tests/torch is on sys.path, as for _torch_testutil)
+
 from jaxlp import formats as F  # noqa: E402
 from jaxlp.torch import _triton as T  # noqa: E402
 from jaxlp.torch._formats import QPyTorchFixedPoint  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import _triton_check as C  # noqa: E402
 
 # float16/bfloat16 inputs (the kernels widen and narrow them on the bits): a representative
 # subset, nearest and stochastic
@@ -63,7 +63,7 @@ def test_run_declines_what_it_does_not_handle():
   assert T.run(x.reshape(2, 4), F.qpytorch_block(8, dim=2), "nearest", None) is None
 
 
-def test_stochastic_needs_the_default_prng(monkeypatch):
+def test_stochastic_needs_the_default_prng():
   words = np.array([1, 2], np.uint32)
   assert T.stochastic_supported()
   with jax.threefry_partitionable(False):
