@@ -68,7 +68,8 @@ IMPLS = ("reference", "xla_int8", "pallas")
 
 #: The implementation :func:`block_dot` runs on a GPU (every one gives the same bits; CPU
 #: always runs the reference). "pallas" is the integer-tensor-core kernel. Measured on an H100
-#: (2026-11-26, ``benchmarks/block_gemm.py``) at 4096^3 and 8192^3:
+#: (2026-11-26, ``benchmarks/block_gemm.py``) at 4096^3 and 8192^3, before the kernel's fast
+#: scaling was added (not measured since):
 #: - HBFP8: 11-12 TFLOP/s, against 1.4-1.8 for the reference;
 #: - MXINT8: 20-22 TFLOP/s, against 0.7.
 #: "xla_int8", the batched XLA int8 dot, needs a (K-blocks, M, N) int32 intermediate (8-86
