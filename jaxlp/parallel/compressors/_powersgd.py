@@ -7,12 +7,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.parallel._aggregate import LOW_RANK
 from jaxlp.parallel._arith import sqrt_f32
-from jaxlp.parallel.compressors._base import det_sum, exact_div, no_fma, numel
+from jaxlp.parallel.compressors._base import det_sum, exact_div, materialize, no_fma, numel
 
 
 def thin_matmul(a, b):
@@ -21,10 +20,11 @@ def thin_matmul(a, b):
   accumulates in an order that differs between batched (``vmap``) and per-device kernels;
   this does not, so PowerSGD gives the same bits under vmap, shard_map, pmap and multi-host.
   Memory-bound like the matmul it replaces (``r`` is the PowerSGD rank)."""
-  # b is small but may be the end of a long elementwise chain (orthogonalize: IEEE div/sqrt on
-  # the bits); the barrier keeps XLA from fusing that chain into the product and recomputing it
-  # for every element of a (measured: 100x slower on CPU). The values are unchanged.
-  b = lax.optimization_barrier(b)
+  # b is small but may be the end of a long elementwise chain (orthogonalize, exact_div: IEEE
+  # div/sqrt on the bits); materialize keeps XLA from fusing that chain into the product and
+  # recomputing it for every element of a (measured: 100x slower on CPU; an
+  # optimization_barrier is dropped before fusion). The values are unchanged.
+  b = materialize(b)
   cols = [det_sum(no_fma(a * b[..., None, :, j], anchor=b), axis=-1) for j in range(b.shape[-1])]
   return jnp.stack(cols, axis=-1)
 
@@ -45,7 +45,7 @@ def thin_matmul_t(a, b):
   """``a (..., k, n)`` transposed times ``b (..., k, r)``: the bits of
   ``thin_matmul(swapaxes(a, -1, -2), b)`` (the same products, the same pairwise tree), summed
   over a's rows in place (``M^T P`` without materialising ``M^T``)."""
-  b = lax.optimization_barrier(b)  # see thin_matmul
+  b = materialize(b)  # see thin_matmul
   cols = [_pairwise_sum_rows(no_fma(a * b[..., :, j, None], anchor=b))
           for j in range(b.shape[-1])]
   return jnp.stack(cols, axis=-1)
@@ -54,7 +54,7 @@ def thin_matmul_t(a, b):
 def outer_sum(p, q):
   """``p (..., n, r) @ q (..., m, r).T`` for a small ``r``: the r rank-one terms added in
   ascending order, each product rounded separately (no FMA)."""
-  p, q = lax.optimization_barrier((p, q))  # see thin_matmul
+  p, q = materialize(p), materialize(q)  # see thin_matmul
   out = None
   for j in range(p.shape[-1]):
     t = no_fma(p[..., :, j, None] * q[..., None, :, j], anchor=p)

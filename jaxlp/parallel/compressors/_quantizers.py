@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax.numpy as jnp
@@ -53,9 +52,9 @@ def _cgx_levels(x, mn, unit, r, top):
   integer are redone with the exact division. The window covers the estimate's error
   (``2**-22 q``), the rounding of ``q + r`` and the rounding boundary around the integer
   (``2**-24 (q + r)`` each), with ``r < 1``; an FMA-contracted ``q + r`` only shrinks the
-  error. Up to ``nb // 16 + 16`` (then ``nb // 4 + 16``) ambiguous buckets are gathered and
-  redone; more than that and the whole leaf is redone exactly (inputs lying on the level grid
-  can trigger it). A NaN level (an inf/NaN bucket) also marks its bucket.
+  error. The ambiguous buckets are gathered and redone ``nb // 16 + 16`` at a time until none
+  is left (inputs lying on the level grid make every bucket ambiguous: then about 16 rounds
+  redo the whole leaf). A NaN level (an inf/NaN bucket) also marks its bucket.
 
   The elementwise pass runs on the flat vector with the per-bucket values repeated
   (:func:`per_element`): over a conv kernel's 4-D gradient, XLA:CPU emits a
@@ -82,22 +81,22 @@ def _cgx_levels(x, mn, unit, r, top):
   xb = x.reshape(nb, bsz)
   rb = jnp.reshape(r, (nb, bsz)) if jnp.ndim(r) else r
 
-  def redo(cap):
-    rows = jnp.nonzero(amb, size=cap, fill_value=nb)[0]
+  cap = min(nb, nb // 16 + 16)
+
+  def redo(carry):
+    lv, todo = carry
+    rows = jnp.nonzero(todo, size=cap, fill_value=nb)[0]
     rc = jnp.minimum(rows, nb - 1)
     fixed = _cgx_levels_exact(xb[rc] - mn[rc, None], unit[rc, None],
                               rb[rc] if jnp.ndim(r) else r, top)
-    return lev.reshape(nb, bsz).at[rows].set(fixed, mode="drop").reshape(-1)
+    return lv.at[rows].set(fixed, mode="drop"), todo.at[rows].set(False, mode="drop")
 
-  caps = sorted({min(nb, nb // 16 + 16), min(nb, nb // 4 + 16)})
-  branches = [functools.partial(redo, cap) for cap in caps]
-  if caps[-1] < nb:
-    branches.append(lambda: _cgx_levels_exact(xb - mn[:, None], unit[:, None], rb, top).reshape(-1))
-  if len(branches) == 1:
-    return branches[0]()
-  count = jnp.sum(amb)
-  which = sum((count > cap).astype(jnp.int32) for cap in caps[:len(branches) - 1])
-  return lax.switch(which, branches)
+  # a loop, not a switch between "redo a few" and "redo all": under vmap (SRA encodes the W
+  # chunks as a batch) a switch becomes a select that computes every branch, the exact
+  # division of every element included, fused into the bit packing (measured: 3/4 of CGX's
+  # reduction time at W = 4)
+  lev, _ = lax.while_loop(lambda c: jnp.any(c[1]), redo, (lev.reshape(nb, bsz), amb))
+  return lev.reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The fast dense-quantizer paths (issue 14 item 5) keep the bits of the plain definitions.
 
 CGX splits full buckets from the partial last one (no pad-copy), redoes near-tie buckets in
-tiers, and guards its decode against FMA with one XOR; QSGD decodes level/levels with a
+rounds, and guards its decode against FMA with one XOR; QSGD decodes level/levels with a
 two-term reciprocal instead of a table gather; TernGrad takes max|x| as max(max, -min).
 The oracles are numpy (IEEE float32 division, no FMA).
 """
@@ -87,19 +87,29 @@ def test_cgx_stochastic_noise_is_uniform01_over_the_quantized_elements():
   assert _bytes(c.decode(p, (333,))) == _bytes(out)
 
 
-def test_cgx_middle_tier_of_near_tie_buckets():
-  """64 buckets of 16: 25 on the level grid (every element a tie) -- more than the first
-  tier (nb // 16 + 16 = 20), fewer than the second (32); then 40 (the whole-leaf path)."""
+def _tie_leaf(rng, ties):
+  """64 buckets of 16, the first ``ties`` on the level grid (every element a near tie)."""
+  x = rng.standard_normal((64, 16)).astype(np.float32)
+  x[:ties] = rng.integers(0, 16, (ties, 16)) * np.float32(0.5)
+  x[:ties, 0], x[:ties, 1] = 0.0, 7.5
+  return x.ravel()
+
+
+def test_cgx_near_tie_buckets_are_redone_in_rounds():
+  """64 buckets of 16; near-tie buckets are redone nb // 16 + 16 = 20 at a time: 0, 1, 2 and 4
+  rounds (every bucket a tie), alone and as a vmapped batch whose members need different
+  numbers of rounds (SRA encodes its W chunks that way)."""
   rng = np.random.default_rng(5)
-  for ties in (25, 40):
-    x = rng.standard_normal((64, 16)).astype(np.float32)
-    x[:ties] = rng.integers(0, 16, (ties, 16)) * np.float32(0.5)
-    x[:ties, 0], x[:ties, 1] = 0.0, 7.5
-    x = x.ravel()
-    p = jax.jit(lambda x: C.cgx(4, 16).encode(x, ())[0])(jnp.asarray(x))
+  c = C.cgx(4, 16)
+  leaves = [_tie_leaf(rng, ties) for ties in (0, 19, 25, 40, 64)]
+  enc = jax.jit(lambda x: c.encode(x, ())[0])
+  batched = jax.jit(jax.vmap(lambda x: c.encode(x, ())[0]))(jnp.asarray(np.stack(leaves)))
+  for i, x in enumerate(leaves):
     out, packed, _ = np_cgx(x, 4, 16)
-    assert _bytes(p["levels"]) == _bytes(packed), ties
-    assert _bytes(C.cgx(4, 16).decode(p, x.shape)) == _bytes(out), ties
+    p = enc(jnp.asarray(x))
+    assert _bytes(p["levels"]) == _bytes(packed), i
+    assert _bytes(c.decode(p, x.shape)) == _bytes(out), i
+    assert _bytes(batched["levels"][i]) == _bytes(packed), i
 
 
 def test_recip_split_gives_ieee_quotients_with_and_without_fma():
