@@ -415,7 +415,7 @@ class OneBit:
       sneg = exact_div(det_sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
       spos = exact_div(det_sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
       scales = jnp.stack([sneg, spos])
-    scales = lax.optimization_barrier(scales)
+    scales = materialize(scales)  # computed once, not in every element's loop (vmap: per chunk)
     payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
     if self.error_feedback:
       state = {"residual": x - self.decode(payload, x.shape)}
@@ -588,7 +588,7 @@ class TernGrad:
     mn, mx = jnp.min(x), jnp.max(x)
     gap = exact_div(mx - mn, 2 ** b - 1)
     gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
-    mn, gap_inv = lax.optimization_barrier((mn, gap_inv))
+    mn, gap_inv = materialize(mn), materialize(gap_inv)
     t = no_fma((x - mn) * gap_inv, anchor=gap_inv)
     lev = jnp.round(t)  # round half to even (nearbyint)
     if key is not None:
@@ -613,7 +613,7 @@ class TernGrad:
     h = payload["header"]
     mn = lax.bitcast_convert_type(h[2:6], jnp.float32)
     mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
-    gap = lax.optimization_barrier(exact_div(mx - mn, 2 ** self.bits - 1))
+    gap = materialize(exact_div(mx - mn, 2 ** self.bits - 1))
     lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
     return (no_fma(lev * gap, anchor=mn) + mn).reshape(shape)
 
