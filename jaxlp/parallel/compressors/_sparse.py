@@ -34,6 +34,9 @@ class _Sparse:
   kind = "sparse"
   aggregation = SPARSIFIERS
   elementwise_state = True
+  # encode holds a data-dependent lax.cond (select_sparse): the engine encodes pieces one at
+  # a time, not under vmap (jaxlp.parallel._aggregate._encode_pieces)
+  _encode_branches = True
 
   def decode(self, payload, shape):
     return sparse_decode(payload, numel(shape)).reshape(shape)

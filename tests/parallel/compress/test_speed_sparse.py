@@ -136,3 +136,32 @@ def test_sparsifiers_under_vmap_match_per_worker():
       for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(pb[1]),
                       strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("make", [lambda: C.topk(0.01), lambda: C.dgc(0.01, sample_rate=0.05),
+                                  lambda: C.graddrop(0.99, sample_rate=0.05)],
+                         ids=["topk", "dgc", "graddrop"])
+def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
+  """A SeCoPa plan cuts a leaf into pieces; the sparsifiers (a lax.cond in their encoder) are
+  encoded one piece at a time (lax.map) instead of under vmap, which ran both branches.
+  Each piece's payload and state equal that piece encoded on its own."""
+  from jaxlp.parallel import _aggregate as A  # noqa: PLC0415
+  comp = make()
+  assert comp._encode_branches
+  n, k = 3 * N + 5, 3
+  x = jnp.asarray(np.random.default_rng(7).standard_normal(n).astype(np.float32))
+  st = comp.init((n,))
+  key = jax.random.key(3)
+  payload, new, c = jax.jit(lambda x, st: A._encode_pieces(comp, x, st, key, k))(x, st)
+  xs = A._pad_edge(x, k * c).reshape(k, c)
+  sts = A._split_state(st, k, c, n)
+  states = []
+  for i, kk in enumerate(jax.random.split(key, k)):
+    one = jax.tree_util.tree_map(lambda a, i=i: a[i], sts)
+    p, s = jax.jit(comp.encode)(xs[i], one, kk)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(payload), strict=True):
+      assert np.asarray(a).tobytes() == np.asarray(b[i]).tobytes()
+    states.append(s)
+  want = A._join_state(jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states), n)
+  for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(new), strict=True):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
