@@ -223,3 +223,82 @@ def test_no_fma_anchor_keeps_the_rounded_product():
   got = jax.jit(jax.vmap(lambda a, b, c: a + no_fma(b * c, anchor=a)))(
     a.reshape(4, -1), b.reshape(4, -1), c.reshape(4, -1))
   assert _bytes(got) == _bytes(want.reshape(4, -1))
+
+
+def _no_apart(fn, *args, **_):
+  return fn(*args)
+
+
+def test_apart_keeps_the_bits_and_is_a_conditional_only_on_cpu():
+  """``apart`` returns ``fn(*args)`` bit for bit (NaN payloads, -0, subnormals, a pytree of
+  several dtypes), also under vmap; on CPU the compiled program holds the conditional that
+  keeps the loop apart, and the CUDA lowering has none (no device-to-host sync there)."""
+  from jaxlp.parallel.compressors._base import apart
+  bits = np.array([0, 0x80000000, 1, 0x7FC00001, 0xFFBFFFFF, 0x7F800000, 0x3F800000], np.uint32)
+  x = np.resize(bits, 5000).view(np.float32)
+
+  def fn(v, k):
+    return v * 2.0, (lax_bits(v) >> 3) ^ k, (v > 0)
+
+  def lax_bits(v):
+    return jax.lax.bitcast_convert_type(v, jnp.uint32)
+
+  k = jnp.uint32(0x5A5A)
+  want = jax.jit(fn)(jnp.asarray(x), k)
+  got = jax.jit(lambda v, k: apart(fn, v, k))(jnp.asarray(x), k)
+  assert jax.tree_util.tree_map(_bytes, got) == jax.tree_util.tree_map(_bytes, want)
+  xs = np.stack([x, x[::-1]])
+  gv = jax.jit(jax.vmap(lambda v: apart(fn, v, k)))(jnp.asarray(xs))
+  wv = jax.vmap(lambda v: fn(v, k))(jnp.asarray(xs))
+  assert jax.tree_util.tree_map(_bytes, gv) == jax.tree_util.tree_map(_bytes, wv)
+  f = jax.jit(lambda v: apart(fn, v, k))
+  cpu = f.trace(jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(
+    lowering_platforms=("cpu",)).compile().as_text()
+  assert " conditional(" in cpu
+  # the opaque predicate hashes with fmix32 (multiplier 0x85EBCA6B = 2246822507): the CPU
+  # lowering computes it, the CUDA lowering (platform_dependent's default) does not
+  lower = {p: f.trace(jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(
+    lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
+  assert "2246822507" in lower["cpu"] and "2246822507" not in lower["cuda"]
+  assert lower["cuda"].count("stablehlo.case") < lower["cpu"].count("stablehlo.case")
+  # below min_size it is fn itself: no conditional at all
+  small = jax.jit(lambda v: apart(fn, v, k, min_size=10 ** 6)).trace(
+    jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(lowering_platforms=("cpu",)).as_text()
+  assert "stablehlo.case" not in small
+
+
+def test_qsgd_large_conv_leaf_keeps_the_bits_of_the_fused_program(monkeypatch):
+  """A leaf above every barrier threshold (QSGD's encoder: 2**19 elements; a 4-D leaf is
+  copied flat first) gives the payload and decode bits of the same program without the
+  barriers, which the numpy tests above check on smaller leaves; decode equals numpy."""
+  from jaxlp.parallel.compressors import _base, _quantizers
+  c = C.qsgd(15, 512)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((256, 256, 3, 3)), jnp.float32)
+  key = jax.random.key(9)
+
+  def run():
+    p = jax.jit(lambda x: c.encode(x, (), key)[0])(x)
+    return p, jax.jit(lambda p: c.decode(p, x.shape))(p), jax.jit(
+      lambda x: c.decode(c.encode(x, (), key)[0], x.shape))(x)
+
+  p, d, rt = run()
+  monkeypatch.setattr(_quantizers, "apart", _no_apart)
+  monkeypatch.setattr(_base, "apart", _no_apart)
+  p0, d0, rt0 = run()
+  assert jax.tree_util.tree_map(_bytes, p) == jax.tree_util.tree_map(_bytes, p0)
+  assert _bytes(d) == _bytes(d0) == _bytes(rt) == _bytes(rt0)
+  codes = np.asarray(C.unpack_bits(p["codes"], c.bits, x.size))
+  mag = (codes >> 1).astype(np.float32) / np.float32(15)
+  want = np.repeat(np.asarray(p["norm"]), 512)[:x.size] * np.where(codes & 1, -mag, mag)
+  assert _bytes(d) == _bytes(want.reshape(x.shape))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_unpack_bits_reads_every_position_of_every_width(bits):
+  """The word-based unpacking (two uint32 words per group of 8 codes, shifts by >= 32 giving
+  0) against the numpy stream, for lengths that end mid-group and mid-byte."""
+  rng = np.random.default_rng(bits)
+  for n in (1, 7, 8, 9, 15, 16, 17, 1001, 5000):
+    codes = rng.integers(0, 2 ** bits, n).astype(np.uint32)
+    packed = jnp.asarray(np_pack(codes, bits))
+    assert _bytes(jax.jit(lambda p, n=n: C.unpack_bits(p, bits, n))(packed)) == _bytes(codes)
