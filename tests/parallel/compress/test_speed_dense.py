@@ -251,6 +251,13 @@ def test_apart_keeps_the_bits_and_is_a_conditional_only_on_cpu():
   gv = jax.jit(jax.vmap(lambda v: apart(fn, v, k)))(jnp.asarray(xs))
   wv = jax.vmap(lambda v: fn(v, k))(jnp.asarray(xs))
   assert jax.tree_util.tree_map(_bytes, gv) == jax.tree_util.tree_map(_bytes, wv)
+  # under vmap one conditional for the whole batch (custom_vmap), not a select of both branches
+  assert " conditional(" in jax.jit(jax.vmap(lambda v: apart(fn, v, k))).lower(
+    jnp.asarray(xs)).compile().as_text()
+  kv = jnp.arange(2, dtype=jnp.uint32)
+  gv = jax.jit(jax.vmap(lambda v, k: apart(fn, v, k)))(jnp.asarray(xs), kv)
+  wv = jax.vmap(fn)(jnp.asarray(xs), kv)
+  assert jax.tree_util.tree_map(_bytes, gv) == jax.tree_util.tree_map(_bytes, wv)
   f = jax.jit(lambda v: apart(fn, v, k))
   cpu = f.trace(jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(
     lowering_platforms=("cpu",)).compile().as_text()
