@@ -194,13 +194,23 @@ def no_fma(x, anchor=None):
   return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ zero, jnp.float32)
 
 
+def _as_u32(a):
+  """The scalar ``a`` (any 8/16/32-bit dtype or bool) as a uint32 that differs for every bit
+  pattern of ``a`` (floats bitcast, integers converted)."""
+  if a.dtype == jnp.bool_:
+    return a.astype(jnp.uint32)
+  size = np.dtype(a.dtype).itemsize
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    a = lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size])
+  return a.astype(jnp.uint32)
+
+
 def _opaque_zero(anchor):
   """uint32 0 that no compiler can prove to be 0: ``fmix32(a) == fmix32(a ^ 1)`` of the bit
   pattern ``a`` of ``anchor``'s first element (false: fmix32 is a bijection), materialised by
-  an optimisation barrier. ``anchor``: a non-empty 32-bit array computed at run time."""
-  a = jnp.ravel(anchor)[0]
-  if a.dtype != jnp.uint32:
-    a = lax.bitcast_convert_type(a, jnp.uint32)
+  an optimisation barrier. ``anchor``: a non-empty array (8/16/32-bit dtype or bool) computed
+  at run time."""
+  a = _as_u32(jnp.ravel(anchor)[0])
   return lax.optimization_barrier((fmix32(a) == fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32))
 
 
@@ -224,16 +234,6 @@ def materialize(x):
   b = x if jnp.issubdtype(dt, jnp.unsignedinteger) else lax.bitcast_convert_type(x, jnp.uint32)
   b = lax.optimization_barrier(b // (_opaque_zero(b) ^ jnp.uint32(1)))
   return b if b.dtype == dt else lax.bitcast_convert_type(b, dt)
-
-
-def _as_u32(a):
-  """The bit pattern of the scalar ``a`` (any 8/16/32-bit dtype or bool) as uint32."""
-  if a.dtype == jnp.bool_:
-    return a.astype(jnp.uint32)
-  size = np.dtype(a.dtype).itemsize
-  if jnp.issubdtype(a.dtype, jnp.floating):
-    a = lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size])
-  return a.astype(jnp.uint32)
 
 
 def apart(fn, *args, min_size: int = 2 ** 12):
@@ -269,7 +269,7 @@ def apart(fn, *args, min_size: int = 2 ** 12):
     return fn(*args)
 
   def cpu(*a):
-    z = _opaque_zero(_as_u32(jnp.ravel(anchors(a)[0])[0]))
+    z = _opaque_zero(anchors(a)[0])
     shapes = jax.eval_shape(fn, *a)
     return lax.cond(z == 0, fn,
                     lambda *_: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
