@@ -251,17 +251,18 @@ def test_apart_keeps_the_bits_and_is_a_conditional_only_on_cpu():
   gv = jax.jit(jax.vmap(lambda v: apart(fn, v, k)))(jnp.asarray(xs))
   wv = jax.vmap(lambda v: fn(v, k))(jnp.asarray(xs))
   assert jax.tree_util.tree_map(_bytes, gv) == jax.tree_util.tree_map(_bytes, wv)
-  # under vmap one conditional for the whole batch (custom_vmap), not a select of both branches
-  assert " conditional(" in jax.jit(jax.vmap(lambda v: apart(fn, v, k))).lower(
-    jnp.asarray(xs)).compile().as_text()
   kv = jnp.arange(2, dtype=jnp.uint32)
   gv = jax.jit(jax.vmap(lambda v, k: apart(fn, v, k)))(jnp.asarray(xs), kv)
   wv = jax.vmap(fn)(jnp.asarray(xs), kv)
   assert jax.tree_util.tree_map(_bytes, gv) == jax.tree_util.tree_map(_bytes, wv)
   f = jax.jit(lambda v: apart(fn, v, k))
-  cpu = f.trace(jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(
-    lowering_platforms=("cpu",)).compile().as_text()
-  assert " conditional(" in cpu
+  with jax.default_device(jax.devices("cpu")[0]):  # compiled for CPU, also under cuda,cpu
+    cpu = f.lower(jax.ShapeDtypeStruct(x.shape, jnp.float32)).compile().as_text()
+    # under vmap one conditional for the whole batch (custom_vmap), not a select of both
+    # branches
+    batched = jax.jit(jax.vmap(lambda v: apart(fn, v, k))).lower(
+      jax.ShapeDtypeStruct(xs.shape, jnp.float32)).compile().as_text()
+  assert " conditional(" in cpu and " conditional(" in batched
   # the opaque predicate hashes with fmix32 (multiplier 0x85EBCA6B = 2246822507): the CPU
   # lowering computes it, the CUDA lowering (platform_dependent's default) does not
   lower = {p: f.trace(jax.ShapeDtypeStruct(x.shape, jnp.float32)).lower(
