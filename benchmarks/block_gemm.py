@@ -21,7 +21,11 @@ SAME), forward + both gradients (``jax.vjp``), HBFP8 per-sample (``hbfp_policy(7
 
 GPU rows are printed as "not measured" unless the run is on a GPU (the Pallas kernel is timed
 only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--repeats R]
-[--skip-layers] [--skip-conv] [--conv-size B C HW R] [--json F]
+[--skip-layers] [--skip-conv] [--conv-size B C HW R] [--tiles BMxBNxWARPS ...] [--json F]
+
+The Pallas kernel is timed on both routes (``route="int8"``, and ``"auto"``: bf16 tensor
+cores on the tiles whose block exponents allow it), each checked bit for bit against the
+reference; ``--tiles`` adds auto-route rows with other tiles (a GPU tuning sweep).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from jax import lax
 import jaxlp
 from jaxlp import formats as F
 from jaxlp.ops import _block_dot as BD
+from jaxlp.pallas import _block_gemm as PB
 
 
 def ulps(x, y):
@@ -86,7 +91,7 @@ def emulation(a, b):
 X8_MAX_GB = 4
 
 
-def gemm_rows(size, repeats, on_gpu):
+def gemm_rows(size, repeats, on_gpu, tile_sweep=()):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
@@ -127,14 +132,22 @@ def gemm_rows(size, repeats, on_gpu):
     else:
       row(case, "exact: XLA int8 dot (batched over K-blocks)", None,
           f"skipped: its (K-blocks, M, N) int32 product is {x8_gb:.0f} GiB")
-    if on_gpu:
-      pk = jax.jit(lambda a, b, g=g, bits=bits: BD.block_dot_pallas(a, b, g, bits, bits))
+    share = float(np.mean(np.asarray(PB.tile_routes(a, b, g, bits, bits))))
+    for route, tiles in [("int8", (None, None, None)), ("auto", (None, None, None)),
+                         *[("auto", t) for t in tile_sweep]]:
+      path = (f"exact: Pallas kernel, route={route}" if tiles[0] is None else
+              f"exact: Pallas kernel, route=auto, tiles {tiles[0]}x{tiles[1]}, {tiles[2]} warps")
+      note = f"bf16 route on {share:.0%} of the tiles; " if route == "auto" else ""
+      if not on_gpu:
+        if tiles[0] is None:
+          row(case, path + " (GPU)", None, note + "not measured (no GPU)")
+        continue
+      pk = jax.jit(lambda a, b, g=g, bits=bits, route=route, t=tiles: PB.block_gemm(
+          a, b, g, bits, bits, route=route, block_m=t[0], block_n=t[1], num_warps=t[2]))
       t_pk, y_pk = timed(pk, a, b, repeats=repeats)
       same = "same bits as reference" if np.array_equal(
           np.asarray(y_pk).view(np.uint32), np.asarray(y_ref).view(np.uint32)) else "DIFFERENT"
-      row(case, "exact: Pallas int8 kernel", t_pk, same)
-    else:
-      row(case, "exact: Pallas int8 kernel (GPU)", None, "not measured (no GPU)")
+      row(case, path, t_pk, note + same)
 
   for case, fa, fb, g in (
       ("MXFP8 mx(E4M3FN,32)", F.mx(F.E4M3FN, 32, 1), F.mx(F.E4M3FN, 32, 0), 32),
@@ -253,8 +266,20 @@ def main(argv=None):
   ap.add_argument("--conv-size", type=int, nargs=4, default=None,
                   metavar=("BATCH", "CHANNELS", "HW", "REPEATS"),
                   help="conv row: batch, channels, spatial size, repeats (default 8 64 16 3)")
+  ap.add_argument("--tiles", action="append", default=[], metavar="BMxBNxWARPS",
+                  help="GPU only: also time the Pallas kernel's auto route with these tiles "
+                       "and warps (e.g. 128x64x4); repeatable")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   args = ap.parse_args(argv)
+  tile_sweep = []
+  for t in args.tiles:
+    try:
+      bm, bn, w = (int(v) for v in t.lower().split("x"))
+    except ValueError:
+      ap.error(f"--tiles {t!r}: expected BMxBNxWARPS, e.g. 128x64x4")
+    if min(bm, bn) < 16 or bm & (bm - 1) or bn & (bn - 1) or w not in (1, 2, 4, 8, 16):
+      ap.error(f"--tiles {t!r}: tiles must be powers of two >= 16, warps 1/2/4/8/16")
+    tile_sweep.append((bm, bn, w))
   size = args.size or (64 if args.small else 512)
   if size < 1 or args.repeats < 1:
     ap.error("--size and --repeats must be positive")
@@ -264,7 +289,7 @@ def main(argv=None):
         f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{size}^3, median of {args.repeats}")
   print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
-  rows = gemm_rows(size, args.repeats, on_gpu)  # prints each row as it is measured
+  rows = gemm_rows(size, args.repeats, on_gpu, tile_sweep)  # prints each row as it is measured
   layers = []
   if not args.skip_layers:
     layers = layer_rows(16 if args.small else 128)

@@ -18,3 +18,22 @@ def test_block_gemm_bench_small(capsys, tmp_path):
   rows = json.loads(out_json.read_text())["gemm"]
   assert all(r["ms"] is None or r["ms"] > 0 for r in rows)
   assert any(r["ms"] is None and "not measured" in r["bits"] for r in rows)  # no GPU here
+  # both Pallas routes get a row; the auto route says how many tiles take bf16
+  assert out.count("exact: Pallas kernel, route=int8 (GPU)") == 3
+  assert out.count("route=auto (GPU) | not measured | not measured | bf16 route on 100% of the "
+                   "tiles; not measured (no GPU)") == 3
+
+
+def test_block_gemm_bench_tiles_flag(capsys):
+  """--tiles is parsed (GPU-only rows: nothing to time here) and bad values are refused."""
+  import pytest
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "block_gemm.py"
+  mod = runpy.run_path(str(path))
+  mod["main"](["--small", "--size", "32", "--repeats", "1", "--skip-layers", "--skip-conv",
+               "--tiles", "128x64x4"])
+  for bad, msg in (("128x64", "expected BMxBNxWARPS"), ("96x64x4", "powers of two >= 16"),
+                   ("64x64x3", "warps 1/2/4/8/16")):
+    with pytest.raises(SystemExit):
+      mod["main"](["--small", "--tiles", bad])
+    assert msg in capsys.readouterr().err

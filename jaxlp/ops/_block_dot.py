@@ -75,6 +75,13 @@ IMPLS = ("reference", "xla_int8", "pallas")
 #: "xla_int8", the batched XLA int8 dot, needs a (K-blocks, M, N) int32 intermediate (8-86
 #: GiB there).
 GPU_IMPL = "pallas"
+#: The Pallas kernel's route on a GPU (``jaxlp/pallas/_block_gemm.py``): "int8" (integer
+#: tensor cores everywhere; its bits were checked on an H100) or "auto" (bf16 tensor cores,
+#: with one float32 add per output per K-block instead of an int -> float conversion and
+#: scaling, on the tiles whose block exponents allow it). Both give the reference's bits in
+#: interpret mode; "auto" also relies on the GPU's bf16 MMA keeping float32's 24 bits in its
+#: accumulation, which no GPU run has checked yet, so it is not the default.
+GPU_ROUTE = "int8"
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,11 +312,14 @@ def block_dot_xla_int8(a, b, g: int, bits_a: int, bits_b: int):
   return _scan_blocks(n, qa, qb)
 
 
-def block_dot_pallas(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False):
-  """The same bits with the Pallas integer-tensor-core kernel (``jaxlp/pallas/_block_gemm.py``)."""
+def block_dot_pallas(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
+                     route: str | None = None):
+  """The same bits with the Pallas tensor-core kernel (``jaxlp/pallas/_block_gemm.py``);
+  ``route`` None: :data:`GPU_ROUTE`."""
   from jaxlp.pallas._block_gemm import block_gemm  # noqa: PLC0415  (import cycle)
 
-  return block_gemm(a, b, g, bits_a, bits_b, interpret=interpret)
+  return block_gemm(a, b, g, bits_a, bits_b, interpret=interpret,
+                    route=GPU_ROUTE if route is None else route)
 
 
 _IMPL_FNS = {"reference": block_dot_reference, "xla_int8": block_dot_xla_int8,

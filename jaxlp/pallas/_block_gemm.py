@@ -1,26 +1,50 @@
-"""Pallas kernel of the exact block GEMM (``DotPolicy(block_dot="exact")``) on integer
-tensor cores: the same bits as ``block_dot_reference`` in ``jaxlp/ops/_block_dot.py``.
+"""Pallas kernel of the exact block GEMM (``DotPolicy(block_dot="exact")``) on tensor cores:
+the same bits as ``block_dot_reference`` in ``jaxlp/ops/_block_dot.py``.
 
-The int8 significands and the per-(row, K-block) / per-(K-block, column) exponents are
-split off in jnp (``split_significands``); each K-block is zero-padded to ``gp`` (a
-multiple of the in-kernel chunk ``c``, a power of two >= 32, the int8 MMA depth). Grid
-(M tiles, N tiles); each program owns a (bm, bn) output tile and loops over the K-blocks
-strictly ascending (``lax.fori_loop``): the block's int32 dot is the sum of int8 x int8 ->
-int32 ``jnp.dot``s over its chunks (integer adds: exact in any order), scaled exactly and
-added to the float32 accumulator (started at the first block's partial) with
-``accumulate``, the reference's function. The scaling is ``scale_exact`` (the reference's)
-or, where the tile's block exponents keep every partial a normal float32, the conversion
-times a power of two, which has the same bits there (a ``lax.cond`` per tile and K-block).
+The integer significands and the per-(row, K-block) / per-(K-block, column) exponents are
+split off in jnp (``split_significands``). Grid (M tiles, N tiles); each program owns a
+(bm, bn) output tile and loops over the K-blocks strictly ascending (``lax.fori_loop``). A
+per-tile route, computed in jnp from the tile's block exponents before the call, picks one
+of two loops (one ``lax.cond`` per tile, none inside the loops):
 
-GPU notes: on an H100 (2026-11-26), before the fast scaling, it gave the reference's bits at
-4096^3 and 8192^3 and ran at 11-22 TFLOP/s. The per-K-block ``scale_exact`` dominated (~30
-integer operations per output every 24 or 32 MACs), not the int8 MMA. The fast scaling is
-not measured on a GPU yet. bm, bn are powers of two >= 16.
+* **bf16 route** (``route="auto"``, tiles whose exponents stay in :data:`BF16_Q_MIN` ..
+  :data:`FAST_Q_MAX`): the block values ``k * 2**(qa - 1)`` and ``k * 2**qb`` are bfloat16
+  (8-bit significands, ``|k| <= 2**7``, are exact there). A K-block's partial is a bf16 x
+  bf16 -> float32 ``jnp.dot`` (tensor cores), times 2, added to the float32 sum (started at
+  +0.0, which turns a -0.0 partial into the reference's +0.0). It has the reference's bits
+  because every product is exact and every sum of products inside a K-block is a multiple
+  of ``2**(qa + qb - 1)`` below ``2**24`` of them (``g * 2**(bits_a + bits_b) <= 2**24``,
+  :func:`bf16_route_ok`): exact in float32 in any order, whatever the hardware's alignment
+  and rounding, provided it keeps float32's 24 bits (Hopper's bf16 MMA accumulates in
+  float32; its fp8 MMA does not, and is not used). So the partial is the exact
+  ``n * 2**(qa + qb)``, a normal float32 (no rounding, no flush), and the sum of such
+  partials never falls below ``2**-126`` (they are multiples of ``2**-125``): the
+  declared accumulation without its flush. The factor 2 also keeps Triton from folding
+  ``s + dot(a, b)`` into ``dot(a, b, s)`` (its dot-add combine), which would add ``s``
+  inside the MMA with the hardware's rounding instead of float32's.
+* **int8 route** (every other tile, or every tile with ``route="int8"``): each K-block is
+  zero-padded to ``gp`` (a multiple of the in-kernel chunk ``c``, a power of two >= 32,
+  the int8 MMA depth); its int32 dot is the sum of int8 x int8 -> int32 ``jnp.dot``s over
+  its chunks (integer adds: exact in any order), scaled exactly and added to the float32
+  accumulator (started at the first block's partial) with ``accumulate``, the reference's
+  function. The scaling is ``scale_exact`` (the reference's) or, where the tile's block
+  exponents keep every partial a normal float32, the conversion times a power of two,
+  which has the same bits there (a ``lax.cond`` per tile and K-block).
+
+GPU notes: on an H100 (2026-11-26), before the fast scaling and the bf16 route, the int8
+kernel gave the reference's bits at 4096^3 and 8192^3 and ran at 11-22 TFLOP/s. The
+per-K-block ``scale_exact`` dominated (~30 integer operations per output every 24 or 32
+MACs), not the int8 MMA. Neither the fast scaling nor the bf16 route is measured on a GPU
+yet, and the bf16 route's bits rest on the hardware keeping 24 bits in its float32
+accumulation, which only a GPU run can confirm: ``GPU_ROUTE`` in ``jaxlp/ops/_block_dot.py``
+keeps the int8 route as the default until then. Static counts on the sm_90 compile
+(``benchmarks/block_gemm_ptx.py``): RESULTS.md. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +59,33 @@ from jaxlp.ops import _block_dot as BD
 #: float32 for -126 <= q <= 96, so ``fl32(n) * 2**q`` equals ``scale_exact(n, q)`` there (and
 #: ``flush`` of it is the identity); zero gives +0.0 in both.
 FAST_Q_MIN, FAST_Q_MAX = -126, 96
+#: Smallest ``qa``, ``qb`` and ``qa + qb`` of a bf16-route tile: the operands ``k * 2**(qa - 1)``
+#: and ``k * 2**qb`` and the halved partials ``n * 2**(qa + qb - 1)`` are normal (>= 2**-126).
+BF16_Q_MIN = -125
+ROUTES = ("auto", "int8")
+
+
+def bf16_route_ok(g: int, bits_a: int, bits_b: int) -> bool:
+  """Whether a K-block of ``g`` can take the bf16 route: 8-bit significands (bf16's
+  precision) and every sum of its products below ``2**24`` units (exact in float32)."""
+  return max(bits_a, bits_b) <= 7 and g * (1 << (bits_a + bits_b)) <= 1 << 24
 
 
 def _chunk(g: int) -> int:
   return min(max(32, next_pow2(g)), 128)
 
 
-def _make_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
+def _bf16_chunk(gpb: int) -> int:
+  """The bf16 route's dot depth: the largest of 16, 32, 64 dividing ``gpb`` (a multiple of
+  16, the bf16 MMA depth)."""
+  return math.gcd(gpb, 64)
+
+
+def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
+  """The int8 route on the tiles whose route is 0 (the others are left as they are)."""
   n_chunks = gp // c
 
-  def kernel(qa_ref, qb_ref, ka_ref, kb_ref, o_ref):
+  def int8_route(qa_ref, qb_ref, ka_ref, kb_ref):
     def partial(t):
       def chunk(u, n):
         off = t * gp + u * c
@@ -63,15 +104,115 @@ def _make_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
       return lax.cond(fast, lambda: n.astype(jnp.float32) * B.from_bits(B.pow2_bits(q)),
                       lambda: BD.scale_exact(n, q))
 
-    o_ref[...] = lax.fori_loop(1, nb, lambda t, s: BD.accumulate(s, partial(t)), partial(0))
+    return lax.fori_loop(1, nb, lambda t, s: BD.accumulate(s, partial(t)), partial(0))
+
+  def kernel(route_ref, qa_ref, qb_ref, ka_ref, kb_ref, *rest):
+    o_ref = rest[-1]  # rest[0], when there are two, is the bf16 kernel's output (aliased)
+
+    @pl.when(route_ref[0, 0] == 0)
+    def _():
+      o_ref[...] = int8_route(qa_ref, qb_ref, ka_ref, kb_ref)
 
   return kernel
 
 
+def _bf16_kernel(nb: int, gpb: int, cb: int, bm: int, bn: int):
+  """The bf16 route on the tiles whose route is 1 (the others are left unwritten)."""
+  nb_chunks = gpb // cb
+
+  def dot(va_ref, vb_ref, off):
+    return jnp.dot(va_ref[:, pl.ds(off, cb)], vb_ref[pl.ds(off, cb), :],
+                   preferred_element_type=jnp.float32)
+
+  def kernel(route_ref, va_ref, vb_ref, o_ref):
+    def block(t, s):
+      if nb_chunks == 1:
+        p = dot(va_ref, vb_ref, t * gpb)
+      else:  # exact inside the block: the MMA may accumulate the chunks in any way
+        p = lax.fori_loop(1, nb_chunks, lambda u, p: p + dot(va_ref, vb_ref, t * gpb + u * cb),
+                          dot(va_ref, vb_ref, t * gpb))
+      # the operands carry 2**(qa - 1): doubling is exact, and a multiply between the dot
+      # and the add keeps Triton from moving s into the MMA's accumulator
+      return s + p * 2.0
+
+    @pl.when(route_ref[0, 0] == 1)
+    def _():
+      o_ref[...] = lax.fori_loop(0, nb, block, jnp.zeros((bm, bn), jnp.float32))
+
+  return kernel
+
+
+def _tile_routes(qa, qb, bm: int, bn: int):
+  """(M tiles, N tiles) int32: 1 where the tile takes the bf16 route (its rows' and
+  columns' block exponents satisfy the module docstring's range for every K-block).
+
+  ``qa`` (Mp, nb), ``qb`` (nb, Np) with all-zero blocks at 0 (they impose nothing)."""
+  Mp, nb = qa.shape
+  Np = qb.shape[1]
+  qa = qa.reshape(Mp // bm, bm, nb)
+  qb = qb.reshape(nb, Np // bn, bn)
+  a_lo, a_hi = jnp.min(qa, axis=1), jnp.max(qa, axis=1)  # (Mt, nb)
+  b_lo, b_hi = jnp.min(qb, axis=2).T, jnp.max(qb, axis=2).T  # (Nt, nb)
+  ok = ((a_lo[:, None] + b_lo[None] >= BF16_Q_MIN) & (a_hi[:, None] + b_hi[None] <= FAST_Q_MAX)
+        & (a_lo[:, None] >= BF16_Q_MIN) & (b_lo[None] >= BF16_Q_MIN))  # (Mt, Nt, nb)
+  return jnp.all(ok, axis=-1).astype(jnp.int32)
+
+
+def _bf16_values(k, q, gpb: int, shift: int):
+  """``k * 2**(q - shift)`` as bfloat16, each K-block zero-padded to ``gpb``: (R, nb * gpb).
+  Exact for blocks in the bf16 route's range; other rows/blocks get finite filler (their
+  tiles take the int8 route and never read it)."""
+  R, nb, g = k.shape
+  scale = B.from_bits(B.pow2_bits(jnp.clip(q - shift, -126, 110)))[..., None]
+  v = (k.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+  return jnp.pad(v, ((0, 0), (0, 0), (0, gpb - g))).reshape(R, nb * gpb)
+
+
+def _tiles(M: int, N: int, block_m, block_n, bf16: bool):
+  """The route tiles: ``block_m`` x ``block_n`` (powers of two >= 16), by default
+  min(128 (bf16 route) or 64, next_pow2(dim))."""
+  cap = 128 if bf16 else 64
+  bm = block_m or max(16, min(cap, next_pow2(M)))
+  bn = block_n or max(16, min(cap, next_pow2(N)))
+  for name, v in (("block_m", bm), ("block_n", bn)):
+    if v < 16 or v & (v - 1):
+      raise ValueError(f"block_gemm: {name} must be a power of two >= 16, got {v}")
+  return bm, bn
+
+
+def _prepare(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int):
+  """Significands and exponents, rows padded to the tiles: ``ka`` (Mp, nb, g), ``qa``
+  (Mp, nb), ``kb`` (Np, nb, g), ``qb`` (nb, Np) int32; all-zero (and padding) blocks get
+  exponent 0 (their dots are +0.0 whatever q, a NaN partner block stays NaN, and 0 keeps
+  their tiles on the fast routes)."""
+  M, N = a.shape[0], b.shape[1]
+  ka, qa, kb, qb = BD._operands(a, b, g, bits_a, bits_b)
+  qa = jnp.where(jnp.any(ka != 0, axis=-1), qa, 0)
+  qb = jnp.where(jnp.any(kb != 0, axis=-1), qb, 0)
+  Mp, Np = round_up(M, bm), round_up(N, bn)
+  return (jnp.pad(ka, ((0, Mp - M), (0, 0), (0, 0))), jnp.pad(qa, ((0, Mp - M), (0, 0))),
+          jnp.pad(kb, ((0, Np - N), (0, 0), (0, 0))), jnp.pad(qb, ((0, Np - N), (0, 0))).T)
+
+
+def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None = None,
+                block_n: int | None = None):
+  """The route :func:`block_gemm` (``route="auto"``) takes per output tile: (M tiles,
+  N tiles) int32, 1 = bf16, 0 = int8 (all 0 where :func:`bf16_route_ok` is false)."""
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  BD._check(a, b, g, bits_a, bits_b)
+  bf16 = bf16_route_ok(g, bits_a, bits_b)
+  bm, bn = _tiles(a.shape[0], b.shape[1], block_m, block_n, bf16)
+  _, qa, _, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
+  routes = _tile_routes(qa, qb, bm, bn)
+  return routes if bf16 else jnp.zeros_like(routes)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4),
-                   static_argnames=("interpret", "block_m", "block_n", "num_warps"))
+                   static_argnames=("interpret", "block_m", "block_n", "num_warps", "num_stages",
+                                    "route"))
 def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
-               block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
+               block_m: int | None = None, block_n: int | None = None,
+               num_warps: int | None = None, num_stages: int = 3, route: str = "auto"):
   """``a`` (M, K) . ``b`` (K, N) with the exact block bits (``jaxlp/ops/_block_dot.py``).
 
   Args:
@@ -80,54 +221,86 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
     g: K-block length.
     bits_a, bits_b: significand magnitude bits.
     interpret: run in the Pallas interpreter (CPU testing).
-    block_m, block_n: output tile (powers of two >= 16; default min(64, next_pow2(dim))).
-    num_warps: Triton warps per program.
+    block_m, block_n: the route tiles (powers of two >= 16; default min(128, next_pow2(dim))
+      with the bf16 route, else min(64, ...)); the int8 route runs min(., 64) sub-tiles.
+    num_warps: Triton warps per program (default 8 for 128 x 128 tiles, else 4).
+    num_stages: Triton software-pipelining stages of the K loops.
+    route: ``"auto"`` (bf16 tensor cores on the tiles whose exponents allow it, int8
+      elsewhere: module docstring) or ``"int8"`` (int8 everywhere). Same bits.
 
   Returns:
     (M, N) float32.
 
   Raises:
-    ValueError: bad shapes, ``bits`` > 7, or a K-block too long for an exact int32 dot.
+    ValueError: bad shapes, ``bits`` > 7, a K-block too long for an exact int32 dot, or an
+      unknown route.
   """
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   BD._check(a, b, g, bits_a, bits_b)
   if max(bits_a, bits_b) > 7:
     raise ValueError(f"block_gemm: int8 significands need <= 7 bits, got {bits_a} and {bits_b}")
+  if route not in ROUTES:
+    raise ValueError(f"block_gemm: route={route!r} not in {ROUTES}")
   M, N = a.shape[0], b.shape[1]
-  ka, qa, kb, qb = BD._operands(a, b, g, bits_a, bits_b)  # (M, nb, g) (M, nb) (N, nb, g) (N, nb)
-  # an all-zero block's exponent is arbitrary (its dots are 0, +0.0 whatever q; a NaN partner
-  # block stays NaN): 0 keeps its tiles on the fast scaling
-  qa = jnp.where(jnp.any(ka != 0, axis=-1), qa, 0)
-  qb = jnp.where(jnp.any(kb != 0, axis=-1), qb, 0)
-  nb = ka.shape[1]
+  nb = -(-a.shape[1] // g)
   if M * N == 0 or nb == 0:
     return jnp.zeros((M, N), jnp.float32)
+  bf16 = route == "auto" and bf16_route_ok(g, bits_a, bits_b)
   c = _chunk(g)
   gp = round_up(g, c)
-  bm = block_m or max(16, min(64, next_pow2(M)))
-  bn = block_n or max(16, min(64, next_pow2(N)))
+  bm, bn = _tiles(M, N, block_m, block_n, bf16)
+  # the int8 route runs (im, in_) sub-tiles of the route tiles: its exact scaling needs the
+  # registers of 32 outputs per thread
+  im, in_ = min(bm, 64), min(bn, 64)
   Mp, Np = round_up(M, bm), round_up(N, bn)
-  ka = jnp.pad(ka.astype(jnp.int8), ((0, Mp - M), (0, 0), (0, gp - g))).reshape(Mp, nb * gp)
-  kb = jnp.pad(kb.astype(jnp.int8), ((0, Np - N), (0, 0), (0, gp - g))).reshape(Np, nb * gp).T
-  qa = jnp.pad(qa, ((0, Mp - M), (0, 0)))
-  qb = jnp.pad(qb, ((0, Np - N), (0, 0))).T
-  params = None
-  if not interpret:
+  ka, qa, kb, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
+
+  def params(warps):
+    if interpret:
+      return None
     from jax.experimental.pallas import triton as plt  # GPU only
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    return plt.CompilerParams(num_warps=warps, num_stages=num_stages)
+
+  out_shape = jax.ShapeDtypeStruct((Mp, Np), jnp.float32)
+  tile = pl.BlockSpec((1, 1), lambda i, j: (i, j))
+  routes = jnp.zeros((Mp // bm, Np // bn), jnp.int32)
+  prev = []
+  if bf16:
+    routes = _tile_routes(qa, qb, bm, bn)
+    gpb = round_up(g, 16)
+    va = _bf16_values(ka, qa, gpb, 1)
+    vb = _bf16_values(kb, qb.T, gpb, 0).T
+    warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
+    prev = [pl.pallas_call(
+        _bf16_kernel(nb, gpb, _bf16_chunk(gpb), bm, bn),
+        out_shape=out_shape,
+        grid=(Mp // bm, Np // bn),
+        in_specs=[tile, pl.BlockSpec((bm, nb * gpb), lambda i, j: (i, 0)),
+                  pl.BlockSpec((nb * gpb, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        interpret=interpret,
+        compiler_params=params(warps),
+        name="jaxlp_block_gemm_bf16",
+    )(routes, va, vb)]
+  # the int8 route on (im, in_) sub-tiles of the route tiles
+  sub = jnp.repeat(jnp.repeat(routes, bm // im, axis=0), bn // in_, axis=1)
+  ka8 = jnp.pad(ka.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Mp, nb * gp)
+  kb8 = jnp.pad(kb.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Np, nb * gp).T
+  out_spec = pl.BlockSpec((im, in_), lambda i, j: (i, j))
   out = pl.pallas_call(
-      _make_kernel(nb, gp, c, bm, bn),
-      out_shape=jax.ShapeDtypeStruct((Mp, Np), jnp.float32),
-      grid=(Mp // bm, Np // bn),
-      in_specs=[
-          pl.BlockSpec((bm, nb), lambda i, j: (i, 0)),
-          pl.BlockSpec((nb, bn), lambda i, j: (0, j)),
-          pl.BlockSpec((bm, nb * gp), lambda i, j: (i, 0)),
-          pl.BlockSpec((nb * gp, bn), lambda i, j: (0, j)),
-      ],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      _int8_kernel(nb, gp, c, im, in_),
+      out_shape=out_shape,
+      grid=(Mp // im, Np // in_),
+      in_specs=[tile,
+                pl.BlockSpec((im, nb), lambda i, j: (i, 0)),
+                pl.BlockSpec((nb, in_), lambda i, j: (0, j)),
+                pl.BlockSpec((im, nb * gp), lambda i, j: (i, 0)),
+                pl.BlockSpec((nb * gp, in_), lambda i, j: (0, j)),
+                *([out_spec] if prev else [])],
+      out_specs=out_spec,
+      input_output_aliases={5: 0} if prev else {},
       interpret=interpret,
-      compiler_params=params,
+      compiler_params=params(num_warps or 4),
       name="jaxlp_block_gemm",
-  )(qa, qb, ka, kb)
+  )(sub, qa, qb, ka8, kb8, *prev)
   return out[:M, :N]

@@ -7,6 +7,7 @@ import pytest
 
 from jaxlp import formats as F
 from jaxlp.ops import _block_dot as BD
+from jaxlp.pallas import _block_gemm as PB
 from jaxlp.pallas._block_gemm import block_gemm
 
 
@@ -27,7 +28,8 @@ def _same(x, y):
     (F.hbfp_batched(7), F.hbfp_batched(7), 1, (9, 5, 18)),  # K-blocks of 1 (per sample)
     (F.BlockFormat(6, axis=1), F.BlockFormat(7, axis=0), 40, (8, 40, 8)),  # one block
 ], ids=["hbfp8", "mxint8", "g1", "whole"])
-def test_interpret_matches_reference(fa, fb, g, shape):
+@pytest.mark.parametrize("route", PB.ROUTES)
+def test_interpret_matches_reference(fa, fb, g, shape, route):
   M, K, N = shape
   rng = np.random.default_rng(0)
   x = _wide(rng, (M, K))
@@ -40,7 +42,7 @@ def test_interpret_matches_reference(fa, fb, g, shape):
   b = F.quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
   ba, bb = BD.significand_bits(fa), BD.significand_bits(fb)
   ref = BD.block_dot_reference(a, b, g, ba, bb)
-  out = block_gemm(a, b, g, ba, bb, interpret=True)
+  out = block_gemm(a, b, g, ba, bb, interpret=True, route=route)
   assert _same(out, ref)
   if g > 1:
     assert np.isinf(np.asarray(out)[2]).any()
@@ -71,18 +73,83 @@ def test_fast_scaling_equals_scale_exact_on_its_range():
 
 
 def test_interpret_mixes_fast_and_exact_tiles():
-  """N(0, 1) blocks (fast scaling), all-zero blocks, blocks scaled to 2**-130 (their partials
-  leave the normal range: exact scaling) and an overflowing block, in one GEMM."""
+  """N(0, 1) blocks (bf16 route / fast scaling), all-zero blocks, blocks scaled to 2**-130
+  (their partials leave the normal range: int8 route, exact scaling) and blocks scaled to
+  2**110, in one GEMM."""
   rng = np.random.default_rng(2)
   M, K, N, g = 40, 96, 36, 24
   x = rng.normal(size=(M, K))
   x[:16, :24] = 0.0  # all-zero blocks
-  x[20:24, 24:48] *= 2.0**-130  # tiny blocks
-  x[30, 72:] *= 2.0**100
+  x[24:40, 24:48] *= 2.0**-130  # tiny blocks (a whole 24 x 24 tile of hbfp)
+  x[30, 72:] *= 2.0**110  # partials beyond FAST_Q_MAX
   w = rng.normal(size=(K, N))
   w[48:72, :4] *= 2.0**-20
   a = F.quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
   b = F.quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
   ref = BD.block_dot_reference(a, b, g, 7, 7)
   for bm in (16, 32):
-    assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16), ref)
+    routes = np.asarray(PB.tile_routes(a, b, g, 7, 7, block_m=bm, block_n=16))
+    assert routes.min() == 0 and routes.max() == 1  # both routes in one GEMM
+    for route in PB.ROUTES:
+      out = block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16, route=route)
+      assert _same(out, ref)
+
+
+def test_bf16_route_is_taken_on_ordinary_data():
+  """N(0, 1) HBFP8 / MXINT8 operands: every tile takes the bf16 route, with the bits."""
+  rng = np.random.default_rng(3)
+  for fa, fb, g in ((F.hbfp(7, 24), F.hbfp(7, 24), 24), (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
+    a = F.quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
+    b = F.quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
+    assert np.asarray(PB.tile_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
+    ref = BD.block_dot_reference(a, b, g, 7, 7)
+    assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=16, block_n=16), ref)
+
+
+@pytest.mark.parametrize("qa_min", [PB.BF16_Q_MIN, PB.BF16_Q_MIN - 1])
+def test_bf16_route_exponent_boundary(qa_min):
+  """A block of ``a`` with exponent qa at the bf16 route's lower limit (taken) and one below
+  it (int8 route), with ``b``'s exponent 0 so that qa + qb is at the limit too."""
+  rng = np.random.default_rng(4)
+  x = rng.uniform(-1, 1, size=(16, 32)) * 2.0**(qa_min + 6)
+  x[:, 0] = 2.0**(qa_min + 6)  # the block max fixes qa = qa_min (7 bits: q = floor(log2) - 6)
+  w = rng.uniform(-1, 1, size=(32, 16)) * 2.0**6
+  w[0, :] = 2.0**6
+  a = F.quantize(jnp.asarray(x, jnp.float32), F.mx("int8", 32, 1))
+  b = F.quantize(jnp.asarray(w, jnp.float32), F.mx("int8", 32, 0))
+  _, qa, _, qb = PB._prepare(a, b, 32, 7, 7, 16, 16)
+  assert int(qa.min()) == qa_min and int(qb.max()) == 0
+  taken = bool(PB.tile_routes(a, b, 32, 7, 7)[0, 0])
+  assert taken == (qa_min >= PB.BF16_Q_MIN)
+  ref = BD.block_dot_reference(a, b, 32, 7, 7)
+  assert _same(block_gemm(a, b, 32, 7, 7, interpret=True), ref)
+
+
+def test_bf16_route_gives_positive_zero_for_negative_zero_products():
+  """A K-block whose products are all -0.0 (0 x negative; no zero padding at g = 32): the
+  reference's partial is +0.0 (scale_exact of 0), and so is the bf16 route's (its sum starts
+  at +0.0), also as the only K-block."""
+  a = jnp.zeros((16, 32), jnp.float32).at[1:].set(1.0)
+  b = -jnp.ones((32, 16), jnp.float32)
+  for route in PB.ROUTES:
+    out = block_gemm(a, b, 32, 7, 7, interpret=True, route=route)
+    assert np.asarray(out)[0].view(np.uint32).max() == 0  # +0.0, not -0.0
+    assert _same(out, BD.block_dot_reference(a, b, 32, 7, 7))
+
+
+def test_bf16_route_needs_exact_float32_block_sums():
+  """The bf16 route needs g * 2**(bits_a + bits_b) <= 2**24; longer K-blocks run int8 only."""
+  assert PB.bf16_route_ok(1024, 7, 7) and not PB.bf16_route_ok(1025, 7, 7)
+  assert PB.bf16_route_ok(2**18, 3, 3) and not PB.bf16_route_ok(24, 8, 7)
+  rng = np.random.default_rng(5)
+  a = F.quantize(jnp.asarray(rng.normal(size=(16, 1100)), jnp.float32), F.BlockFormat(7, axis=1))
+  b = F.quantize(jnp.asarray(rng.normal(size=(1100, 16)), jnp.float32), F.BlockFormat(7, axis=0))
+  assert not np.asarray(PB.tile_routes(a, b, 1100, 7, 7)).any()
+  assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), BD.block_dot_reference(a, b, 1100, 7, 7))
+
+
+def test_rejects_bad_route_and_tiles():
+  with pytest.raises(ValueError, match="route='fp8' not in"):
+    block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 7, 7, interpret=True, route="fp8")
+  with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 24"):
+    block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 7, 7, interpret=True, block_m=24)

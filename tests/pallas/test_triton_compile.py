@@ -7,6 +7,7 @@ NVIDIA backend down to a cubin (:mod:`triton_compile`). ``triton`` is in the tes
 
 import importlib
 import platform
+import re
 import sys
 
 import jax
@@ -72,10 +73,13 @@ KERNELS = [
     ("matmul-chunked-accBF16-chunk32",
      lambda a, b: PM.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=32),
      (SQUARE, SQUARE), 4, 1),
-    # exact block GEMM (DotPolicy(block_dot="exact")): int8 wgmma, K-blocks of 24 / 32 / 1
-    ("block_gemm-hbfp8-g24", lambda a, b: PB.block_gemm(a, b, 24, 7, 7), (SQUARE, SQUARE), 4, 1),
-    ("block_gemm-mxint8-g32", lambda a, b: PB.block_gemm(a, b, 32, 7, 7), (SQUARE, SQUARE), 4, 1),
-    ("block_gemm-g1", lambda a, b: PB.block_gemm(a, b, 1, 7, 7), (SQUARE, SQUARE), 4, 1),
+    # exact block GEMM (DotPolicy(block_dot="exact")), K-blocks of 24 / 32 / 1 / 9: the bf16
+    # route (bf16 wgmma, 128 x 128 tiles, 8 warps) then the int8 route (int8 wgmma, 64 x 64)
+    *[(f"block_gemm-{name}-{route}", lambda a, b, g=g, route=route: PB.block_gemm(
+        a, b, g, 7, 7, route=route), (SQUARE, SQUARE),
+       {"jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4}, 3)
+      for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9))
+      for route in PB.ROUTES],
 ]
 
 
@@ -86,7 +90,8 @@ def _lower(fn, args, num_warps, num_stages):
   recorded = {p["name"]: p for p in TC.launch_params(text)}
   out = []
   for name, module in zip(CL.kernel_names(modules), modules):
-    p = recorded.get(name, dict(num_warps=num_warps, num_stages=num_stages))
+    w = num_warps[name] if isinstance(num_warps, dict) else num_warps
+    p = recorded.get(name, dict(num_warps=w, num_stages=num_stages))
     out.append((module, p["num_warps"], p["num_stages"]))
   return out
 
@@ -107,7 +112,24 @@ def test_launch_params_match_jaxlp():
     if "xla.gpu.triton" in text:  # jaxlib <= 0.10.2 records them in the custom call
       assert recorded, "launch parameters not found in the lowered text"
     for p in recorded:
-      assert (p["num_warps"], p["num_stages"]) == (num_warps, num_stages), p
+      w = num_warps[p["name"]] if isinstance(num_warps, dict) else num_warps
+      assert (p["num_warps"], p["num_stages"]) == (w, num_stages), p
+
+
+@pytest.mark.parametrize("g", [24, 32, 1])
+def test_block_gemm_bf16_route_keeps_the_block_sum_outside_the_mma(g):
+  """The bf16 route is exact only if each K-block's partial leaves the MMA before it is
+  added to the float32 sum (Triton's dot-add combine would turn ``s + dot(a, b)`` into
+  ``dot(a, b, s)``, adding s inside the MMA with the hardware's rounding). In the sm_90
+  TTGIR of the bf16 kernel, every wgmma starts from a zero constant, and the K-loop's loads
+  are pipelined (async copies to shared memory)."""
+  modules = _lower(lambda a, b: PB.block_gemm(a, b, g, 7, 7), (SQUARE, SQUARE), 4, 3)
+  (module, w, stages), = [m for m in modules if "@jaxlp_block_gemm_bf16" in m[0]]
+  ttgir = TC.compile_ttir(module, num_warps=w, num_stages=stages, cubin=False)["ttgir"]
+  zeros = set(re.findall(r"(%[\w#]+) = arith\.constant dense<0\.0+e\+00> : tensor<\d+x\d+xf32", ttgir))
+  accs = re.findall(r"warp_group_dot %[\w#]+, %[\w#]+, (%[\w#]+)", ttgir)
+  assert accs and set(accs) <= zeros, (accs, zeros)
+  assert "async_copy_global_to_local" in ttgir
 
 
 def _clz_kernel(x_ref, o_ref):

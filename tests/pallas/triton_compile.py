@@ -104,7 +104,8 @@ def compile_ttir(ttir_text: str, *, arch: int = 90, num_warps: int = 4, num_stag
                  cubin: bool = True) -> dict:
   """Compile Triton IR text for ``sm_<arch>`` through every NVIDIA backend stage.
 
-  Returns ``{"ptx": str, "cubin": bytes | None, "shared": int, "name": str}``. Raises
+  Returns ``{"ptx": str, "cubin": bytes | None, "shared": int, "name": str, "ttgir": str}``
+  (``ttgir``: the TritonGPU module after the sm_90 passes, as text). Raises
   :class:`TritonCompileError` when parsing, a pass pipeline or ptxas fails.
   """
   from triton._C.libtriton import ir
@@ -146,6 +147,8 @@ def compile_ttir(ttir_text: str, *, arch: int = 90, num_warps: int = 4, num_stag
         module.context = context
         for stage, run_stage in stages.items():  # noqa: B007 (stage is reported on failure)
           module = outputs[stage] = run_stage(module, metadata)
+          if stage == "ttgir":  # as text now: the next stage lowers the module in place
+            outputs["ttgir"] = str(module)
     except Exception as e:  # pass-manager failure, parse error or ptxas error
       raise TritonCompileError(stage, f"{type(e).__name__}: {e}", read_log(), arch) from e
 
@@ -154,7 +157,7 @@ def compile_ttir(ttir_text: str, *, arch: int = 90, num_warps: int = 4, num_stag
     raise TritonCompileError(
         "shared", f"needs {shared} bytes of shared memory, sm_90 allows {SM90_MAX_SHARED_BYTES}")
   return {"ptx": outputs["ptx"], "cubin": outputs.get("cubin"), "shared": shared,
-          "name": metadata.get("name", "")}
+          "name": metadata.get("name", ""), "ttgir": outputs["ttgir"]}
 
 
 def compile_ttir_sm90(ttir_text: str, *, num_warps: int = 4, num_stages: int = 3) -> str:
