@@ -6,10 +6,14 @@ batch 128), every Dense/Conv quantized with ``jaxlp.flax.quantize_model``; one j
 step, all policies in the same run. ``--small`` shrinks the models for CI.
 
 Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
-       [--json F]
+       [--block-route int8|auto] [--json F]
 
 ``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
-``hbfp8_tiled_exact``, ``mxint8_exact``, ``mxfp8_fp8``, are not in the default set: slow on CPU).
+``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
+``mxint8_exact``, ``mxfp8_fp8``, are not in the default set: slow on CPU).
+``--block-route int8|auto`` picks the GPU route of the exact mode's Pallas kernel
+(``jaxlp/pallas/_block_gemm.py``; default: the library's ``GPU_ROUTE``); the CPU runs the
+reference either way.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ POLICIES = {
     "tf32": (DotPolicy(), "tensorfloat32"),
     "hbfp8": (hbfp_policy(7, 24), None),
     "hbfp8_tiled": (hbfp_policy(7, 24, "tiled"), None),
+    "hbfp8_exact": (hbfp_policy(7, 24, weight_man_bits=7, block_dot="exact"), None),
     "hbfp8_tiled_exact": (hbfp_policy(7, 24, "tiled", block_dot="exact"), None),
     "mxint8_exact": (mx_policy("int8", 32, block_dot="exact"), None),
     "mxfp8": (mx_policy(E4M3FN, 32), None),
@@ -122,9 +127,16 @@ def main(argv=None):
   ap.add_argument("--policies", default=DEFAULT_POLICIES,
                   help=f"comma-separated, from {', '.join(POLICIES)}")
   ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--block-route", choices=("int8", "auto"), default=None,
+                  help="GPU route of the exact block GEMM kernel (default: the library's)")
   ap.add_argument("--json", default=None, help="write the results to this file")
   args = ap.parse_args(argv)
   steps = args.steps or (3 if args.small else 5)
+  if args.block_route is not None:
+    # a benchmark-only override of the library default, read when the steps are traced
+    from jaxlp.ops import _block_dot
+
+    _block_dot.GPU_ROUTE = args.block_route
   rows = []
   print(f"# jaxlp layers benchmark: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
