@@ -79,6 +79,18 @@ def main(argv=None):
     ptx = TC.compile_ttir_sm90(mods[0], num_warps=4, num_stages=1)
     n = max(loop_instructions(ptx))
     print(f"  {name:<34s} {n:12d} {n / 32:8.1f}")
+  # the exact block GEMM's bf16 route (jaxlp/pallas/_block_gemm.py): one K-block per loop
+  # trip, 128 x 128 tile, 8 warps = 256 threads, so 64 outputs per thread
+  PB = importlib.import_module("jaxlp.pallas._block_gemm")
+  print("\n# exact block GEMM, bf16 route (sm_90, 128x128 tile, 8 warps, 3 stages): PTX "
+        "instructions per K-block loop trip")
+  print(f"  {'K-block':<34s} {'loop instrs':>12s} {'per output':>10s} {'per MAC':>8s}")
+  for g in (24, 32, 9, 1):
+    _, mods = CL.lower_for_cuda(lambda a, b, g=g: PB.block_gemm(a, b, g, 7, 7), s, s)
+    (mod,) = [m for m in mods if "@jaxlp_block_gemm_bf16" in m]
+    ptx = TC.compile_ttir_sm90(mod, num_warps=8, num_stages=3)
+    n = max(loop_instructions(ptx))
+    print(f"  {f'g = {g}':<34s} {n:12d} {n / 64:10.2f} {n / 64 / g:8.3f}")
   return 0
 
 

@@ -58,7 +58,12 @@ def test_ptx_per_mac_benchmark_runs():
   proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ptx_per_mac.py"), "--small"],
                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [line for line in proc.stdout.splitlines() if line.startswith("  ") and "MAC" not in line]
+  gemm, block = proc.stdout.split("# exact block GEMM")
+  rows = [line for line in gemm.splitlines() if line.startswith("  ") and "MAC" not in line]
   assert len(rows) == 5, proc.stdout
   per_mac = [float(r.split()[-1]) for r in rows]
   assert all(5 < v < 1000 for v in per_mac), proc.stdout
+  # the bf16 route: one FMA per output per K-block plus the loop's loads and wgmma
+  rows = [line.split() for line in block.splitlines() if line.startswith("  g = ")]
+  assert [r[2] for r in rows] == ["24", "32", "9", "1"], proc.stdout
+  assert all(1 <= float(r[4]) < 4 for r in rows), proc.stdout

@@ -38,7 +38,7 @@ MACs), not the int8 MMA. Neither the fast scaling nor the bf16 route is measured
 yet, and the bf16 route's bits rest on the hardware keeping 24 bits in its float32
 accumulation, which only a GPU run can confirm: ``GPU_ROUTE`` in ``jaxlp/ops/_block_dot.py``
 keeps the int8 route as the default until then. Static counts on the sm_90 compile
-(``benchmarks/block_gemm_ptx.py``): RESULTS.md. bm, bn are powers of two >= 16.
+(``benchmarks/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
                                     "route"))
 def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
                block_m: int | None = None, block_n: int | None = None,
-               num_warps: int | None = None, num_stages: int = 3, route: str = "auto"):
+               num_warps: int | None = None, num_stages: int | None = None,
+               route: str = "auto"):
   """``a`` (M, K) . ``b`` (K, N) with the exact block bits (``jaxlp/ops/_block_dot.py``).
 
   Args:
@@ -224,7 +225,8 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
     block_m, block_n: the route tiles (powers of two >= 16; default min(128, next_pow2(dim))
       with the bf16 route, else min(64, ...)); the int8 route runs min(., 64) sub-tiles.
     num_warps: Triton warps per program (default 8 for 128 x 128 tiles, else 4).
-    num_stages: Triton software-pipelining stages of the K loops.
+    num_stages: Triton software-pipelining stages of the K loops (default 3 for the bf16
+      kernel; 1 for the int8 kernel, the setting its bits were checked with on an H100).
     route: ``"auto"`` (bf16 tensor cores on the tiles whose exponents allow it, int8
       elsewhere: module docstring) or ``"int8"`` (int8 everywhere). Same bits.
 
@@ -255,11 +257,11 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   Mp, Np = round_up(M, bm), round_up(N, bn)
   ka, qa, kb, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
 
-  def params(warps):
+  def params(warps, stages):
     if interpret:
       return None
     from jax.experimental.pallas import triton as plt  # GPU only
-    return plt.CompilerParams(num_warps=warps, num_stages=num_stages)
+    return plt.CompilerParams(num_warps=warps, num_stages=num_stages or stages)
 
   out_shape = jax.ShapeDtypeStruct((Mp, Np), jnp.float32)
   tile = pl.BlockSpec((1, 1), lambda i, j: (i, j))
@@ -279,7 +281,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
                   pl.BlockSpec((nb * gpb, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         interpret=interpret,
-        compiler_params=params(warps),
+        compiler_params=params(warps, 3),
         name="jaxlp_block_gemm_bf16",
     )(routes, va, vb)]
   # the int8 route on (im, in_) sub-tiles of the route tiles
@@ -300,7 +302,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
       out_specs=out_spec,
       input_output_aliases={5: 0} if prev else {},
       interpret=interpret,
-      compiler_params=params(num_warps or 4),
+      compiler_params=params(num_warps or 4, 1),
       name="jaxlp_block_gemm",
   )(sub, qa, qb, ka8, kb8, *prev)
   return out[:M, :N]

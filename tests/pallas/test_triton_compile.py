@@ -77,7 +77,8 @@ KERNELS = [
     # route (bf16 wgmma, 128 x 128 tiles, 8 warps) then the int8 route (int8 wgmma, 64 x 64)
     *[(f"block_gemm-{name}-{route}", lambda a, b, g=g, route=route: PB.block_gemm(
         a, b, g, 7, 7, route=route), (SQUARE, SQUARE),
-       {"jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4}, 3)
+       {"jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4},
+       {"jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
       for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9))
       for route in PB.ROUTES],
 ]
@@ -91,7 +92,8 @@ def _lower(fn, args, num_warps, num_stages):
   out = []
   for name, module in zip(CL.kernel_names(modules), modules):
     w = num_warps[name] if isinstance(num_warps, dict) else num_warps
-    p = recorded.get(name, dict(num_warps=w, num_stages=num_stages))
+    st = num_stages[name] if isinstance(num_stages, dict) else num_stages
+    p = recorded.get(name, dict(num_warps=w, num_stages=st))
     out.append((module, p["num_warps"], p["num_stages"]))
   return out
 
@@ -113,7 +115,8 @@ def test_launch_params_match_jaxlp():
       assert recorded, "launch parameters not found in the lowered text"
     for p in recorded:
       w = num_warps[p["name"]] if isinstance(num_warps, dict) else num_warps
-      assert (p["num_warps"], p["num_stages"]) == (w, num_stages), p
+      st = num_stages[p["name"]] if isinstance(num_stages, dict) else num_stages
+      assert (p["num_warps"], p["num_stages"]) == (w, st), p
 
 
 @pytest.mark.parametrize("g", [24, 32, 1])
@@ -123,7 +126,7 @@ def test_block_gemm_bf16_route_keeps_the_block_sum_outside_the_mma(g):
   ``dot(a, b, s)``, adding s inside the MMA with the hardware's rounding). In the sm_90
   TTGIR of the bf16 kernel, every wgmma starts from a zero constant, and the K-loop's loads
   are pipelined (async copies to shared memory)."""
-  modules = _lower(lambda a, b: PB.block_gemm(a, b, g, 7, 7), (SQUARE, SQUARE), 4, 3)
+  modules = _lower(lambda a, b: PB.block_gemm(a, b, g, 7, 7), (SQUARE, SQUARE), 8, 3)
   (module, w, stages), = [m for m in modules if "@jaxlp_block_gemm_bf16" in m[0]]
   ttgir = TC.compile_ttir(module, num_warps=w, num_stages=stages, cubin=False)["ttgir"]
   zeros = set(re.findall(r"(%[\w#]+) = arith\.constant dense<0\.0+e\+00> : tensor<\d+x\d+xf32", ttgir))
