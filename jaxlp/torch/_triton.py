@@ -9,7 +9,8 @@ stream has none of these costs and reads and writes each element once.
 What runs here: :class:`FloatFormat` (every preset, every rounding), :class:`QPyTorchFloat`
 (``float_quantize``), :class:`FixedPoint`, :class:`QPyTorchFixedPoint`
 (``fixed_point_quantize``, with the clamp mask) and :class:`QPyTorchBlock`
-(``block_quantize``: the block maxima by ``torch.amax``, then one kernel) on float32, float16 and
+(``block_quantize``: the block maxima by ``torch.amax``, then one kernel; one kernel for a
+whole-tensor block of at most :data:`WHOLE_BLOCK_MAX` elements) on float32, float16 and
 bfloat16 CUDA tensors below 2**31 elements. Every other format, a JAX configuration whose
 ``jax.random.bits`` this module does not reproduce (another default PRNG, or
 ``jax_threefry_partitionable`` off), or a machine without Triton takes the JAX route
@@ -37,6 +38,9 @@ from jaxlp.torch._formats import QPyTorchFixedPoint
 #: Elements per Triton program, and its warps.
 BLOCK = 2048
 NUM_WARPS = 4
+#: Largest tensor whose whole-tensor ``block_quantize`` (``dim=-1``) runs as one program
+#: (its maximum and its rounding in one launch); larger ones take ``torch.amax`` first.
+WHOLE_BLOCK_MAX = 32768
 #: Largest tensor the kernels take (their offsets are int32).
 MAX_ELEMENTS = 2**31 - 1 - BLOCK
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -146,7 +150,10 @@ def run(t, fmt, rounding: str, words, with_mask: bool = False):
   if n:
     kernel = getattr(_k(), name)
     grid = ((n + BLOCK - 1) // BLOCK,)
-    if name == "qpytorch_block_kernel":
+    if name == "qpytorch_block_kernel" and fmt.dim == -1 and n <= WHOLE_BLOCK_MAX:
+      _k().qpytorch_block_whole_kernel[(1,)](x, y, n, k0, k1, **consts, BLOCK=BLOCK,
+                                              num_warps=NUM_WARPS)
+    elif name == "qpytorch_block_kernel":
       mx, inner, size = _block_max(x, fmt.dim)
       kernel[grid](x, mx, y, n, inner, size, k0, k1, **consts, BLOCK=BLOCK, num_warps=NUM_WARPS)
     elif name == "qpytorch_fixed_kernel":

@@ -489,3 +489,23 @@ def qpytorch_block_kernel(x_ptr, mx_ptr, y_ptr, n, inner, size, K0, K1, ROUND: t
   mx = tl.load(mx_ptr + (offs // inner) % size, mask=m, other=0.0)
   out = _qpytorch_block(bits, mx.to(tl.uint32, bitcast=True), rand, ROUND, WL, CLIPV)
   _store(y_ptr, offs, out, m)
+
+
+@triton.jit(do_not_specialize=["K0", "K1"])
+def qpytorch_block_whole_kernel(x_ptr, y_ptr, n, K0, K1, ROUND: tl.constexpr, WL: tl.constexpr,
+                                CLIPV: tl.constexpr, BLOCK: tl.constexpr):
+  """:class:`QPyTorchBlock` with one block for the whole tensor (``dim=-1``) in ONE program:
+  the maximum magnitude (as bits: for non-negative floats their order, and any NaN or inf
+  is >= INF, which the rounding turns into NaN as the float maximum does), then the rounding,
+  BLOCK elements at a time. For small tensors: no separate ``amax`` launch."""
+  mx = tl.zeros([BLOCK], tl.uint32)
+  for start in range(0, n, BLOCK):
+    offs = start + tl.arange(0, BLOCK)
+    bits, rand, m = _load(x_ptr, offs, n, K0, K1, False)
+    mx = tl.maximum(mx, tl.where(m, bits & ABS, 0))
+  mxb = tl.max(mx, axis=0)
+  for start in range(0, n, BLOCK):
+    offs = start + tl.arange(0, BLOCK)
+    bits, rand, m = _load(x_ptr, offs, n, K0, K1, ROUND == 5)
+    out = _qpytorch_block(bits, mx * 0 + mxb, rand, ROUND, WL, CLIPV)
+    _store(y_ptr, offs, out, m)

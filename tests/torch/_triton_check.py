@@ -65,6 +65,33 @@ def inputs(fmt, x):
   return x
 
 
+def whole_block_cases(device, fmt, rounding, w, x, ok_so_far):
+  """A whole-tensor block (``dim=-1``): the one-program kernel (up to WHOLE_BLOCK_MAX) and the
+  amax + kernel route, on ``x``, an odd length, and tensors holding a NaN, an inf, all zeros."""
+  run = T.run if device == "cpu" else T.quantize
+  bad = []
+  cases = {"x": x, "odd length": x[:2500], "NaN": x.clone(), "inf": x.clone(),
+           "zeros": torch.zeros_like(x)}
+  cases["NaN"][7] = float("nan")
+  cases["inf"][9] = -float("inf")
+  saved = T.WHOLE_BLOCK_MAX
+  try:
+    for limit in (saved, 0):
+      T.WHOLE_BLOCK_MAX = limit
+      for name, xi in cases.items():
+        if limit == saved and name == "x" and ok_so_far:
+          continue  # checked by the caller
+        got = run(xi.to(device), fmt, rounding, w)
+        d = differences(got, Q.quantize_raw(xi, fmt, rounding, w))
+        if d.size:
+          route = "one program" if limit else "amax + kernel"
+          bad.append(f"{fmt!r} {rounding} {xi.dtype} whole block ({route}), {name}: "
+                     f"{d.size} differ, first at {d[0]}")
+  finally:
+    T.WHOLE_BLOCK_MAX = saved
+  return bad
+
+
 def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=None,
           roundings=None) -> list[str]:
   x0 = crafted(n_random)
@@ -88,6 +115,8 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
           continue
         ref = Q.quantize_raw(x, fmt, rounding, w)
         d = differences(got, ref)
+        if isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1:
+          bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0)
         if isinstance(fmt, QPyTorchFixedPoint):
           gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
           rm = Q.quantize_raw_mask(x, fmt, rounding, w)

@@ -103,8 +103,10 @@ def test_kernels_compile_for_sm90(dtype):
            (QPyTorchFixedPoint(8, 4), "nearest"), (QPyTorchFixedPoint(6, 140), "nearest"),
            (QPyTorchFixedPoint(8, 4), "stochastic"), (F.qpytorch_block(8, 0), "nearest"),
            (F.qpytorch_block(4, -1), "stochastic")]
-  for fmt, rounding in cases:
-    name, consts = T.plan(fmt, rounding)
+  whole = [("qpytorch_block_whole_kernel", T.plan(F.qpytorch_block(b, -1), r)[1])
+           for b, r in ((8, "nearest"), (4, "stochastic"))]
+  for fmt, rounding in [*cases, *whole]:
+    name, consts = (fmt, rounding) if isinstance(fmt, str) else T.plan(fmt, rounding)
     fn = getattr(kern, name)
     c = dict(consts, BLOCK=T.BLOCK)
     if name == "qpytorch_fixed_kernel":
