@@ -81,6 +81,12 @@ def _bf16_chunk(gpb: int) -> int:
   return math.gcd(gpb, 64)
 
 
+def _dot_nt(a, b, out_dtype):
+  """``a`` (m, k) . ``b`` (n, k)^T: both operands K-major, the layout wgmma reads natively
+  (8-bit wgmma requires it), and no transpose of B in jnp before the call."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
 def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
   """The int8 route on the tiles whose route is 0 (the others are left as they are)."""
   n_chunks = gp // c
@@ -90,8 +96,8 @@ def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
       def chunk(u, n):
         off = t * gp + u * c
         a = ka_ref[:, pl.ds(off, c)]
-        b = kb_ref[pl.ds(off, c), :]
-        return n + jnp.dot(a, b, preferred_element_type=jnp.int32)
+        b = kb_ref[:, pl.ds(off, c)]
+        return n + _dot_nt(a, b, jnp.int32)
 
       n = lax.fori_loop(0, n_chunks, chunk, jnp.zeros((bm, bn), jnp.int32))
       qa = qa_ref[:, pl.ds(t, 1)]
@@ -121,8 +127,7 @@ def _bf16_kernel(nb: int, gpb: int, cb: int, bm: int, bn: int):
   nb_chunks = gpb // cb
 
   def dot(va_ref, vb_ref, off):
-    return jnp.dot(va_ref[:, pl.ds(off, cb)], vb_ref[pl.ds(off, cb), :],
-                   preferred_element_type=jnp.float32)
+    return _dot_nt(va_ref[:, pl.ds(off, cb)], vb_ref[:, pl.ds(off, cb)], jnp.float32)
 
   def kernel(route_ref, va_ref, vb_ref, o_ref):
     def block(t, s):
@@ -271,14 +276,14 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
     routes = _tile_routes(qa, qb, bm, bn)
     gpb = round_up(g, 16)
     va = _bf16_values(ka, qa, gpb, 1)
-    vb = _bf16_values(kb, qb.T, gpb, 0).T
+    vb = _bf16_values(kb, qb.T, gpb, 0)
     warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
     prev = [pl.pallas_call(
         _bf16_kernel(nb, gpb, _bf16_chunk(gpb), bm, bn),
         out_shape=out_shape,
         grid=(Mp // bm, Np // bn),
         in_specs=[tile, pl.BlockSpec((bm, nb * gpb), lambda i, j: (i, 0)),
-                  pl.BlockSpec((nb * gpb, bn), lambda i, j: (0, j))],
+                  pl.BlockSpec((bn, nb * gpb), lambda i, j: (j, 0))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         interpret=interpret,
         compiler_params=params(warps, 3),
@@ -287,7 +292,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   # the int8 route on (im, in_) sub-tiles of the route tiles
   sub = jnp.repeat(jnp.repeat(routes, bm // im, axis=0), bn // in_, axis=1)
   ka8 = jnp.pad(ka.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Mp, nb * gp)
-  kb8 = jnp.pad(kb.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Np, nb * gp).T
+  kb8 = jnp.pad(kb.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Np, nb * gp)
   out_spec = pl.BlockSpec((im, in_), lambda i, j: (i, j))
   out = pl.pallas_call(
       _int8_kernel(nb, gp, c, im, in_),
@@ -297,7 +302,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
                 pl.BlockSpec((im, nb), lambda i, j: (i, 0)),
                 pl.BlockSpec((nb, in_), lambda i, j: (0, j)),
                 pl.BlockSpec((im, nb * gp), lambda i, j: (i, 0)),
-                pl.BlockSpec((nb * gp, in_), lambda i, j: (0, j)),
+                pl.BlockSpec((in_, nb * gp), lambda i, j: (j, 0)),
                 *([out_spec] if prev else [])],
       out_specs=out_spec,
       input_output_aliases={5: 0} if prev else {},
