@@ -154,23 +154,38 @@ def gemm_rows(size, repeats, on_gpu, tile_sweep=()):
       ("float E4M3 (per-tensor)", F.E4M3, F.E4M3, None)):
     a, b = F.quantize(x, fa), F.quantize(w, fb)
     t_emu, y_emu = timed(emu, a, b, repeats=repeats)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    scale = np.abs(exact).max()
+
+    def error(y):
+      return np.abs(np.asarray(y, np.float64) - exact).max() / scale
+
+    row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max abs(C) {error(y_emu):.2e}")
     fp8_gb = (1 if g is None else -(-size // g)) * size * size * 4 / 2**30
+    fp8 = jax.jit(lambda a, b, fa=fa, fb=fb, g=g: BD.fp8_dot(a, b, fa, fb, g))
     if fp8_gb > X8_MAX_GB:
       row(case, "fp8 fast mode (fp8 dot, fp32 out)", None,
           f"skipped: its (K-blocks, M, N) float32 product is {fp8_gb:.0f} GiB")
+    else:
+      t_8, y_8 = timed(fp8, a, b, repeats=repeats)
+      u = ulps(y_8, y_emu)
+      row(case, "fp8 fast mode (fp8 dot, fp32 out)", t_8,
+          f"max err / max abs(C) {error(y_8):.2e}; vs emulation max {u.max()} ulp, "
+          f"mean {u.mean():.2f}")
+    if g is None:
       continue
-    fp8 = jax.jit(lambda a, b, fa=fa, fb=fb, g=g: BD.fp8_dot(a, b, fa, fb, g))
-    t_8, y_8 = timed(fp8, a, b, repeats=repeats)
-    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    scale = np.abs(exact).max()
-    e_emu = np.abs(np.asarray(y_emu, np.float64) - exact).max() / scale
-    e_8 = np.abs(np.asarray(y_8, np.float64) - exact).max() / scale
-    u = ulps(y_8, y_emu)
-    row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max abs(C) {e_emu:.2e}")
-    row(case, "fp8 fast mode (fp8 dot, fp32 out)", t_8,
-        f"max err / max abs(C) {e_8:.2e}; vs emulation max {u.max()} ulp, mean {u.mean():.2f}")
+    path = "fp8 fast mode, Pallas kernel (K-blocks summed in the kernel)"
     if not on_gpu:
-      row(case, "fp8 fast mode on GPU tensor cores", None, "not measured (no GPU)")
+      row(case, path + " (GPU)", None, "not measured (no GPU)")
+      continue
+    saved = BD.FP8_GPU_IMPL
+    BD.FP8_GPU_IMPL = "pallas"  # read when fp8_dot is traced (below, on the first call)
+    try:
+      fp8_k = jax.jit(lambda a, b, fa=fa, fb=fb, g=g: BD.fp8_dot(a, b, fa, fb, g))
+      t_k, y_k = timed(fp8_k, a, b, repeats=repeats)
+    finally:
+      BD.FP8_GPU_IMPL = saved
+    row(case, path, t_k, f"max err / max abs(C) {error(y_k):.2e}")
   return rows
 
 

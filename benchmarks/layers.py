@@ -6,14 +6,16 @@ batch 128), every Dense/Conv quantized with ``jaxlp.flax.quantize_model``; one j
 step, all policies in the same run. ``--small`` shrinks the models for CI.
 
 Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
-       [--block-route int8|auto] [--json F]
+       [--block-route int8|auto] [--fp8-impl xla|pallas] [--json F]
 
 ``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
 ``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
 ``mxint8_exact``, ``mxfp8_fp8``, are not in the default set: slow on CPU).
 ``--block-route int8|auto`` picks the GPU route of the exact mode's Pallas kernel
 (``jaxlp/pallas/_block_gemm.py``; default: the library's ``GPU_ROUTE``); the CPU runs the
-reference either way.
+reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp8`` (the
+batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
+library's ``FP8_GPU_IMPL``).
 """
 
 from __future__ import annotations
@@ -129,14 +131,18 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--block-route", choices=("int8", "auto"), default=None,
                   help="GPU route of the exact block GEMM kernel (default: the library's)")
+  ap.add_argument("--fp8-impl", choices=("xla", "pallas"), default=None,
+                  help="GPU GEMM of the fp8 mode with MX scales (default: the library's)")
   ap.add_argument("--json", default=None, help="write the results to this file")
   args = ap.parse_args(argv)
   steps = args.steps or (3 if args.small else 5)
-  if args.block_route is not None:
-    # a benchmark-only override of the library default, read when the steps are traced
-    from jaxlp.ops import _block_dot
+  # benchmark-only overrides of the library defaults, read when the steps are traced
+  from jaxlp.ops import _block_dot
 
+  if args.block_route is not None:
     _block_dot.GPU_ROUTE = args.block_route
+  if args.fp8_impl is not None:
+    _block_dot.FP8_GPU_IMPL = args.fp8_impl
   rows = []
   print(f"# jaxlp layers benchmark: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "

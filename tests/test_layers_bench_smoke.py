@@ -32,18 +32,21 @@ def test_layers_benchmark_refuses_an_unknown_policy():
 
 
 def test_layers_benchmark_exact_policies_and_block_route(tmp_path):
-  """The per-sample HBFP8 exact policy runs (CPU: the reference), --block-route is accepted
-  (it only picks the GPU kernel's route) and a bad route is refused."""
+  """The per-sample HBFP8 exact policy runs (CPU: the reference), --block-route and
+  --fp8-impl are accepted (they only pick GPU kernels) and bad values are refused."""
   out = tmp_path / "layers.json"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
           "--models", "mlp", "--steps", "1"]
   r = subprocess.run(base + ["--policies", "fp32,hbfp8,hbfp8_exact", "--block-route", "auto",
-                             "--json", str(out)], capture_output=True, text=True, env=env,
-                     timeout=300)
+                             "--fp8-impl", "pallas", "--json", str(out)], capture_output=True,
+                     text=True, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = {row["policy"]: row for row in json.loads(out.read_text())}
   assert rows["hbfp8_exact"]["step_ms"] > 0
   r = subprocess.run(base + ["--block-route", "bf16"], capture_output=True, text=True, env=env,
                      timeout=120)
   assert r.returncode == 2 and "--block-route: invalid choice: 'bf16'" in r.stderr
+  r = subprocess.run(base + ["--fp8-impl", "cublas"], capture_output=True, text=True, env=env,
+                     timeout=120)
+  assert r.returncode == 2 and "--fp8-impl: invalid choice: 'cublas'" in r.stderr

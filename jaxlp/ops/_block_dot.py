@@ -400,6 +400,27 @@ def fp8_dot(a, b, fmt_a, fmt_b, g: int | None):
   gg = g if blocked else None
   a8, sa = _fp8_scaled(a, ka, gg, isinstance(fmt_a, MXFormat))
   b8, sb = _fp8_scaled(b.T, kb, gg, isinstance(fmt_b, MXFormat))
+  if not blocked or FP8_GPU_IMPL == "xla" or a8.shape[1] == 0:
+    return _fp8_xla(a8, sa, b8, sb)
+
+  def pallas(a8, sa, b8, sb):
+    from jaxlp.pallas._block_gemm import fp8_block_gemm  # noqa: PLC0415  (import cycle)
+
+    return fp8_block_gemm(a8, sa, b8, sb)
+
+  return lax.platform_dependent(a8, sa, b8, sb, cuda=pallas, default=_fp8_xla)
+
+
+#: The fp8 fast mode's GEMM on a GPU for per-K-block (MX) scales: "xla" (one batched fp8
+#: ``dot_general`` over the K-blocks, then the scaled sum: a (K-blocks, M, N) float32
+#: intermediate) or "pallas" (``fp8_block_gemm`` in ``jaxlp/pallas/_block_gemm.py``: the
+#: blocks summed inside one kernel). Neither is bit-exact; "pallas" is not measured on a GPU
+#: yet (2026-11-26), so it is not the default. Per-tensor scales always take the single XLA
+#: fp8 dot.
+FP8_GPU_IMPL = "xla"
+
+
+def _fp8_xla(a8, sa, b8, sb):
   d = lax.dot_general(a8, b8, (((2,), (2,)), ((1,), (1,))),
                       preferred_element_type=jnp.float32)  # (nb, M, N)
   e = sa.T[:, :, None] + sb.T[:, None, :]

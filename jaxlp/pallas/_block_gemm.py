@@ -31,6 +31,10 @@ of two loops (one ``lax.cond`` per tile, none inside the loops):
   exponents keep every partial a normal float32, the conversion times a power of two,
   which has the same bits there (a ``lax.cond`` per tile and K-block).
 
+:func:`fp8_block_gemm` is the fp8 fast mode's GEMM with per-K-block (MX) scales
+(``block_dot="fp8"``, not bit-exact): the same tile loop with fp8 dots, each scaled and
+added to the float32 sum.
+
 GPU notes: on an H100 (2026-11-26), before the fast scaling and the bf16 route, the int8
 kernel gave the reference's bits at 4096^3 and 8192^3 and ran at 11-22 TFLOP/s. The
 per-K-block ``scale_exact`` dominated (~30 integer operations per output every 24 or 32
@@ -310,4 +314,82 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
       compiler_params=params(num_warps or 4, 1),
       name="jaxlp_block_gemm",
   )(sub, qa, qb, ka8, kb8, *prev)
+  return out[:M, :N]
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 fast mode (``DotPolicy(block_dot="fp8")``) with per-K-block scales: not bit-exact
+# ---------------------------------------------------------------------------------------
+def _fp8_kernel(nb: int, gp: int, bm: int, bn: int):
+  def kernel(a_ref, sa_ref, b_ref, sb_ref, o_ref):
+    def block(t, s):
+      p = _dot_nt(a_ref[:, pl.ds(t * gp, gp)], b_ref[:, pl.ds(t * gp, gp)], jnp.float32)
+      # the block's scales 2**sa (rows) and 2**sb (columns); the multiply also keeps Triton
+      # from moving s into the MMA's accumulator (fp8 MMAs accumulate narrower than float32)
+      return s + p * sa_ref[:, pl.ds(t, 1)] * sb_ref[:, pl.ds(t, 1)].T
+
+    o_ref[...] = lax.fori_loop(0, nb, block, jnp.zeros((bm, bn), jnp.float32))
+
+  return kernel
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_n", "num_warps",
+                                             "num_stages"))
+def fp8_block_gemm(a8, sa, b8, sb, *, interpret: bool = False, block_m: int | None = None,
+                   block_n: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 3):
+  """``sum_t (a8[:, t] . b8[:, t]^T) * 2**sa[:, t] * 2**sb[:, t]^T``, K-blocks ``t`` in
+  ascending order, summed in float32: the fp8 fast mode's GEMM with per-K-block scales
+  (``jaxlp.ops._block_dot.fp8_dot``) without its (K-blocks, M, N) intermediate.
+
+  Args:
+    a8: (M, nb, g) fp8 values (``float8_e4m3fn`` / ``float8_e5m2``), K-blocks of g.
+    sa: (M, nb) int32 scale exponents of ``a8``'s blocks.
+    b8: (N, nb, g) fp8 values of the transposed right operand (K-major).
+    sb: (N, nb) int32 scale exponents.
+    interpret, block_m, block_n, num_warps, num_stages: as :func:`block_gemm` (defaults:
+      128 x 128 tiles, 8 warps, 3 stages).
+
+  Returns:
+    (M, N) float32. Not bit-exact: each K-block's fp8 dot is the MMA's (Hopper's fp8 MMA
+    accumulates in fewer bits than float32; Triton may also widen the operands to float16
+    and use float16 MMAs, which are exact for these products), and the scaling and the sum
+    round in float32.
+  """
+  M, nb, g = a8.shape
+  N = b8.shape[0]
+  if b8.shape[1:] != (nb, g) or sa.shape != (M, nb) or sb.shape != (N, nb):
+    raise ValueError(f"fp8_block_gemm: a8 {a8.shape}, sa {sa.shape}, b8 {b8.shape}, sb "
+                     f"{sb.shape} do not match (M, nb, g), (M, nb), (N, nb, g), (N, nb)")
+  if M * N == 0 or nb == 0:
+    return jnp.zeros((M, N), jnp.float32)
+  gp = round_up(g, 32)  # the fp8 MMA depth
+  bm, bn = _tiles(M, N, block_m, block_n, True)
+  Mp, Np = round_up(M, bm), round_up(N, bn)
+
+  def operand(v, s, rows):
+    v = jnp.pad(v, ((0, rows - v.shape[0]), (0, 0), (0, gp - g))).reshape(rows, nb * gp)
+    scale = B.from_bits(B.pow2_bits(jnp.clip(s, -149, 127)))  # 2**s (subnormal below -126)
+    return v, jnp.pad(scale, ((0, rows - s.shape[0]), (0, 0)))
+
+  a, fa = operand(a8, sa, Mp)
+  b, fb = operand(b8, sb, Np)
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt  # GPU only
+    params = plt.CompilerParams(num_warps=num_warps or (8 if bm * bn >= 128 * 128 else 4),
+                                num_stages=num_stages)
+  out = pl.pallas_call(
+      _fp8_kernel(nb, gp, bm, bn),
+      out_shape=jax.ShapeDtypeStruct((Mp, Np), jnp.float32),
+      grid=(Mp // bm, Np // bn),
+      in_specs=[pl.BlockSpec((bm, nb * gp), lambda i, j: (i, 0)),
+                pl.BlockSpec((bm, nb), lambda i, j: (i, 0)),
+                pl.BlockSpec((bn, nb * gp), lambda i, j: (j, 0)),
+                pl.BlockSpec((bn, nb), lambda i, j: (j, 0))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      interpret=interpret,
+      compiler_params=params,
+      name="jaxlp_fp8_block_gemm",
+  )(a, fa, b, fb)
   return out[:M, :N]

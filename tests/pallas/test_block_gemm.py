@@ -153,3 +153,36 @@ def test_rejects_bad_route_and_tiles():
     block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 7, 7, interpret=True, route="fp8")
   with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 24"):
     block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 7, 7, interpret=True, block_m=24)
+
+
+@pytest.mark.parametrize("elem,kind,g,shape", [
+    (F.E4M3FN, "e4m3fn", 32, (40, 96, 36)),
+    (F.E5M2, "e5m2", 32, (17, 64, 33)),
+    (F.E4M3FN, "e4m3fn", 16, (20, 40, 24)),  # K-blocks padded to the fp8 MMA depth, ragged K
+], ids=["e4m3fn", "e5m2", "g16"])
+def test_fp8_block_gemm_matches_the_xla_fp8_mode(elem, kind, g, shape):
+  """The fp8 fast mode's kernel (interpret mode) against the XLA route of ``fp8_dot`` and a
+  float64 product of the same operands: not bit-exact by design, but within float32
+  rounding of the largest output (the interpreter's fp8 dots are exact)."""
+  M, K, N = shape
+  rng = np.random.default_rng(6)
+  fa, fb = F.mx(elem, g, 1), F.mx(elem, g, 0)
+  x = rng.normal(size=(M, K)) * np.exp2(rng.integers(-8, 9, size=(1, K)))  # blocks differ
+  a = F.quantize(jnp.asarray(x, jnp.float32), fa)
+  b = F.quantize(jnp.asarray(rng.normal(size=(K, N)), jnp.float32), fb)
+  a8, sa = BD._fp8_scaled(a, kind, g, True)
+  b8, sb = BD._fp8_scaled(b.T, kind, g, True)
+  out = np.asarray(PB.fp8_block_gemm(a8, sa, b8, sb, interpret=True, block_m=16, block_n=16))
+  xla = np.asarray(BD.fp8_dot(a, b, fa, fb, g))
+  exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  scale = np.abs(exact).max()
+  assert np.abs(out - exact).max() / scale < 4e-7
+  assert np.abs(out - xla).max() / scale < 4e-7
+
+
+def test_fp8_block_gemm_rejects_mismatched_operands():
+  a8 = jnp.zeros((4, 2, 32), jnp.float8_e4m3fn)
+  s = jnp.zeros((4, 2), jnp.int32)
+  with pytest.raises(ValueError, match="do not match"):
+    PB.fp8_block_gemm(a8, s, jnp.zeros((4, 3, 32), jnp.float8_e4m3fn), jnp.zeros((4, 3), jnp.int32),
+                      interpret=True)

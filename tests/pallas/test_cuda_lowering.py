@@ -21,7 +21,7 @@ import jaxlp
 from jaxlp import formats as F
 from jaxlp.formats._quantize import FORMAT_TYPES
 from jaxlp.pallas import _gemm as G
-from jaxlp.pallas._block_gemm import block_gemm
+from jaxlp.pallas._block_gemm import block_gemm, fp8_block_gemm
 from jaxlp.pallas._matmul import matmul as kernel_matmul
 from jaxlp.pallas._quantize import quantize as kernel_quantize
 from jaxlp.pallas._quantize import supports
@@ -129,6 +129,39 @@ def test_block_gemm_kernel_lowers_for_cuda(g, bits):
   assert "tt.dot" in mods[0]
 
 
+def _fp8_operands(M, N, nb, g, dtype):
+  return (jax.ShapeDtypeStruct((M, nb, g), dtype), jax.ShapeDtypeStruct((M, nb), jnp.int32),
+          jax.ShapeDtypeStruct((N, nb, g), dtype), jax.ShapeDtypeStruct((N, nb), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_fp8_block_gemm_kernel_lowers_for_cuda(dtype):
+  """The fp8 fast mode's per-K-block-scaled GEMM on (100, 3 x 32) x (70, 3 x 32)."""
+  _, mods = lower_for_cuda(fp8_block_gemm, *_fp8_operands(100, 70, 3, 32, dtype))
+  _assert_clean(mods, f"fp8_block_gemm {dtype.__name__}")
+  assert "tt.dot" in mods[0]
+
+
+def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
+  """``block_dot="fp8"`` with MX operands lowers to the fp8 kernel on CUDA where
+  ``FP8_GPU_IMPL = "pallas"``, and to no kernel (XLA's batched fp8 dot) by default."""
+  from jaxlp.ops import _block_dot as BD
+
+  dot = jaxlp.dot_general(jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"))
+
+  def loss(x, w):
+    return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
+
+  x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
+  w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
+  f = jax.value_and_grad(loss, argnums=(0, 1))
+  assert not lower_for_cuda(f, x, w)[1]
+  monkeypatch.setattr(BD, "FP8_GPU_IMPL", "pallas")
+  _, mods = lower_for_cuda(lambda x, w: f(x, w), x, w)  # a new function: a new trace
+  _assert_clean(mods, "dot_general block_dot='fp8'")
+  assert kernel_names(mods).count("jaxlp_fp8_block_gemm") == 3
+
+
 def test_exact_block_dot_policy_dispatches_to_the_kernel_for_cuda():
   """``DotPolicy(block_dot="exact")`` under value_and_grad: fwd, dlhs and drhs GEMMs all
   lower to the block GEMM kernel on CUDA."""
@@ -166,6 +199,8 @@ def test_every_pallas_call_site_is_lowered():
                                                                          jnp.float32))[1]))
   lowered |= set(kernel_names(lower_for_cuda(lambda a, b: block_gemm(a, b, 24, 7, 7), x,
                                              jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
+  lowered |= set(kernel_names(lower_for_cuda(
+      fp8_block_gemm, *_fp8_operands(64, 64, 2, 32, jnp.float8_e4m3fn))[1]))
   assert sites
   for site in sites:
     pattern = re.escape(site).replace(r"\{", "{").replace(r"\}", "}")

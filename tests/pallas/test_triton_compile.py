@@ -81,6 +81,11 @@ KERNELS = [
        {"jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
       for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9))
       for route in PB.ROUTES],
+    # the fp8 fast mode's per-K-block-scaled GEMM (block_dot="fp8", FP8_GPU_IMPL="pallas")
+    *[(f"fp8_block_gemm-{dt.__name__}", PB.fp8_block_gemm,
+       (jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32),
+        jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32)), 8, 3)
+      for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2)],
 ]
 
 
