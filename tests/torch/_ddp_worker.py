@@ -1,8 +1,10 @@
 """One rank of the 2-process gloo DDP test (run by tests/torch/test_torch_ddp.py).
 
-Usage: python _ddp_worker.py RANK WORLD PORT OUTDIR. Runs every hook variant in one process
-group and writes OUTDIR/rank{RANK}.npz with the final parameters of each variant and the
-bucket inputs/outputs of the first step of the low-precision variants.
+Usage: python _ddp_worker.py RANK WORLD PORT OUTDIR [DEVICE]. Runs every hook variant in one
+process group and writes OUTDIR/rank{RANK}.npz with the final parameters of each variant and
+the bucket inputs/outputs of the first step of the low-precision variants. DEVICE ("cpu" by
+default, or "cuda": every rank on cuda:0, so DDP's buckets are CUDA tensors) holds the model
+and the batches.
 """
 
 import os
@@ -40,6 +42,7 @@ def model_fn():
 
 def main():
   rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+  dev = torch.device(sys.argv[5] if len(sys.argv) > 5 else "cpu")
   os.environ["MASTER_ADDR"] = "127.0.0.1"
   os.environ["MASTER_PORT"] = port
   import datetime
@@ -48,7 +51,7 @@ def main():
   torch.set_num_threads(1)
   res = {}
   for name, kw in variants().items():
-    model = model_fn()
+    model = model_fn().to(dev)
     ddp = DDP(model, bucket_cap_mb=0.005)
     state = jddp.CommState(layer_min_size=256, **kw)
     records = []
@@ -59,36 +62,36 @@ def main():
       step = st.step
       fut = jddp.comm_hook(st, bucket)
       if step <= 1:
-        records.append((bucket.index(), inp.numpy().copy(), fut.value().detach().numpy().copy(),
-                        np.array(numels)))
+        records.append((bucket.index(), inp.cpu().numpy().copy(),
+                        fut.value().detach().cpu().numpy().copy(), np.array(numels)))
       return fut
 
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(STEPS):
       g = torch.Generator().manual_seed(1000 * step + rank)
-      x = torch.randn(32, 16, generator=g)
-      y = torch.randint(0, 4, (32,), generator=g)
+      x = torch.randn(32, 16, generator=g).to(dev)
+      y = torch.randint(0, 4, (32,), generator=g).to(dev)
       opt.zero_grad()
       torch.nn.functional.cross_entropy(ddp(x), y).backward()
       opt.step()
     for i, p in enumerate(model.parameters()):
-      res[f"{name}/param{i}"] = p.detach().numpy()
+      res[f"{name}/param{i}"] = p.detach().cpu().numpy()
     for j, (idx, inp, outp, numels) in enumerate(records):
       res[f"{name}/rec{j}/index"] = np.array(idx)
       res[f"{name}/rec{j}/in"] = inp
       res[f"{name}/rec{j}/out"] = outp
       res[f"{name}/rec{j}/numels"] = numels
   # CPD's sum_gradients (non-DDP, SUM semantics), E4M3-like cpd_float(4, 3) with APS
-  model = model_fn()
+  model = model_fn().to(dev)
   g = torch.Generator().manual_seed(77 + rank)
-  torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g)),
-                                    torch.randint(0, 4, (8,), generator=g)).backward()
+  torch.nn.functional.cross_entropy(model(torch.randn(8, 16, generator=g).to(dev)),
+                                    torch.randint(0, 4, (8,), generator=g).to(dev)).backward()
   for i, p in enumerate(model.parameters()):
-    res[f"sumgrad/in{i}"] = p.grad.numpy().copy()
+    res[f"sumgrad/in{i}"] = p.grad.cpu().numpy().copy()
   jddp.sum_gradients(model, use_APS=True, grad_exp=4, grad_man=3)
   for i, p in enumerate(model.parameters()):
-    res[f"sumgrad/out{i}"] = p.grad.numpy().copy()
+    res[f"sumgrad/out{i}"] = p.grad.cpu().numpy().copy()
   np.savez(os.path.join(out, f"rank{rank}.npz"), **res)
   dist.barrier()
   dist.destroy_process_group()

@@ -4,7 +4,10 @@ The worker (``_ddp_worker.py``) runs all variants in one process group: 5 SGD st
 it records the first two steps' bucket inputs/outputs. Checks: parameters bitwise identical
 across ranks, close to uncompressed training (and the fp32 hook equals single-process
 full-batch training), and the low-precision buckets equal an independent numpy computation
-of CPD's chain sum (ml_dtypes casts) with APS / Kahan.
+of CPD's chain sum (ml_dtypes casts) with APS / Kahan. Every check runs twice: on CPU
+buckets, and (on a GPU host, else skipped with the reason) on CUDA buckets, both ranks on
+cuda:0 with gloo and the hooks' JAX on the GPU: the same bits where the arithmetic is
+jaxlp's (the buckets), a tolerance where torch's GEMMs sum (the full-batch comparison).
 """
 
 import math
@@ -39,17 +42,38 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  out = tmp_path_factory.mktemp("ddp")
+def _gpu_host():
+  """Whether torch sees a CUDA device and JAX has a GPU backend (the CUDA-bucket runs)."""
+  if not torch.cuda.is_available():
+    return False
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+NO_GPU = ("CUDA buckets need a CUDA device visible to torch and a JAX GPU backend "
+          "(JAX_PLATFORMS=cuda,cpu); this machine has none")
+
+
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _gpu_host(), reason=NO_GPU))])
+def runs(request, tmp_path_factory):
+  """Both ranks' records. "cpu": gloo DDP of CPU tensors, the hooks' JAX on XLA:CPU
+  (JAX_PLATFORMS=cpu, so two workers do not both initialise a GPU where the test process
+  sees one). "cuda": both ranks on cuda:0, gloo with CUDA buckets, the hooks' JAX on the GPU
+  (without preallocation, so that two processes share it)."""
+  device = request.param
+  out = tmp_path_factory.mktemp(f"ddp_{device}")
   port = str(_free_port())
-  # JAX_PLATFORMS=cpu: gloo DDP of CPU tensors, so the hooks' JAX runs on XLA:CPU (and two
-  # workers do not both initialise a GPU) even where the test process sees one
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              XLA_FLAGS="", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
+  if device == "cuda":
+    env.update(JAX_PLATFORMS="cuda,cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_ddp_worker.py"), str(r),
-                             str(WORLD), port, str(out)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+                             str(WORLD), port, str(out), device], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for r in range(WORLD)]
   logs = []
   try:
     for p in procs:
@@ -60,7 +84,7 @@ def runs(tmp_path_factory):
         p.kill()
   for p, log in zip(procs, logs, strict=True):
     assert p.returncode == 0, log[-4000:]
-  return [dict(np.load(out / f"rank{r}.npz")) for r in range(WORLD)]
+  return [dict(np.load(out / f"rank{r}.npz"), device=device) for r in range(WORLD)]
 
 
 def _params(run, name):
@@ -95,8 +119,10 @@ def test_fp32_hook_equals_full_batch_training(runs):
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
     opt.step()
+  # (on CUDA, torch's GEMMs sum in another order than the CPU's: a looser tolerance)
+  tol = 1e-5 if runs[0]["device"] == "cpu" else 1e-4
   for p, q in zip(model.parameters(), _params(runs[0], "fp32"), strict=True):
-    np.testing.assert_allclose(p.detach().numpy(), q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p.detach().numpy(), q, rtol=tol, atol=tol / 10)
 
 
 def _records(run, name):
