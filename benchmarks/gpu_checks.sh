@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks the open issues wait for, in one call of about 10 minutes.
+#
+#   bash benchmarks/gpu_checks.sh OUTDIR            # run them; logs in OUTDIR/<step>.txt
+#   bash benchmarks/gpu_checks.sh --dry-run OUTDIR  # print the steps only
+#
+# Each step has its own time limit, and a step that fails or times out does not stop the
+# others. Every log ends with the step's exit status. The checks:
+#   block_gemm     issue 18: the exact kernel's routes (int8, and bf16 with its bit check
+#                  against the reference) and the fp8 kernel at 8192^3
+#   layers         issue 18: ResNet-18 steps with the exact and fp8 modes, bf16 route and
+#                  fp8 kernel selected (their GEMM bits are checked by block_gemm)
+#   torch_tests    issue 17: the CUDA tests, including DDP hooks on CUDA buckets
+#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed)
+#   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x)
+# Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
+# installed; the repository is put on PYTHONPATH.
+set -u
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then
+  dry=1
+  shift
+fi
+out=${1:-gpu_checks_out}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS=cuda,cpu
+
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s): $*"
+  if [ "$dry" = 1 ]; then
+    return
+  fi
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "exit status $?" >> "$out/$name.txt"
+  tail -n 30 "$out/$name.txt"
+}
+
+if [ "$dry" = 0 ]; then
+  mkdir -p "$out"
+  nvidia-smi -L > "$out/device.txt" 2>&1
+  cat "$out/device.txt"
+fi
+step block_gemm 150 python benchmarks/block_gemm.py --size 8192 --repeats 3 --skip-layers \
+  --skip-conv --tiles 128x64x4 --tiles 64x128x4
+step layers 150 python benchmarks/layers.py --models resnet18 --steps 5 --block-route auto \
+  --fp8-impl pallas --policies fp32,tf32,hbfp8,hbfp8_exact,mxint8_exact,mxfp8,mxfp8_fp8
+step torch_tests 120 python -m pytest -q tests/torch/test_torch_cuda.py \
+  tests/torch/test_torch_ddp.py -k "cuda"
+step torch_quantize 60 python benchmarks/torch_quantize.py --device cuda
+step compression 120 python benchmarks/compression.py --model resnet18 --repeats 3

@@ -1,0 +1,30 @@
+"""benchmarks/gpu_checks.sh (the GPU checks of the open issues, for a machine with a GPU):
+its dry run lists every step, and every flag a step passes is one its script accepts."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_checks_dry_run_lists_steps_with_known_flags():
+  r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), "--dry-run"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=60)
+  assert r.returncode == 0, r.stderr
+  steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
+  assert [s[0] for s in steps] == ["block_gemm", "layers", "torch_tests", "torch_quantize",
+                                   "compression"]
+  assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  for name, _, cmd in steps:
+    args = cmd.split()
+    if args[1] == "-m":  # pytest: the files exist
+      assert all(os.path.exists(os.path.join(ROOT, a)) for a in args if a.endswith(".py")), cmd
+      continue
+    script = os.path.join(ROOT, args[1])
+    helptext = subprocess.run([sys.executable, script, "--help"], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=120).stdout
+    for flag in (a for a in args[2:] if a.startswith("--")):
+      assert flag in helptext, (name, flag)
