@@ -157,7 +157,7 @@ def gemm_rows(size, repeats, on_gpu, tile_sweep=()):
     exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     scale = np.abs(exact).max()
 
-    def error(y):
+    def error(y, exact=exact, scale=scale):
       return np.abs(np.asarray(y, np.float64) - exact).max() / scale
 
     row(case, "emulation (fp32 dot, HIGHEST)", t_emu, f"max err / max abs(C) {error(y_emu):.2e}")

@@ -14,7 +14,8 @@ def test_compression_bench_small(capsys):
   # PowerSGD leaves vectors uncompressed: the bench must not encode them
   assert "| resnet18 | powersgd2 |" in out
   # the copy row (the GPU goal's baseline) and every row's ratio to it
-  copy = next(line for line in out.splitlines() if line.startswith("| resnet18 | copy (per leaf) |"))
+  lines = out.splitlines()
+  copy = next(line for line in lines if line.startswith("| resnet18 | copy (per leaf) |"))
   assert float(copy.split("|")[3]) > 0
   row = next(line for line in out.splitlines() if line.startswith("| resnet18 | onebit |"))
   assert row.split("|")[4].strip().endswith("x")

@@ -98,7 +98,8 @@ def test_interpret_mixes_fast_and_exact_tiles():
 def test_bf16_route_is_taken_on_ordinary_data():
   """N(0, 1) HBFP8 / MXINT8 operands: every tile takes the bf16 route, with the bits."""
   rng = np.random.default_rng(3)
-  for fa, fb, g in ((F.hbfp(7, 24), F.hbfp(7, 24), 24), (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
+  for fa, fb, g in ((F.hbfp(7, 24), F.hbfp(7, 24), 24),
+                    (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
     a = F.quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
     b = F.quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
     assert np.asarray(PB.tile_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
@@ -145,7 +146,8 @@ def test_bf16_route_needs_exact_float32_block_sums():
   a = F.quantize(jnp.asarray(rng.normal(size=(16, 1100)), jnp.float32), F.BlockFormat(7, axis=1))
   b = F.quantize(jnp.asarray(rng.normal(size=(1100, 16)), jnp.float32), F.BlockFormat(7, axis=0))
   assert not np.asarray(PB.tile_routes(a, b, 1100, 7, 7)).any()
-  assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), BD.block_dot_reference(a, b, 1100, 7, 7))
+  ref = BD.block_dot_reference(a, b, 1100, 7, 7)
+  assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), ref)
 
 
 def test_rejects_bad_route_and_tiles():
@@ -184,5 +186,5 @@ def test_fp8_block_gemm_rejects_mismatched_operands():
   a8 = jnp.zeros((4, 2, 32), jnp.float8_e4m3fn)
   s = jnp.zeros((4, 2), jnp.int32)
   with pytest.raises(ValueError, match="do not match"):
-    PB.fp8_block_gemm(a8, s, jnp.zeros((4, 3, 32), jnp.float8_e4m3fn), jnp.zeros((4, 3), jnp.int32),
-                      interpret=True)
+    PB.fp8_block_gemm(a8, s, jnp.zeros((4, 3, 32), jnp.float8_e4m3fn),
+                      jnp.zeros((4, 3), jnp.int32), interpret=True)

@@ -134,7 +134,8 @@ def test_block_gemm_bf16_route_keeps_the_block_sum_outside_the_mma(g):
   modules = _lower(lambda a, b: PB.block_gemm(a, b, g, 7, 7), (SQUARE, SQUARE), 8, 3)
   (module, w, stages), = [m for m in modules if "@jaxlp_block_gemm_bf16" in m[0]]
   ttgir = TC.compile_ttir(module, num_warps=w, num_stages=stages, cubin=False)["ttgir"]
-  zeros = set(re.findall(r"(%[\w#]+) = arith\.constant dense<0\.0+e\+00> : tensor<\d+x\d+xf32", ttgir))
+  zeros = set(re.findall(
+      r"(%[\w#]+) = arith\.constant dense<0\.0+e\+00> : tensor<\d+x\d+xf32", ttgir))
   accs = re.findall(r"warp_group_dot %[\w#]+, %[\w#]+, (%[\w#]+)", ttgir)
   assert accs and set(accs) <= zeros, (accs, zeros)
   assert "async_copy_global_to_local" in ttgir
