@@ -15,7 +15,9 @@ class OptimLP(torch.optim.Optimizer):
   """Wrap a torch optimizer with weight / gradient / momentum / accumulator quantization.
 
   One ``step()`` does, in order (QPyTorch's ``OptimLP``): for every parameter with a
-  gradient ``grad <- grad_quant(grad * grad_scaling)`` (the scaling is never undone); if
+  gradient ``grad <- grad_quant(grad * grad_scaling)`` (the scaling is never undone; with
+  ``grad_scaling=1`` the gradient goes to ``grad_quant`` as it is, without the multiply's
+  pass); if
   ``acc_quant``: the parameters are swapped for full-precision accumulator copies; the
   wrapped optimizer steps; ``acc <- acc_quant(p)``; ``p <- weight_quant(p)``; the momentum
   buffers (SGD ``momentum_buffer``, Adam/AdamW ``exp_avg``, ``exp_avg_sq``) ``<-
@@ -89,7 +91,10 @@ class OptimLP(torch.optim.Optimizer):
     """Quantize gradients, step the wrapped optimizer, quantize weights and momenta."""
     if self.grad_quant is not None:
       for _, p in self._params(with_grad=True):
-        p.grad.data = self.grad_quant(p.grad.data * self.grad_scaling)
+        g = p.grad.data
+        # x * 1.0 == x: skip that pass over the gradient (it would only quiet a signalling
+        # NaN, which torch's arithmetic never produces)
+        p.grad.data = self.grad_quant(g if self.grad_scaling == 1 else g * self.grad_scaling)
     if self.acc_quant is not None:
       for _, p in self._params():
         p.data = self.weight_acc[p].data

@@ -146,20 +146,21 @@ def _q(t):
   return jt.float_quantize(t, 5, 2, "nearest")
 
 
-def test_optimlp_sgd_momentum_semantics():
+@pytest.mark.parametrize("scaling", [2.0, 1.0])
+def test_optimlp_sgd_momentum_semantics(scaling):
   torch.manual_seed(1)
   p0 = torch.randn(10)
   grads = [torch.randn(10) for _ in range(3)]
   p = torch.nn.Parameter(p0.clone())
   opt = jt.OptimLP(torch.optim.SGD([p], lr=0.1, momentum=0.9), weight_quant=_q,
-                   grad_scaling=2.0, grad_quant=_q, momentum_quant=_q, acc_quant=_q)
-  # manual: acc starts at p0; each step g = Q(2g); buf = 0.9 buf + g (buf = g first);
+                   grad_scaling=scaling, grad_quant=_q, momentum_quant=_q, acc_quant=_q)
+  # manual: acc starts at p0; each step g = Q(scaling g); buf = 0.9 buf + g (buf = g first);
   # acc = Q(acc - 0.1 buf); p = Q(acc); buf = Q(buf)
   acc, buf = p0.clone(), None
   for g in grads:
     p.grad = g.clone()
     opt.step()
-    gq = _q(g * 2.0)
+    gq = _q(g * scaling)
     buf = gq.clone() if buf is None else buf * 0.9 + gq
     acc = _q(acc - 0.1 * buf)
     buf = _q(buf)
@@ -168,6 +169,24 @@ def test_optimlp_sgd_momentum_semantics():
     assert torch.equal(opt.weight_acc[p], acc)
   with pytest.raises(TypeError, match="SGD"):
     jt.OptimLP(torch.optim.RMSprop([p]))
+
+
+def test_optimlp_unit_grad_scaling_skips_the_multiply():
+  """grad_scaling=1: grad_quant gets the gradient tensor itself (no pass over it); other
+  scalings get the product."""
+  seen = []
+
+  def spy(t):
+    seen.append(t)
+    return _q(t)
+
+  for scaling in (1.0, 0.5):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    grad = p.grad.data
+    jt.OptimLP(torch.optim.SGD([p], lr=0.1), grad_scaling=scaling, grad_quant=spy).step()
+    assert (seen[-1].data_ptr() == grad.data_ptr()) == (scaling == 1.0)  # same storage
+    assert torch.equal(seen[-1], grad * scaling)
 
 
 def test_cpd_api():
