@@ -363,7 +363,7 @@ def fp8_block_gemm(a8, sa, b8, sb, *, interpret: bool = False, block_m: int | No
                      f"{sb.shape} do not match (M, nb, g), (M, nb), (N, nb, g), (N, nb)")
   if M * N == 0 or nb == 0:
     return jnp.zeros((M, N), jnp.float32)
-  gp = round_up(g, 32)  # the fp8 MMA depth
+  gp = next_pow2(max(g, 32))  # >= the fp8 MMA depth; a power of two (a Triton block dim)
   bm, bn = _tiles(M, N, block_m, block_n, True)
   Mp, Np = round_up(M, bm), round_up(N, bn)
 

@@ -86,6 +86,11 @@ KERNELS = [
        (jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32),
         jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32)), 8, 3)
       for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2)],
+    ("fp8_block_gemm-g96", PB.fp8_block_gemm,  # a K-block that is not a power of two
+     (jax.ShapeDtypeStruct((256, 2, 96), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((256, 2), jnp.int32),
+      jax.ShapeDtypeStruct((256, 2, 96), jnp.float8_e4m3fn),
+      jax.ShapeDtypeStruct((256, 2), jnp.int32)), 8, 3),
 ]
 
 
