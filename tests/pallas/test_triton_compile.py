@@ -79,7 +79,7 @@ KERNELS = [
         a, b, g, 7, 7, route=route), (SQUARE, SQUARE),
        {"jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4},
        {"jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
-      for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9))
+      for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9), ("g40", 40))
       for route in PB.ROUTES],
     # the fp8 fast mode's per-K-block-scaled GEMM (block_dot="fp8", FP8_GPU_IMPL="pallas")
     *[(f"fp8_block_gemm-{dt.__name__}", PB.fp8_block_gemm,
