@@ -83,6 +83,14 @@ GPU_IMPL = "pallas"
 #: accumulation, which no GPU run has checked yet, so it is not the default.
 GPU_ROUTE = "int8"
 
+#: The fp8 fast mode's GEMM on a GPU for per-K-block (MX) scales: "xla" (one batched fp8
+#: ``dot_general`` over the K-blocks, then the scaled sum: a (K-blocks, M, N) float32
+#: intermediate) or "pallas" (``fp8_block_gemm`` in ``jaxlp/pallas/_block_gemm.py``: the
+#: blocks summed inside one kernel). Neither is bit-exact; "pallas" is not measured on a GPU
+#: yet (2026-11-26), so it is not the default. Per-tensor scales always take the single XLA
+#: fp8 dot.
+FP8_GPU_IMPL = "xla"
+
 
 # ---------------------------------------------------------------------------------------
 # Formats
@@ -409,15 +417,6 @@ def fp8_dot(a, b, fmt_a, fmt_b, g: int | None):
     return fp8_block_gemm(a8, sa, b8, sb)
 
   return lax.platform_dependent(a8, sa, b8, sb, cuda=pallas, default=_fp8_xla)
-
-
-#: The fp8 fast mode's GEMM on a GPU for per-K-block (MX) scales: "xla" (one batched fp8
-#: ``dot_general`` over the K-blocks, then the scaled sum: a (K-blocks, M, N) float32
-#: intermediate) or "pallas" (``fp8_block_gemm`` in ``jaxlp/pallas/_block_gemm.py``: the
-#: blocks summed inside one kernel). Neither is bit-exact; "pallas" is not measured on a GPU
-#: yet (2026-11-26), so it is not the default. Per-tensor scales always take the single XLA
-#: fp8 dot.
-FP8_GPU_IMPL = "xla"
 
 
 def _fp8_xla(a8, sa, b8, sb):

@@ -4,8 +4,10 @@ the same bits as ``block_dot_reference`` in ``jaxlp/ops/_block_dot.py``.
 The integer significands and the per-(row, K-block) / per-(K-block, column) exponents are
 split off in jnp (``split_significands``). Grid (M tiles, N tiles); each program owns a
 (bm, bn) output tile and loops over the K-blocks strictly ascending (``lax.fori_loop``). A
-per-tile route, computed in jnp from the tile's block exponents before the call, picks one
-of two loops (one ``lax.cond`` per tile, none inside the loops):
+per-tile route, computed in jnp from the tile's block exponents before the calls, splits the
+tiles between two kernels (each skips the other's tiles with ``pl.when``): the bf16 kernel
+writes its tiles, then the int8 kernel writes the rest into the same buffer
+(``input_output_aliases``):
 
 * **bf16 route** (``route="auto"``, tiles whose exponents stay in :data:`BF16_Q_MIN` ..
   :data:`FAST_Q_MAX`): the block values ``k * 2**(qa - 1)`` and ``k * 2**qb`` are bfloat16
@@ -55,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxlp._util import next_pow2, round_up
+from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.formats import _bits as B
 from jaxlp.ops import _block_dot as BD
 
@@ -253,7 +255,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   if route not in ROUTES:
     raise ValueError(f"block_gemm: route={route!r} not in {ROUTES}")
   M, N = a.shape[0], b.shape[1]
-  nb = -(-a.shape[1] // g)
+  nb = cdiv(a.shape[1], g)
   if M * N == 0 or nb == 0:
     return jnp.zeros((M, N), jnp.float32)
   bf16 = route == "auto" and bf16_route_ok(g, bits_a, bits_b)
