@@ -11,8 +11,11 @@ compare every kernel with the spec bit for bit (NaN-aware), in Triton's interpre
 and on a GPU when one is present.
 
 Float arithmetic appears only where the spec has it (QPyTorch's subnormal rebase and fixed
-point rounding) and in scalings by powers of two that are exact where they are used, so FMA
-contraction (Triton's default) cannot change a result.
+point rounding), in scalings by powers of two that are exact where they are used, and in
+fixed point's stochastic fast path (:func:`_stochastic_fast`: a floor and an exact
+subtraction, taken for a block only where every element's result is provably the bit-level
+path's). So FMA contraction (Triton's default) cannot change a result: every product it could
+fuse is exact.
 
 This module imports ``triton`` at import time: it is imported only when a CUDA tensor is
 quantized and Triton is installed (``jaxlp/torch/_triton.py``).
@@ -266,25 +269,45 @@ def _qpytorch_float(bits, rand, ROUND: tl.constexpr, E: tl.constexpr, M: tl.cons
 
 
 @triton.jit
+def _stochastic_fast(bits, rand, FL: tl.constexpr):
+  """``_round_to_quantum(mag, -FL, sgn, rand, 5) | sgn`` in float arithmetic: (bits, ok), the
+  same bits wherever ``ok`` (x is zero, or normal with x * 2**FL normal; |FL| <= 126).
+
+  There y = |x| * 2**FL is exact and its fraction is exactly the dropped bits ``rem / 2**d``,
+  so ``trunc(frac * 2**32)`` is the spec's threshold (``rem << (32 - d)``, or
+  ``rem >> (d - 32)`` for d > 32), and ``(floor(y) + inc) * 2**-FL`` is exact: an integer
+  times a power of two whose result is zero or at least ``2**-126``. About half the
+  integer operations of the bit-level path."""
+  mag = bits & ABS
+  field = (mag >> 23).to(tl.int32)
+  y = (mag.to(tl.float32, bitcast=True)) * (2.0 ** FL)
+  n = tl.floor(y)
+  thr = ((y - n) * 4294967296.0).to(tl.uint32)
+  n = tl.where(rand < thr, n + 1.0, n)
+  q = (n * (2.0 ** -FL)).to(tl.uint32, bitcast=True) | (bits & SIGN)
+  ok = (mag == 0) | ((field >= 1) & (field + FL >= 1) & (field + FL <= 254))
+  return q, ok
+
+
+@triton.jit
 def _fixed_point(bits, rand, ROUND: tl.constexpr, FL: tl.constexpr, CLAMP: tl.constexpr,
                  HI: tl.constexpr, LO: tl.constexpr):
   """``FixedPoint._round_bits``; HI, LO: its bounds' bits (rounded toward zero)."""
   sgn = bits & SIGN
   mag = bits & ABS
-  r = _round_to_quantum(mag, (mag * 0).to(tl.int32) - FL, sgn, rand, ROUND)
-  out = tl.where(mag < INF, r | sgn, bits)
+  if ROUND == 5 and FL <= 126 and FL >= -126:
+    r, ok = _stochastic_fast(bits, rand, FL)
+    if tl.min((ok | (mag >= INF)).to(tl.int32)) == 0:  # a block with an element outside it
+      r = _round_to_quantum(mag, (mag * 0).to(tl.int32) - FL, sgn, rand, ROUND) | sgn
+  else:
+    r = _round_to_quantum(mag, (mag * 0).to(tl.int32) - FL, sgn, rand, ROUND) | sgn
+  out = tl.where(mag < INF, r, bits)
   if CLAMP:
     omag = out & ABS
     neg = out & SIGN
     out = tl.where((omag <= INF) & (neg == 0) & (omag > HI), HI, out)
     out = tl.where((omag <= INF) & (neg != 0) & (omag > (LO & 0x7FFFFFFF)), LO, out)
   return out
-
-
-@triton.jit
-def _order_key(b):
-  key = tl.where((b & SIGN) != 0, ~b, b | SIGN)
-  return tl.where((b & ABS) == 0, SIGN, key)
 
 
 @triton.jit
@@ -334,10 +357,22 @@ def _qpytorch_fixed_fast(bits, FL: tl.constexpr):
 
 
 @triton.jit
+def _qpytorch_fixed_stochastic(bits, rand, FL: tl.constexpr):
+  """The stochastic path of ``QPyTorchFixedPoint.quantize_with_mask`` on the bits, for finite x."""
+  sgn = bits & SIGN
+  mag = bits & ABS
+  finite = mag < INF
+  r = _round_to_quantum(tl.where(finite, mag, 0), (mag * 0).to(tl.int32) - FL, sgn, rand, 5)
+  # the spec's ``ldexp_bits(mag, fl) == inf``: floor(log2 |x|) + fl >= 128, i.e. a normal x
+  # with field + fl >= 255 (a subnormal x has floor(log2 |x|) < -126 and fl <= 149)
+  field = (mag >> 23).to(tl.int32)
+  return tl.where((field >= 1) & (field + FL >= 255), INF | sgn, r | sgn)
+
+
+@triton.jit
 def _qpytorch_fixed(bits, rand, ROUND: tl.constexpr, FL: tl.constexpr, CLAMP: tl.constexpr,
                     HI: tl.constexpr, LO: tl.constexpr):
   """``QPyTorchFixedPoint.quantize_with_mask``: (bits, clamped) (HI, LO: bound bits)."""
-  sgn = bits & SIGN
   mag = bits & ABS
   finite = mag < INF
   fl_t = (mag * 0).to(tl.int32) + FL
@@ -349,17 +384,19 @@ def _qpytorch_fixed(bits, rand, ROUND: tl.constexpr, FL: tl.constexpr, CLAMP: tl
     else:
       q = _qpytorch_fixed_nearest(bits, fl_t, rand)
   else:
-    r = _round_to_quantum(tl.where(finite, mag, 0), -fl_t, sgn, rand, 5)
-    q = tl.where(finite, r | sgn, bits)
-    # the spec's ``ldexp_bits(mag, fl) == inf``: floor(log2 |x|) + fl >= 128, i.e. a normal x
-    # with field + fl >= 255 (a subnormal x has floor(log2 |x|) < -126 and fl <= 149)
-    field = (mag >> 23).to(tl.int32)
-    q = tl.where(finite & (field >= 1) & (field + FL >= 255), INF | sgn, q)
+    if FL <= 126 and FL >= -126:
+      r, ok = _stochastic_fast(bits, rand, FL)  # ok: no overflow either
+      if tl.min((ok | ~finite).to(tl.int32)) == 0:  # as for nearest
+        r = _qpytorch_fixed_stochastic(bits, rand, FL)
+    else:
+      r = _qpytorch_fixed_stochastic(bits, rand, FL)
+    q = tl.where(finite, r, bits)
   if CLAMP:
-    notnan = (q & ABS) <= INF
-    k = _order_key(q)
-    gt = notnan & (k > _order_key(q * 0 + HI))
-    lt = notnan & (k < _order_key(q * 0 + LO))
+    # float comparisons order non-NaN values as the spec's order keys do (-0.0 == +0.0),
+    # and are false for NaN
+    qf = q.to(tl.float32, bitcast=True)
+    gt = qf > (q * 0 + HI).to(tl.float32, bitcast=True)
+    lt = qf < (q * 0 + LO).to(tl.float32, bitcast=True)
     out = tl.where(gt, HI, tl.where(lt, LO, q))
     clamped = gt | lt
   else:

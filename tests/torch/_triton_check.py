@@ -42,12 +42,19 @@ NAMED = {"E4M3": F.E4M3, "BF16": F.BF16, "QPF52": F.qpytorch_float(5, 2),
 
 
 def crafted(n_random, seed=0):
-  """Every exponent field x 16 fractions (ties, half-ulps, extremes), both signs, then
+  """Every exponent field x 16 fractions (ties, half-ulps, extremes), both signs; one kernel
+  block (2048) of normal values within 2**-20..2**20 and zeros, where the kernels' float fast
+  paths run (a block holding a subnormal or an overflow takes the bit-level path); then
   ``n_random`` random bit patterns: float32 (as a CPU tensor)."""
   rng = np.random.default_rng(seed)
   c = (np.repeat(np.arange(256, dtype=np.uint32), FRACS.size) << 23) | np.tile(FRACS, 256)
+  normal = rng.standard_normal(2048) * np.exp2(rng.integers(-20, 20, 2048))
+  normal[::97] = 0.0
+  normal[1::97] = -0.0
+  normal = normal.astype(np.float32).view(np.uint32)
   r = rng.integers(0, 2**32, n_random, dtype=np.uint64).astype(np.uint32)
-  return torch.from_numpy(np.concatenate([c, c | np.uint32(0x80000000), r]).view(np.float32))
+  return torch.from_numpy(np.concatenate([c, c | np.uint32(0x80000000), normal, r])
+                          .view(np.float32))
 
 
 def differences(got, ref):

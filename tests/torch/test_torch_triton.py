@@ -101,7 +101,8 @@ def test_kernels_compile_for_sm90(dtype):
            (F.E5M2, "stochastic"), (F.qpytorch_float(5, 2), "nearest"),
            (F.qpytorch_float(8, 7), "stochastic"), (F.FixedPoint(8, 4), "down"),
            (QPyTorchFixedPoint(8, 4), "nearest"), (QPyTorchFixedPoint(6, 140), "nearest"),
-           (QPyTorchFixedPoint(8, 4), "stochastic"), (F.qpytorch_block(8, 0), "nearest"),
+           (QPyTorchFixedPoint(8, 4), "stochastic"), (QPyTorchFixedPoint(6, 140), "stochastic"),
+           (F.FixedPoint(8, 4), "stochastic"), (F.qpytorch_block(8, 0), "nearest"),
            (F.qpytorch_block(4, -1), "stochastic")]
   whole = [("qpytorch_block_whole_kernel", T.plan(F.qpytorch_block(b, -1), r)[1])
            for b, r in ((8, "nearest"), (4, "stochastic"))]
