@@ -14,7 +14,10 @@
 #   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed)
 #   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x)
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
-# installed; the repository is put on PYTHONPATH.
+# installed; the repository is put on PYTHONPATH. QPyTorch (for torch_quantize) is installed
+# from wheels in .whl/ when that folder exists (it JIT-builds its CUDA kernels with ninja):
+#   pip wheel qtorch==0.3.0 --no-deps -w .whl   # here, with .whl/ in .git/info/exclude
+# and name .whl in the device call's carry list.
 set -u
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -39,6 +42,10 @@ step() {
 
 if [ "$dry" = 0 ]; then
   mkdir -p "$out"
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/gpu_checks_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_checks_site"
+  fi
   nvidia-smi -L > "$out/device.txt" 2>&1
   cat "$out/device.txt"
 fi
