@@ -163,7 +163,7 @@ def _round_dropped(mag, d, big, sgn, rand, ROUND: tl.constexpr):
   half = (one << dc) >> 1
   if ROUND == 0:
     kodd = (sig >> dc) & 1
-    small = (mag + (half - one) + kodd) & ~low_mask
+    small = (mag + (half - one) + kodd) & (low_mask ^ 0xFFFFFFFF)
     bigv = tl.where(sig > half, big, 0)
   else:
     if ROUND == 1:
@@ -182,7 +182,7 @@ def _round_dropped(mag, d, big, sgn, rand, ROUND: tl.constexpr):
       inc = rand < thr
     if ROUND != 5:
       inc = inc & (d > 0)
-    small = (mag & ~low_mask) + (inc.to(tl.uint32) << dc)
+    small = (mag & (low_mask ^ 0xFFFFFFFF)) + (inc.to(tl.uint32) << dc)
     bigv = tl.where(inc, big, 0)
   out = tl.where(d <= 23, small, bigv)
   return tl.where(d <= 0, mag, out)
