@@ -93,12 +93,6 @@ def _dot_nt(a, b, out_dtype):
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def _reduce2(op, x):
-  """``op(x)`` of a 2-D block as two one-axis reductions: jax 0.11's Triton lowering of a
-  reduction over several axes fails (a sharding spec of the wrong rank)."""
-  return op(op(x, axis=1), axis=0)
-
-
 def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
   """The int8 route on the tiles whose route is 0 (the others are left as they are)."""
   n_chunks = gp // c
@@ -118,8 +112,7 @@ def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int):
       # Where every partial of the tile is normal (FAST_Q_MIN <= q <= FAST_Q_MAX), the
       # exact scaling is the int32 -> float32 conversion (rounded once) times 2**q (exact):
       # two instructions per output instead of scale_exact's integer rounding.
-      fast = ((_reduce2(jnp.min, qa) + _reduce2(jnp.min, qb) >= FAST_Q_MIN)
-              & (_reduce2(jnp.max, qa) + _reduce2(jnp.max, qb) <= FAST_Q_MAX))
+      fast = (jnp.min(qa) + jnp.min(qb) >= FAST_Q_MIN) & (jnp.max(qa) + jnp.max(qb) <= FAST_Q_MAX)
       return lax.cond(fast, lambda: n.astype(jnp.float32) * B.from_bits(B.pow2_bits(q)),
                       lambda: BD.scale_exact(n, q))
 

@@ -95,7 +95,11 @@ def _gpu_target():
     return contextlib.nullcontext()
   device = jax.sharding.AbstractDevice(
       device_kind=TARGET_DEVICE_KIND, num_cores=None, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("_lowering",), abstract_device=device)
+  # Auto axes: values carry no sharding, as on a GPU where no mesh is set. With Explicit
+  # axes (the default) jax 0.11.2's Pallas lowering of a reduction over two axes fails ("Length
+  # of sharding.spec (2) must be equal to aval's ndim (1)"), a failure no GPU run would see.
+  mesh = jax.sharding.AbstractMesh((1,), ("_lowering",), abstract_device=device,
+                                   axis_types=(jax.sharding.AxisType.Auto,))
   return jax.sharding.use_abstract_mesh(mesh)
 
 

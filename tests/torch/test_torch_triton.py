@@ -40,7 +40,7 @@ def test_every_kernel_matches_the_spec_in_the_interpreter():
   then float16 and bfloat16 inputs for a subset. NaN-aware bit equality with the JAX spec."""
   r = _interpret("cpu", "1024", "float32")
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-  assert f"ok: {len(C.FORMATS)} formats" in r.stdout
+  assert f"ok: {sum(map(C.interpretable, C.FORMATS))} formats" in r.stdout
   r = _interpret("cpu", "256", "float16,bfloat16", HALF_FORMATS)
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
