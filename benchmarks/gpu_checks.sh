@@ -56,4 +56,7 @@ step layers 150 python benchmarks/layers.py --models resnet18 --steps 5 --block-
 step torch_tests 120 python -m pytest -q tests/torch/test_torch_cuda.py \
   tests/torch/test_torch_ddp.py -k "cuda"
 step torch_quantize 60 python benchmarks/torch_quantize.py --device cuda
-step compression 120 python benchmarks/compression.py --model resnet18 --repeats 3
+# one compressor of each family first (rows print as they finish; a GPU compile of the
+# 62-leaf program takes seconds each), then the rest
+step compression 120 python benchmarks/compression.py --model resnet18 --repeats 3 \
+  --only 'bf16,cgx4,topk1%,powersgd2,onebit,qsgd15,terngrad,dgc1%,tbq,cgx8,randomk1%,graddrop99%,terngrad_hp2'

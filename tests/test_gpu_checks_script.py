@@ -28,3 +28,18 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
                               text=True, cwd=ROOT, env=env, timeout=120).stdout
     for flag in (a for a in args[2:] if a.startswith("--")):
       assert flag in helptext, (name, flag)
+
+
+def test_gpu_checks_compression_names_known_compressors():
+  import importlib.util
+
+  r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), "--dry-run"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=60)
+  (cmd,) = re.findall(r"^== compression \(limit \d+ s\): (.*)$", r.stdout, re.M)
+  args = cmd.split()
+  names = args[args.index("--only") + 1].split(",")
+  spec = importlib.util.spec_from_file_location(
+      "compression_bench", os.path.join(ROOT, "benchmarks", "compression.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  assert sorted(names) == sorted(mod.COMPRESSORS), names  # every compressor, each once
