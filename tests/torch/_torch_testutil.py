@@ -1,6 +1,8 @@
 """Shared helpers for the torch bridge tests."""
 
+import jax
 import numpy as np
+import torch
 
 import jaxlp.torch as jt
 
@@ -50,3 +52,14 @@ def assert_same_bits(a, b, what=""):
     i = np.flatnonzero(~same.ravel())[:5]
     raise AssertionError(f"{what}: {(~same).sum()} of {a.size} differ, e.g. "
                          f"{[(a.ravel()[k], b.ravel()[k]) for k in i]}")
+
+
+def gpu_host() -> bool:
+  """Whether torch sees a CUDA device and JAX has a GPU backend (``JAX_PLATFORMS=cuda,cpu``):
+  what the CUDA paths of the torch bridge need."""
+  if not torch.cuda.is_available():
+    return False
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False

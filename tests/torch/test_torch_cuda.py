@@ -15,22 +15,14 @@ import jax
 import numpy as np
 import pytest
 import torch
-from _torch_testutil import assert_same_bits, special_data, to_numpy
+from _torch_testutil import assert_same_bits, gpu_host, special_data, to_numpy
 
 import jaxlp
 import jaxlp.torch as jt
 from jaxlp import formats as F
 
-
-def _jax_has_gpu():
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
-
 pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and _jax_has_gpu()),
+    not gpu_host(),
     reason="needs a CUDA device visible to torch and a JAX GPU backend "
            "(JAX_PLATFORMS=cuda,cpu); this machine has none")
 

@@ -25,7 +25,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import jax  # noqa: E402
 
 import jaxlp  # noqa: E402
-from tests.torch._torch_testutil import assert_same_bits  # noqa: E402
+from tests.torch._torch_testutil import assert_same_bits, gpu_host  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -42,22 +42,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _gpu_host():
-  """Whether torch sees a CUDA device and JAX has a GPU backend (the CUDA-bucket runs)."""
-  if not torch.cuda.is_available():
-    return False
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
-
-
 NO_GPU = ("CUDA buckets need a CUDA device visible to torch and a JAX GPU backend "
           "(JAX_PLATFORMS=cuda,cpu); this machine has none")
 
 
 @pytest.fixture(scope="module", params=[
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _gpu_host(), reason=NO_GPU))])
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not gpu_host(), reason=NO_GPU))])
 def runs(request, tmp_path_factory):
   """Both ranks' records. "cpu": gloo DDP of CPU tensors, the hooks' JAX on XLA:CPU
   (JAX_PLATFORMS=cpu, so two workers do not both initialise a GPU where the test process
