@@ -44,14 +44,26 @@ def test_resume_equals_uninterrupted(tmp_path):
   h_res = train(TrainConfig(epochs=3, out=part, resume=True, **common))
   strip = lambda ms: [{k: v for k, v in m.items() if k != "seconds"} for m in ms]
   assert strip(h_full) == strip(h_res)
-  from flax import serialization  # the checkpoint is readable without jaxlp
-  read = lambda d: serialization.msgpack_restore(
-      open(os.path.join(d, "checkpoint.msgpack"), "rb").read())["state"]
-  sf, sr = read(full), read(part)
-  assert sorted(sf) == sorted(sr) and any(k.startswith("['params']") for k in sf)
-  for k in sf:
-    np.testing.assert_array_equal(np.asarray(sf[k]).view(np.uint8),
-                                  np.asarray(sr[k]).view(np.uint8))
+  sf, sr = _checkpoint_state(full), _checkpoint_state(part)
+  assert any(k.startswith("['params']") for k in sf)
+  _assert_same_state(sf, sr)
+
+
+def _checkpoint_state(d):
+  """The saved training state of run folder ``d``, read with flax alone (the checkpoint is
+  readable without jaxlp)."""
+  from flax import serialization
+
+  with open(os.path.join(d, "checkpoint.msgpack"), "rb") as f:
+    return serialization.msgpack_restore(f.read())["state"]
+
+
+def _assert_same_state(a, b):
+  """The same entries with the same bits."""
+  assert sorted(a) == sorted(b)
+  for k in a:
+    np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint8),
+                                  np.asarray(b[k]).view(np.uint8), err_msg=k)
 
 
 @pytest.mark.parametrize("argv", [
@@ -143,20 +155,14 @@ def test_real_devices_equal_emulation(tmp_path, flags):
     _train_on_4_cpu_devices(["train", "--nodes", "8", "--devices", d, "--out", out] + FAST
                             + flags)
     runs.append([(m["train_loss"], m["test_accuracy"]) for m in _metrics(out)])
-    from flax import serialization
-
-    with open(os.path.join(out, "checkpoint.msgpack"), "rb") as f:
-      states.append(serialization.msgpack_restore(f.read())["state"])
+    states.append(_checkpoint_state(out))
   if "--aps" in flags:
     # jaxlp.parallel.psum is order-faithful and the 4-bit gradients absorb the last-bit
     # differences of the per-worker gradients (below): every parameter has the same bits.
     # The reported loss is a lax.psum of per-worker losses from batched (vmap) vs
     # per-device forward passes; with jax 0.12 it differed in the last bit (1.7664451003 vs
     # 1.7664451897) while every parameter was the same.
-    assert sorted(states[0]) == sorted(states[1])
-    for k in states[0]:
-      np.testing.assert_array_equal(np.asarray(states[0][k]).view(np.uint8),
-                                    np.asarray(states[1][k]).view(np.uint8), err_msg=k)
+    _assert_same_state(*states)
     for (l1, a1), (l4, a4) in zip(runs[0], runs[1]):
       assert l4 == pytest.approx(l1, rel=1e-6) and a4 == a1
   else:
