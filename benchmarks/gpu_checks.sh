@@ -27,6 +27,8 @@ fi
 out=${1:-gpu_checks_out}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_PLATFORMS=cuda,cpu
+export PYTHONUNBUFFERED=1  # a step stopped at its limit keeps the rows it printed
+py=${PYTHON:-python3}      # the device image's python3 holds torch and jax; it may have no 'python'
 
 step() {
   local name=$1 limit=$2
@@ -43,20 +45,29 @@ step() {
 if [ "$dry" = 0 ]; then
   mkdir -p "$out"
   if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/gpu_checks_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_checks_site"
   fi
   nvidia-smi -L > "$out/device.txt" 2>&1
   cat "$out/device.txt"
+  # QPyTorch JIT-builds its CUDA extension (about a minute of nvcc) at first import: build it
+  # now, on a few CPU cores, while the GPU steps run, so torch_quantize only loads it.
+  if "$py" -c "import qtorch" > /dev/null 2>&1; then
+    (cd /tmp && MAX_JOBS=4 TORCH_CUDA_ARCH_LIST=9.0 timeout 400 "$py" -c \
+      "import time; t = time.time(); import qtorch.quant; print(f'qtorch built in {time.time() - t:.0f} s')" \
+      > "$out/qtorch_build.txt" 2>&1 &)
+  fi
 fi
-step block_gemm 150 python benchmarks/block_gemm.py --size 8192 --repeats 3 --skip-layers \
+step block_gemm 150 "$py" benchmarks/block_gemm.py --size 8192 --repeats 3 --skip-layers \
   --skip-conv --tiles 128x64x4 --tiles 64x128x4
-step layers 150 python benchmarks/layers.py --models resnet18 --steps 5 --block-route auto \
+step layers 150 "$py" benchmarks/layers.py --models resnet18 --steps 5 --block-route auto \
   --fp8-impl pallas --policies fp32,tf32,hbfp8,hbfp8_exact,mxint8_exact,mxfp8,mxfp8_fp8
-step torch_tests 120 python -m pytest -q tests/torch/test_torch_cuda.py \
+# torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+step torch_tests 110 "$py" -m pytest -q tests/torch/test_torch_cuda.py \
   tests/torch/test_torch_ddp.py -k "cuda"
-step torch_quantize 60 python benchmarks/torch_quantize.py --device cuda
+step torch_quantize 60 "$py" benchmarks/torch_quantize.py --device cuda
 # one compressor of each family first (rows print as they finish; a GPU compile of the
 # 62-leaf program takes seconds each), then the rest
-step compression 120 python benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 110 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'bf16,cgx4,topk1%,powersgd2,onebit,qsgd15,terngrad,dgc1%,tbq,cgx8,randomk1%,graddrop99%,terngrad_hp2'
