@@ -194,9 +194,9 @@ class DotPolicy:
         ``preferred_element_type=float32``. NOT bit-exact: GPU fp8 tensor cores (Hopper)
         accumulate in a format narrower than fp32, so results differ from the emulation
         (the error is measured by ``benchmarks/block_gemm.py``). With per-block scales
-        that dot is batched over the K-blocks (a (K-blocks, M, N) intermediate); a Pallas
-        kernel that sums the blocks itself exists for GPUs
-        (``jaxlp.ops._block_dot.FP8_GPU_IMPL``), not the default until measured there.
+        that dot is batched over the K-blocks (a (K-blocks, M, N) intermediate), except on
+        GPUs, where a Pallas kernel sums the blocks itself
+        (``jaxlp.ops._block_dot.FP8_GPU_IMPL``; measured faster on an H100).
 
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.

@@ -37,14 +37,13 @@ writes its tiles, then the int8 kernel writes the rest into the same buffer
 (``block_dot="fp8"``, not bit-exact): the same tile loop with fp8 dots, each scaled and
 added to the float32 sum.
 
-GPU notes: on an H100 (2026-11-26), before the fast scaling and the bf16 route, the int8
-kernel gave the reference's bits at 4096^3 and 8192^3 and ran at 11-22 TFLOP/s. The
-per-K-block ``scale_exact`` dominated (~30 integer operations per output every 24 or 32
-MACs), not the int8 MMA. Neither the fast scaling nor the bf16 route is measured on a GPU
-yet, and the bf16 route's bits rest on the hardware keeping 24 bits in its float32
-accumulation, which only a GPU run can confirm: ``GPU_ROUTE`` in ``jaxlp/ops/_block_dot.py``
-keeps the int8 route as the default until then. Static counts on the sm_90 compile
-(``benchmarks/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
+GPU notes, one H100, jax 0.11.2 (2026-11-26; ``benchmarks/block_gemm.py``, RESULTS.md): at
+8192^3 both routes gave the reference's bits, with plain and with 2^U{-12..12}-scaled
+K-blocks. The bf16 route (``route="auto"``, the default through ``GPU_ROUTE`` in
+``jaxlp/ops/_block_dot.py``) ran at 103-115 TFLOP/s for HBFP8 and 172-197 for MXINT8; the
+int8 route at 35 and 52. That run is also what confirms the bf16 route's premise: the
+hardware keeps float32's 24 bits in the bf16 MMA's accumulation. Static counts on the sm_90
+compile (``benchmarks/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations

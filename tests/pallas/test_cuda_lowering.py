@@ -144,7 +144,8 @@ def test_fp8_block_gemm_kernel_lowers_for_cuda(dtype):
 
 def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
   """``block_dot="fp8"`` with MX operands lowers to the fp8 kernel on CUDA where
-  ``FP8_GPU_IMPL = "pallas"``, and to no kernel (XLA's batched fp8 dot) by default."""
+  ``FP8_GPU_IMPL = "pallas"`` (the default), and to no kernel (XLA's batched fp8 dot) with
+  ``"xla"``."""
   from jaxlp.ops import _block_dot as BD
 
   dot = jaxlp.dot_general(jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"))
@@ -155,11 +156,12 @@ def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
   x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
   w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
   f = jax.value_and_grad(loss, argnums=(0, 1))
-  assert not lower_for_cuda(f, x, w)[1]
-  monkeypatch.setattr(BD, "FP8_GPU_IMPL", "pallas")
-  _, mods = lower_for_cuda(lambda x, w: f(x, w), x, w)  # a new function: a new trace
+  assert BD.FP8_GPU_IMPL == "pallas"
+  _, mods = lower_for_cuda(f, x, w)
   _assert_clean(mods, "dot_general block_dot='fp8'")
   assert kernel_names(mods).count("jaxlp_fp8_block_gemm") == 3
+  monkeypatch.setattr(BD, "FP8_GPU_IMPL", "xla")
+  assert not lower_for_cuda(lambda x, w: f(x, w), x, w)[1]  # a new function: a new trace
 
 
 def test_exact_block_dot_policy_dispatches_to_the_kernel_for_cuda():
