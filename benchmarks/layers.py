@@ -6,7 +6,7 @@ batch 128), every Dense/Conv quantized with ``jaxlp.flax.quantize_model``; one j
 step, all policies in the same run. ``--small`` shrinks the models for CI.
 
 Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
-       [--block-route int8|auto] [--fp8-impl xla|pallas] [--json F]
+       [--block-route int8|auto] [--fp8-impl xla|pallas] [--gemm-census] [--json F]
 
 ``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
 ``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
@@ -16,6 +16,14 @@ Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies
 reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp8`` (the
 batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
 library's ``FP8_GPU_IMPL``).
+
+``--gemm-census`` lists, for every model and every exact-mode policy (``block_dot="exact"``)
+in ``--policies``, the exact GEMMs of one training step (forward and both gradients), found by
+tracing the step without running it: shape, K-block, count and GFLOP. On a GPU each distinct
+GEMM is also timed alone (``block_dot`` on random block-format operands of that shape,
+median of ``--steps``) next to the plain float32 dot of the same shape at JAX's default
+precision; the sums say how much of the step the exact GEMMs take. Elsewhere the times read
+"not measured" (the CPU runs the jnp reference), except with ``--small`` (the CI smoke run).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import optax
 import jaxlp.flax as jf
 from jaxlp.flax.models import MLP, ResNet18
 from jaxlp.formats import E4M3, E4M3FN, E5M2
+from jaxlp.ops import _block_dot
 from jaxlp.ops._policy import DotPolicy, float_policy, hbfp_policy, mx_policy
 
 #: name -> (policy, matmul precision of the step's plain float32 GEMMs, None: JAX's default).
@@ -122,6 +131,86 @@ def time_step(model, x, labels, policy, steps):
   return statistics.median(times), compile_s, float(state[3])
 
 
+def exact_gemms(model, x, labels, policy):
+  """Every exact block GEMM one training step makes: a list of ``(M, K, N, g, bits_a,
+  bits_b)``, one per call, found by tracing the step's gradient (nothing runs)."""
+  q = jf.quantize_model(model, policy)
+  v = numpy_init(model, x)
+  stats = v.get("batch_stats")
+  calls = []
+  impl = _block_dot.GPU_IMPL
+  inner = _block_dot._IMPL_FNS[impl]
+
+  def record(a, b, g, bits_a, bits_b, **kw):
+    calls.append((a.shape[0], a.shape[1], b.shape[1], g, bits_a, bits_b))
+    return inner(a, b, g, bits_a, bits_b, **kw)
+
+  def loss_fn(p):
+    if stats is None:
+      logits = q.apply({"params": p}, x)
+    else:
+      logits, _ = q.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  jax.clear_caches()  # a cached trace of the dispatch would skip the recording
+  _block_dot._IMPL_FNS[impl] = record
+  try:
+    jax.eval_shape(jax.grad(loss_fn), v["params"])
+  finally:
+    _block_dot._IMPL_FNS[impl] = inner
+    jax.clear_caches()
+  return calls
+
+
+def _median_ms(f, args, steps):
+  jax.block_until_ready(f(*args))  # compile
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
+  """Print the exact GEMMs of one step of ``model`` under ``policy`` (module docstring),
+  each timed alone where ``timed``."""
+  import collections  # noqa: PLC0415
+
+  counts = collections.Counter(exact_gemms(model, x, labels, policy))
+  timed = bool(timed)
+  print(f"\n### exact GEMMs of one {mname} step (batch {x.shape[0]}), {pname}\n")
+  print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | f32 dot ms | "
+        "exact TFLOP/s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  tot_fl = tot_ex = tot_f32 = 0.0
+  key = jax.random.key(0)
+  for (M, K, N, g, ba, bb), c in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1]
+                                        * kv[0][2] * kv[1]):
+    fl = 2.0 * M * K * N * c
+    tot_fl += fl
+    ex = f32 = "not measured"
+    tf = "-"
+    if timed:
+      # integers below 2**7 lie on every block grid of 7-bit significands
+      ka, kb = jax.random.split(jax.random.fold_in(key, M * K * N + g))
+      a = jax.random.randint(ka, (M, K), -127, 128).astype(jnp.float32)
+      b = jax.random.randint(kb, (K, N), -127, 128).astype(jnp.float32)
+      t_ex = _median_ms(jax.jit(lambda a, b, g=g, ba=ba, bb=bb: _block_dot.block_dot(
+          a, b, g, ba, bb)), (a, b), steps)
+      t_f32 = _median_ms(jax.jit(jnp.dot), (a, b), steps)
+      tot_ex += c * t_ex
+      tot_f32 += c * t_f32
+      ex, f32, tf = f"{t_ex:.3f}", f"{t_f32:.3f}", f"{fl / c / t_ex / 1e9:.1f}"
+    print(f"| {M} | {K} | {N} | {g} | {-(-K // g)} | {ba}/{bb} | {c} | {fl / 1e9:.2f} | {ex} | "
+          f"{f32} | {tf} |", flush=True)
+  sums = (f"{tot_ex:.1f} ms exact, {tot_f32:.1f} ms f32 dot" if timed else
+          "times not measured (no GPU; --small times them)")
+  print(f"\n{sum(counts.values())} exact GEMMs, {tot_fl / 1e9:.1f} GFLOP per step; {sums}")
+  return dict(model=mname, policy=pname, gemms=sum(counts.values()), gflop=tot_fl / 1e9,
+              exact_ms=tot_ex if timed else None, f32_ms=tot_f32 if timed else None)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="tiny models for CI")
@@ -133,6 +222,9 @@ def main(argv=None):
                   help="GPU route of the exact block GEMM kernel (default: the library's)")
   ap.add_argument("--fp8-impl", choices=("xla", "pallas"), default=None,
                   help="GPU GEMM of the fp8 mode with MX scales (default: the library's)")
+  ap.add_argument("--gemm-census", action="store_true",
+                  help="list (and on a GPU time) the exact GEMMs of one step of each exact "
+                       "policy instead of timing the steps")
   ap.add_argument("--json", default=None, help="write the results to this file")
   args = ap.parse_args(argv)
   steps = args.steps or (3 if args.small else 5)
@@ -147,14 +239,29 @@ def main(argv=None):
   print(f"# jaxlp layers benchmark: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
         f"{time.strftime('%Y-%m-%d')}, small={args.small}, steps={steps}")
+  for pname in args.policies.split(","):
+    if pname not in POLICIES:
+      ap.error(f"--policies: unknown policy {pname!r}; choose from {', '.join(POLICIES)}")
+  if args.gemm_census:
+    exact = [p for p in args.policies.split(",") if POLICIES[p][0].block_dot == "exact"]
+    if not exact:
+      ap.error("--gemm-census: --policies names no exact policy (block_dot='exact'); exact "
+               f"ones: {', '.join(p for p in POLICIES if POLICIES[p][0].block_dot == 'exact')}")
+    for mname in args.models.split(","):
+      model, x, labels = make_case(mname, args.small)
+      for pname in exact:
+        rows.append(gemm_census(mname, model, x, labels, pname, POLICIES[pname][0], steps,
+                                jax.default_backend() == "gpu" or args.small))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
   print("| model | policy | step ms (median) | compile s | overhead vs fp32 |")
   print("|---|---|---|---|---|")
   for mname in args.models.split(","):
     model, x, labels = make_case(mname, args.small)
     base = None
     for pname in args.policies.split(","):
-      if pname not in POLICIES:
-        ap.error(f"--policies: unknown policy {pname!r}; choose from {', '.join(POLICIES)}")
       policy, precision = POLICIES[pname]
       with jax.default_matmul_precision(precision):
         t, c, loss = time_step(model, x, labels, policy, steps)

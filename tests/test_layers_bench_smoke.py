@@ -50,3 +50,27 @@ def test_layers_benchmark_exact_policies_and_block_route(tmp_path):
   r = subprocess.run(base + ["--fp8-impl", "cublas"], capture_output=True, text=True, env=env,
                      timeout=120)
   assert r.returncode == 2 and "--fp8-impl: invalid choice: 'cublas'" in r.stderr
+
+
+def test_layers_benchmark_gemm_census(tmp_path):
+  """--gemm-census lists the exact GEMMs of one step (traced, not run): for the small MLP
+  (784-128-128-10 here, batch 32) with the per-sample HBFP8 exact policy, each layer's
+  forward, input-gradient and weight-gradient GEMM, their FLOPs summed; --small times them
+  (the CPU reference); a census without an exact policy is refused."""
+  out = tmp_path / "census.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+          "--models", "mlp", "--steps", "1", "--gemm-census"]
+  r = subprocess.run(base + ["--policies", "fp32,hbfp8_exact", "--json", str(out)],
+                     capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  (row,) = json.loads(out.read_text())
+  assert row["policy"] == "hbfp8_exact" and row["gemms"] == 9
+  dims = [(32, 784, 128), (32, 128, 128), (32, 128, 10)]  # (batch, in, out) per layer
+  flop = sum(2 * b * i * o for b, i, o in dims) * 3  # forward, dlhs, drhs: the same MACs
+  assert abs(row["gflop"] * 1e9 - flop) < 1
+  assert row["exact_ms"] > 0 and row["f32_ms"] > 0
+  assert "| 32 | 784 | 128 | 24 | 33 | 7/7 | 1 |" in r.stdout  # the first forward GEMM
+  r = subprocess.run(base + ["--policies", "fp32,hbfp8"], capture_output=True, text=True,
+                     env=env, timeout=120)
+  assert r.returncode == 2 and "--gemm-census: --policies names no exact policy" in r.stderr

@@ -49,7 +49,9 @@ def interpretable(fmt) -> bool:
 #: Short names for a subset (``python _triton_check.py cpu 256 float16 E4M3,QPF52``).
 NAMED = {"E4M3": F.E4M3, "BF16": F.BF16, "QPF52": F.qpytorch_float(5, 2),
          "QPF87": F.qpytorch_float(8, 7), "QPFX": QPyTorchFixedPoint(8, 4),
-         "QPB": F.qpytorch_block(8, 0)}
+         "QPB": F.qpytorch_block(8, 0), "FX84": F.FixedPoint(8, 4),
+         "FX16S": F.FixedPoint(16, 10, symmetric=True), "QPFX30": QPyTorchFixedPoint(30, 3),
+         "QPFX140": QPyTorchFixedPoint(6, 140, clamp=False)}
 
 
 def crafted(n_random, seed=0):
