@@ -14,7 +14,8 @@
 #                  yet bit-checked on a GPU, against the spec on 1M random patterns
 #   torch_tests    issue 17: the other CUDA tests (the full spec check takes minutes of
 #                  Triton compiles: tests/torch/_triton_check.py cuda, run on its own)
-#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed)
+#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), and
+#                  a cProfile of each entry point's host time per call at 4K
 #   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x), the
 #                  compressors not measured last time first
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
@@ -70,8 +71,8 @@ step torch_ddp 110 "$py" -m pytest -q tests/torch/test_torch_ddp.py -k "cuda"
 step torch_bits 60 "$py" tests/torch/_triton_check.py cuda 1000000 float32 \
   FX84,FX16S,QPFX,QPFX30,QPFX140
 step torch_tests 60 "$py" -m pytest -q tests/torch/test_torch_cuda.py -k "not match_the_spec"
-step torch_quantize 60 "$py" benchmarks/torch_quantize.py --device cuda
+step torch_quantize 80 "$py" benchmarks/torch_quantize.py --device cuda --profile
 # the compressors not measured on 2026-11-26 first (rows print as they finish; a GPU compile
 # of the 62-leaf program takes seconds each), then the rest
-step compression 100 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 90 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'cgx8,randomk1%,graddrop99%,terngrad_hp2,cgx4,topk1%,powersgd2,onebit,qsgd15,dgc1%,bf16,terngrad,tbq'

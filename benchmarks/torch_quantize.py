@@ -9,6 +9,11 @@ an SGD step over one parameter). Rows: a small tensor (per-call overhead, us) an
 elements, <= 50 us per call at 4K; on the CPU the bridge must not be slower than before.
 
 Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N] [--reps R]
+       [--only NAMES] [--profile]
+
+``--profile`` also runs each timed jaxlp entry point 2000 times at 4K elements under
+``cProfile`` and prints its ten most expensive functions (own time per call): where a
+per-call row above its goal spends the host's time.
 
 ``--device cuda`` on a machine without a CUDA device prints the table with every row
 "not measured" (and says why) instead of numbers.
@@ -89,6 +94,36 @@ def _optim_step(optim_lp, q, x):
   return step
 
 
+def _profile(jt, x, only, sync, calls=2000, top=10):
+  """cProfile of ``calls`` calls of each jaxlp entry point on ``x``: the ``top`` functions by
+  own time, in us per call."""
+  import cProfile  # noqa: PLC0415
+  import pstats  # noqa: PLC0415
+
+  for name, r, jf, _ in _cases(jt, None, x):
+    if only is not None and name not in only:
+      continue
+    jf()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+      jf()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = sum(v[2] for v in stats.values())
+    print(f"\n# profile: {name} {r}, {x.numel()} elements, {calls} calls: "
+          f"{1e6 * total / calls:.1f} us per call under cProfile")
+    print("| function | calls per call | own us per call | cumulative us per call |")
+    print("|---|---|---|---|")
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (fname, line, func), (_, ncalls, tt, ct, _) in rows:
+      where = f"{_os.path.basename(fname)}:{line}({func})"
+      print(f"| {where} | {ncalls / calls:.2f} | {1e6 * tt / calls:.2f} | "
+            f"{1e6 * ct / calls:.2f} |")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -97,6 +132,8 @@ def main():
   ap.add_argument("--n", type=int, default=16 * 2**20, help="large size (default 16M)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--only", default=None, help="comma-separated entry points to time")
+  ap.add_argument("--profile", action="store_true",
+                  help="profile each timed jaxlp entry point at 4K elements (cProfile)")
   args = ap.parse_args()
   small_n, large_n = (4096, 2**16) if args.small else (4096, args.n)
   reps = 2 if args.small else args.reps
@@ -150,6 +187,8 @@ def main():
       q_s = f"{tq * scale:.1f} {unit}" if tq is not None else "n/a"
       ratio = f"{tq / tj:.2f}x" if tq is not None else "n/a"
       print(f"| {name} | {r} | {n} | {tj * scale:.1f} {unit} | {q_s} | {ratio} | {goal} |")
+  if args.profile:
+    _profile(jt, torch.randn(small_n, device=dev), only, sync)
   x = torch.randn(large_n)
   trt = _time(lambda: jt.to_torch(jt.to_jax(x)), reps, lambda: None, 20)
   same = jt.to_torch(jt.to_jax(x)).data_ptr() == x.data_ptr()

@@ -249,8 +249,10 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
     generator: optional ``torch.Generator`` for stochastic keys (default: global RNG).
 
   Returns:
-    A function tensor -> tensor (``torch.autograd.Function.apply``). Calling it raises a
-    ``TypeError`` when a quantized tensor is not float32, float16 or bfloat16.
+    A function tensor -> tensor. A call autograd records (grad mode on, an input that
+    requires grad) goes through a ``torch.autograd.Function``, whose backward quantizes the
+    gradient; any other call returns the same forward values without a graph node. Calling it
+    raises a ``TypeError`` when a quantized tensor is not float32, float16 or bfloat16.
 
   Raises:
     TypeError: a number is not None, a jaxlp format or a QPyTorch number (see
@@ -323,7 +325,17 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
         g = g.masked_fill(ctx.mask.bool(), 0)
       return g
 
-  return Rounding.apply
+  def quantize(x):
+    # autograd.Function.apply costs a graph node per call (about 15-25 us on a GPU host):
+    # only a call whose gradient is wanted pays it; the others get the same forward
+    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+      return Rounding.apply(x)
+    if fwd is None:
+      return x
+    check_quantize_dtype(x, "quantizer")
+    return _fwd(x.contiguous())[0]
+
+  return quantize
 
 
 class Quantizer(torch.nn.Module):

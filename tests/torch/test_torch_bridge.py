@@ -109,6 +109,31 @@ def test_quantizer_forward_backward():
   assert torch.equal(x.grad, w)
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantizer_without_a_gradient_takes_no_graph_node(rounding):
+  """A call autograd does not record (no_grad, or an input without requires_grad) returns the
+  forward values of a recorded call, bit for bit and drawing the same key, without a
+  graph node; a recorded call keeps its backward."""
+  x = torch.tensor(special_data(256, seed=7))
+  fx = jt.QPyTorchFixedPoint(8, 4)
+  for fmt, kw in ((F.qpytorch_float(5, 2), {}), (fx, {"clamping_grad_zero": True})):
+    q = jt.quantizer(fmt, F.E4M3, rounding, "nearest", **kw)
+    torch.manual_seed(0)
+    recorded = q(x.clone().requires_grad_())
+    assert recorded.grad_fn is not None and type(recorded.grad_fn).__name__ == "RoundingBackward"
+    torch.manual_seed(0)
+    plain = q(x)  # grad mode on, input without requires_grad
+    torch.manual_seed(0)
+    with torch.no_grad():
+      quiet = q(x.clone().requires_grad_())
+    for y in (plain, quiet):
+      assert y.grad_fn is None and not y.requires_grad
+      assert_same_bits(y, recorded.detach(), f"{fmt} {rounding}")
+  assert jt.quantizer()(x) is x  # no forward number: the input itself
+  with pytest.raises(TypeError, match="torch.float32, torch.float16 or torch.bfloat16"):
+    jt.quantizer(F.E4M3)(torch.arange(4))
+
+
 def test_quantizer_clamping_grad_zero_and_hooks():
   x = torch.tensor([0.3, 5.0, -9.0, 1.0], requires_grad=True)
   fx = jt.QPyTorchFixedPoint(4, 1)  # range [-4, 3.5]
