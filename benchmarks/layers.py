@@ -21,9 +21,11 @@ library's ``FP8_GPU_IMPL``).
 in ``--policies``, the exact GEMMs of one training step (forward and both gradients), found by
 tracing the step without running it: shape, K-block, count and GFLOP. On a GPU each distinct
 GEMM is also timed alone (``block_dot`` on random block-format operands of that shape,
-median of ``--steps``) next to the plain float32 dot of the same shape at JAX's default
-precision; the sums say how much of the step the exact GEMMs take. Elsewhere the times read
-"not measured" (the CPU runs the jnp reference), except with ``--small`` (the CI smoke run).
+median of ``--steps``), with the time of its jnp operand preparation alone (what the
+kernel's call computes before its ``pallas_call``s), next to the plain float32 dot of the
+same shape at JAX's default precision; the sums say how much of the step the exact GEMMs
+take. Elsewhere the times read "not measured" (the CPU runs the jnp reference), except with
+``--small`` (the CI smoke run; its operand preparation is the GPU's, timed on the CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -162,6 +165,16 @@ def exact_gemms(model, x, labels, policy):
   return calls
 
 
+def _kernel_operands(a, b, g, ba, bb):
+  """The jnp work the exact GEMM kernel's call does before its ``pallas_call``s, with the
+  library's GPU route and default tiles (``jaxlp/pallas/_block_gemm.py``)."""
+  from jaxlp.pallas import _block_gemm  # noqa: PLC0415
+
+  bf16 = _block_dot.GPU_ROUTE == "auto" and _block_gemm.bf16_route_ok(g, ba, bb)
+  bm, bn = _block_gemm._tiles(a.shape[0], b.shape[1], None, None, bf16)
+  return _block_gemm.kernel_operands(a, b, g, ba, bb, bm, bn, bf16)
+
+
 def _median_ms(f, args, steps):
   jax.block_until_ready(f(*args))  # compile
   times = []
@@ -180,16 +193,16 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
   counts = collections.Counter(exact_gemms(model, x, labels, policy))
   timed = bool(timed)
   print(f"\n### exact GEMMs of one {mname} step (batch {x.shape[0]}), {pname}\n")
-  print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | f32 dot ms | "
-        "exact TFLOP/s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
-  tot_fl = tot_ex = tot_f32 = 0.0
+  print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | of which operand "
+        "prep ms | f32 dot ms | exact TFLOP/s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  tot_fl = tot_ex = tot_f32 = tot_prep = 0.0
   key = jax.random.key(0)
   for (M, K, N, g, ba, bb), c in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1]
                                         * kv[0][2] * kv[1]):
     fl = 2.0 * M * K * N * c
     tot_fl += fl
-    ex = f32 = "not measured"
+    ex = f32 = prep = "not measured"
     tf = "-"
     if timed:
       # integers below 2**7 lie on every block grid of 7-bit significands
@@ -198,17 +211,22 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
       b = jax.random.randint(kb, (K, N), -127, 128).astype(jnp.float32)
       t_ex = _median_ms(jax.jit(lambda a, b, g=g, ba=ba, bb=bb: _block_dot.block_dot(
           a, b, g, ba, bb)), (a, b), steps)
+      t_prep = _median_ms(jax.jit(functools.partial(_kernel_operands, g=g, ba=ba, bb=bb)),
+                          (a, b), steps)
       t_f32 = _median_ms(jax.jit(jnp.dot), (a, b), steps)
       tot_ex += c * t_ex
+      tot_prep += c * t_prep
       tot_f32 += c * t_f32
-      ex, f32, tf = f"{t_ex:.3f}", f"{t_f32:.3f}", f"{fl / c / t_ex / 1e9:.1f}"
+      ex, prep, f32 = f"{t_ex:.3f}", f"{t_prep:.3f}", f"{t_f32:.3f}"
+      tf = f"{fl / c / t_ex / 1e9:.1f}"
     print(f"| {M} | {K} | {N} | {g} | {-(-K // g)} | {ba}/{bb} | {c} | {fl / 1e9:.2f} | {ex} | "
-          f"{f32} | {tf} |", flush=True)
-  sums = (f"{tot_ex:.1f} ms exact, {tot_f32:.1f} ms f32 dot" if timed else
-          "times not measured (no GPU; --small times them)")
+          f"{prep} | {f32} | {tf} |", flush=True)
+  sums = (f"{tot_ex:.1f} ms exact (operand prep {tot_prep:.1f} ms), {tot_f32:.1f} ms f32 dot"
+          if timed else "times not measured (no GPU; --small times them)")
   print(f"\n{sum(counts.values())} exact GEMMs, {tot_fl / 1e9:.1f} GFLOP per step; {sums}")
   return dict(model=mname, policy=pname, gemms=sum(counts.values()), gflop=tot_fl / 1e9,
-              exact_ms=tot_ex if timed else None, f32_ms=tot_f32 if timed else None)
+              exact_ms=tot_ex if timed else None, prep_ms=tot_prep if timed else None,
+              f32_ms=tot_f32 if timed else None)
 
 
 def main(argv=None):

@@ -217,6 +217,28 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
   return routes if bf16 else jnp.zeros_like(routes)
 
 
+def kernel_operands(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int, bf16: bool):
+  """What :func:`block_gemm`'s kernels read, computed in jnp before them: ``(routes, va,
+  vb, qa, qb, ka8, kb8)``: the per-tile routes (all 0 without ``bf16``), the bf16 route's
+  operands (None without it), the block exponents and the int8 significands, each K-block
+  zero-padded. Separate so that its cost can be timed alone (``benchmarks/layers.py
+  --gemm-census``)."""
+  nb = cdiv(a.shape[1], g)
+  gp = round_up(g, _chunk(g))
+  ka, qa, kb, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
+  Mp, Np = ka.shape[0], kb.shape[0]
+  routes = jnp.zeros((Mp // bm, Np // bn), jnp.int32)
+  va = vb = None
+  if bf16:
+    routes = _tile_routes(qa, qb, bm, bn)
+    gpb = round_up(g, 16)
+    va = _bf16_values(ka, qa, gpb, 1)
+    vb = _bf16_values(kb, qb.T, gpb, 0)
+  ka8 = jnp.pad(ka.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Mp, nb * gp)
+  kb8 = jnp.pad(kb.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Np, nb * gp)
+  return routes, va, vb, qa, qb, ka8, kb8
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4),
                    static_argnames=("interpret", "block_m", "block_n", "num_warps", "num_stages",
                                     "route"))
@@ -265,7 +287,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   # registers of 32 outputs per thread
   im, in_ = min(bm, 64), min(bn, 64)
   Mp, Np = round_up(M, bm), round_up(N, bn)
-  ka, qa, kb, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
+  routes, va, vb, qa, qb, ka8, kb8 = kernel_operands(a, b, g, bits_a, bits_b, bm, bn, bf16)
 
   def params(warps, stages):
     if interpret:
@@ -275,13 +297,9 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
 
   out_shape = jax.ShapeDtypeStruct((Mp, Np), jnp.float32)
   tile = pl.BlockSpec((1, 1), lambda i, j: (i, j))
-  routes = jnp.zeros((Mp // bm, Np // bn), jnp.int32)
   prev = []
   if bf16:
-    routes = _tile_routes(qa, qb, bm, bn)
     gpb = round_up(g, 16)
-    va = _bf16_values(ka, qa, gpb, 1)
-    vb = _bf16_values(kb, qb.T, gpb, 0)
     warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
     prev = [pl.pallas_call(
         _bf16_kernel(nb, gpb, _bf16_chunk(gpb), bm, bn),
@@ -296,8 +314,6 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
     )(routes, va, vb)]
   # the int8 route on (im, in_) sub-tiles of the route tiles
   sub = jnp.repeat(jnp.repeat(routes, bm // im, axis=0), bn // in_, axis=1)
-  ka8 = jnp.pad(ka.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Mp, nb * gp)
-  kb8 = jnp.pad(kb.astype(jnp.int8), ((0, 0), (0, 0), (0, gp - g))).reshape(Np, nb * gp)
   out_spec = pl.BlockSpec((im, in_), lambda i, j: (i, j))
   out = pl.pallas_call(
       _int8_kernel(nb, gp, c, im, in_),
