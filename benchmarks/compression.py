@@ -3,10 +3,13 @@ ResNet-18- and VGG-19-sized gradient sets (real layer shapes), plus a bandwidth-
 (step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
 
 Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both] [--only a,b]
-       [--repeats N]
+       [--repeats N] [--bucket-mb B]
 
 Rows: a copy baseline (the same program with each leaf's encode+decode replaced by a
 negation), then each compressor with its ratio to the copy (issue 14's GPU goal: >= 0.5x).
+``--bucket-mb B`` encodes and decodes consecutive leaves fused into flat buckets of at most B
+MB, as ``reduce_gradients(bucket_mb=B)`` does (fewer, larger kernels: on a GPU the per-leaf
+program is launch-bound); PowerSGD stays per leaf (its fused buckets are square matrices).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
   sys.path.pop(0)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxlp.parallel.compressors as C  # noqa: E402
 from jaxlp.parallel import compressed_wire_bytes  # noqa: E402
+from jaxlp.parallel._compressed import _group_buckets  # noqa: E402
 
 
 def resnet18_shapes():
@@ -66,15 +71,43 @@ BEFORE_GBPS = {"bf16": 3.31, "cgx4": 0.24, "cgx8": 0.4, "qsgd15": 0.0616, "onebi
                "dgc1%": 0.3, "graddrop99%": 0.322, "powersgd2": 0.76}
 
 
-def bench(comp, shapes, repeats):
+def buckets(shapes, bucket_mb):
+  """Leaf numbers per bucket: one leaf each (``bucket_mb`` None), else consecutive leaves
+  in buckets of at most ``bucket_mb`` MB of fp32, as the engine fuses them."""
+  return _group_buckets(range(len(shapes)), [int(np.prod(s)) for s in shapes], bucket_mb)
+
+
+def _fuse(gs, groups):
+  """The gradients as one flat array per bucket (a bucket of one leaf keeps its shape)."""
+  return [gs[g[0]] if len(g) == 1 else jnp.concatenate([gs[i].ravel() for i in g])
+          for g in groups]
+
+
+def _split(outs, groups, shapes):
+  res = [None] * len(shapes)
+  for o, g in zip(outs, groups, strict=True):
+    if len(g) == 1:
+      res[g[0]] = o
+      continue
+    offs = np.cumsum([0] + [int(np.prod(shapes[i])) for i in g])
+    for j, i in enumerate(g):
+      res[i] = o[offs[j]:offs[j + 1]].reshape(shapes[i])
+  return res
+
+
+def bench(comp, shapes, repeats, bucket_mb=None):
   key = jax.random.key(0)
   grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
-  states = [comp.init(s, key=key) for s in shapes]
+  # PowerSGD fuses its buckets differently (one square matrix per bucket): per leaf only
+  groups = buckets(shapes, None if comp.kind == "lowrank" else bucket_mb)
+  units = [shapes[g[0]] if len(g) == 1 else (sum(int(np.prod(shapes[i])) for i in g),)
+           for g in groups]
+  states = [comp.init(s, key=key) for s in units]
 
   @jax.jit
   def roundtrip(gs, sts):
     outs, new = [], []
-    for i, (g, st) in enumerate(zip(gs, sts, strict=True)):
+    for i, (g, st) in enumerate(zip(_fuse(gs, groups), sts, strict=True)):
       if comp.kind == "lowrank" and comp.matrix_shape(g.shape) is None:
         # PowerSGD leaves it does not compress (vectors, small) travel as fp32 (wire_bytes
         # counts them so), as in compressed_allreduce
@@ -84,7 +117,7 @@ def bench(comp, shapes, repeats):
       p, st = comp.encode(g, st, jax.random.fold_in(key, i))
       outs.append(comp.decode(p, g.shape))
       new.append(st)
-    return outs, new
+    return _split(outs, groups, shapes), new
 
   jax.block_until_ready(roundtrip(grads, states))
   ts = []
@@ -93,18 +126,19 @@ def bench(comp, shapes, repeats):
     jax.block_until_ready(roundtrip(grads, states))
     ts.append(time.perf_counter() - t0)
   n = sum(int(np.prod(s)) for s in shapes)
-  wire = sum(comp.wire_bytes(s) for s in shapes)
+  wire = sum(comp.wire_bytes(s) for s in units)
   return 4 * n / min(ts) / 1e9, wire, n
 
 
-def bench_copy(shapes, repeats):
-  """GB/s of the same per-leaf program with each leaf's encode+decode replaced by a negation
-  (read 4 bytes, write 4 bytes per element: a copy's traffic, which XLA cannot elide): the
-  copy bandwidth the GPU goal compares with, counted as the compressors are (4 bytes of
-  gradient per element)."""
+def bench_copy(shapes, repeats, bucket_mb=None):
+  """GB/s of the same per-leaf (or per-bucket) program with each encode+decode replaced by a
+  negation (read 4 bytes, write 4 bytes per element: a copy's traffic, which XLA cannot
+  elide): the copy bandwidth the GPU goal compares with, counted as the compressors are (4
+  bytes of gradient per element)."""
   key = jax.random.key(0)
   grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
-  neg = jax.jit(lambda gs: [-g for g in gs])
+  groups = buckets(shapes, bucket_mb)
+  neg = jax.jit(lambda gs: _split([-g for g in _fuse(gs, groups)], groups, shapes))
   jax.block_until_ready(neg(grads))
   ts = []
   for _ in range(repeats):
@@ -128,6 +162,10 @@ def main(argv=None):
   ap.add_argument("--compute-ms", type=float, default=50.0)
   ap.add_argument("--repeats", type=int, default=None,
                   help="timed runs per compressor (best of; default 3, 1 with --small)")
+  ap.add_argument("--bucket-mb", type=float, default=None,
+                  help="encode and decode consecutive leaves fused into buckets of at most this "
+                       "many MB (the engine's bucket_mb; PowerSGD stays per leaf), the copy "
+                       "row likewise")
   ap.add_argument("--fc6", action="store_true",
                   help="also time randomk1%% on one VGG-19 fc6 leaf (4096 x 25088 = 102.8M)")
   a = ap.parse_args(argv)
@@ -141,11 +179,14 @@ def main(argv=None):
   repeats = a.repeats if a.repeats is not None else (1 if a.small else 3)
   if repeats < 1:
     ap.error(f"--repeats={repeats} must be >= 1")
+  if a.bucket_mb is not None and not a.bucket_mb > 0:
+    ap.error(f"--bucket-mb={a.bucket_mb} must be > 0")
+  unit = "leaf" if a.bucket_mb is None else f"bucket of <= {a.bucket_mb:g} MB"
   on_gpu = jax.default_backend() == "gpu"
   print(f"# device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
   print("# goal: on this 2-core CPU, GB/s (dense >= 2, sparse and low-rank >= 1); on a GPU, "
-        f"enc+dec >= {GPU_GOAL_VS_COPY:g}x the copy row (the same per-leaf program, one "
-        "negation per leaf)")
+        f"enc+dec >= {GPU_GOAL_VS_COPY:g}x the copy row (the same program, one negation per "
+        f"{unit})")
   print("| model | compressor | enc+dec GB/s | vs copy | goal | before | verdict | wire MB | "
         "vs fp32 | vs bf16 | model step ms |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -156,13 +197,13 @@ def main(argv=None):
     bw = a.bandwidth_gbps * 1e9 / 8
     ring = 2 * (a.workers - 1) / a.workers
     fp32_ms = a.compute_ms + 1e3 * ring * 4 * n / bw
-    copy = bench_copy(shapes, repeats)
-    print(f"| {mname} | copy (per leaf) | {copy:.3g} | 1.00x | - | - | - | - | - | - | - |")
+    copy = bench_copy(shapes, repeats, a.bucket_mb)
+    print(f"| {mname} | copy (per {unit}) | {copy:.3g} | 1.00x | - | - | - | - | - | - | - |")
     print(f"| {mname} | fp32 | - | - | - | - | - | {4 * n / 1e6:.2f} | 1.00x | 0.50x | "
           f"{fp32_ms:.1f} |",
           flush=True)
     for name in names:
-      gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats)
+      gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats, a.bucket_mb)
       # bytes each worker sends per step: the engine's own accounting (default filters:
       # small leaves and vectors in fp32; CGX scatter-reduce-allgather, sparsifiers'
       # all-gather, PowerSGD's fused P/Q sums, the bf16 ring)

@@ -18,6 +18,7 @@
 #                  a cProfile of each entry point's host time per call at 4K
 #   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x), the
 #                  compressors not measured last time first
+#   compression_buckets  issue 14: the same on the engine's fused 25 MB buckets
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
 # installed; the repository is put on PYTHONPATH. QPyTorch (for torch_quantize) is installed
 # from wheels in .whl/ when that folder exists (it JIT-builds its CUDA kernels with ninja):
@@ -63,16 +64,20 @@ if [ "$dry" = 0 ]; then
       > "$out/qtorch_build.txt" 2>&1 &)
   fi
 fi
-step gemm_census 180 "$py" benchmarks/layers.py --models resnet18 --steps 3 \
+step gemm_census 160 "$py" benchmarks/layers.py --models resnet18 --steps 3 \
   --policies hbfp8_exact,mxint8_exact --gemm-census
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step torch_ddp 110 "$py" -m pytest -q tests/torch/test_torch_ddp.py -k "cuda"
+step torch_ddp 100 "$py" -m pytest -q tests/torch/test_torch_ddp.py -k "cuda"
 step torch_bits 60 "$py" tests/torch/_triton_check.py cuda 1000000 float32 \
   FX84,FX16S,QPFX,QPFX30,QPFX140
 step torch_tests 60 "$py" -m pytest -q tests/torch/test_torch_cuda.py -k "not match_the_spec"
 step torch_quantize 80 "$py" benchmarks/torch_quantize.py --device cuda --profile
 # the compressors not measured on 2026-11-26 first (rows print as they finish; a GPU compile
 # of the 62-leaf program takes seconds each), then the rest
-step compression 90 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 80 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'cgx8,randomk1%,graddrop99%,terngrad_hp2,cgx4,topk1%,powersgd2,onebit,qsgd15,dgc1%,bf16,terngrad,tbq'
+# the same with the engine's fused buckets (reduce_gradients(bucket_mb=25)): the per-leaf
+# program is launch-bound on a GPU
+step compression_buckets 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+  --bucket-mb 25 --only 'cgx4,onebit,qsgd15,topk1%,dgc1%,cgx8,randomk1%,graddrop99%'

@@ -19,3 +19,30 @@ def test_compression_bench_small(capsys):
   assert float(copy.split("|")[3]) > 0
   row = next(line for line in out.splitlines() if line.startswith("| resnet18 | onebit |"))
   assert row.split("|")[4].strip().endswith("x")
+
+
+def test_compression_bench_buckets_decode_every_leaf(capsys):
+  """--bucket-mb fuses consecutive leaves into flat buckets (the engine's grouping): the
+  round trip returns every leaf in its shape, with the same values as per leaf for a
+  compressor without buckets' own statistics (bf16), and a bad size is refused."""
+  import jax
+  import numpy as np
+  import pytest
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+  mod = runpy.run_path(str(path))
+  shapes = [(3, 4), (5,), (2, 2, 2), (7, 1)]
+  # 13 fp32 values per bucket at most: 12 | 5 + 8 | 7
+  assert mod["buckets"](shapes, 52 / 2**20) == [[0], [1, 2], [3]]
+  assert mod["buckets"](shapes, None) == [[0], [1], [2], [3]]
+  gs = [jax.random.normal(jax.random.key(i), s) for i, s in enumerate(shapes)]
+  big = mod["buckets"](shapes, 1.0)
+  assert big == [[0, 1, 2, 3]]
+  back = mod["_split"](mod["_fuse"](gs, big), big, shapes)
+  for a, b in zip(back, gs, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "25"])
+  out = capsys.readouterr().out
+  assert "| resnet18 | copy (per bucket of <= 25 MB) |" in out and "| resnet18 | bf16 |" in out
+  with pytest.raises(SystemExit):
+    mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "0"])

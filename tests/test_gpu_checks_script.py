@@ -15,7 +15,7 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
   assert [s[0] for s in steps] == ["gemm_census", "torch_ddp", "torch_bits", "torch_tests",
-                                   "torch_quantize", "compression"]
+                                   "torch_quantize", "compression", "compression_buckets"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
@@ -38,7 +38,7 @@ def test_gpu_checks_compression_names_known_compressors():
 
   r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), "--dry-run"],
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
-  (cmd,) = re.findall(r"^== compression \(limit \d+ s\): (.*)$", r.stdout, re.M)
+  (cmd,) = re.findall(r"^== compression \(limit \d+ s\): (.*)$", r.stdout, re.M)  # per leaf
   args = cmd.split()
   names = args[args.index("--only") + 1].split(",")
   spec = importlib.util.spec_from_file_location(
