@@ -9,6 +9,8 @@
 # 2026-11-26 left open; benchmarks/RESULTS.md, top):
 #   gemm_census    issue 18: each exact GEMM of a ResNet-18 step timed alone, against the f32
 #                  dot of the same shape (where do the exact step's 60-82 ms go?)
+#   layers         issue 18: the HBFP8 policy with every operand quantized, at TF32 and as
+#                  bf16 MMAs (BF16_BF16_F32), against fp32 and TF32
 #   torch_ddp      issue 17: the DDP hooks on CUDA buckets (did not run last time)
 #   torch_bits     issue 17: the fixed-point kernels, whose stochastic float fast path is not
 #                  yet bit-checked on a GPU, against the spec on 1M random patterns
@@ -64,20 +66,22 @@ if [ "$dry" = 0 ]; then
       > "$out/qtorch_build.txt" 2>&1 &)
   fi
 fi
-step gemm_census 160 "$py" benchmarks/layers.py --models resnet18 --steps 3 \
-  --policies hbfp8_exact,mxint8_exact --gemm-census
+step gemm_census 100 "$py" benchmarks/layers.py --models resnet18 --steps 3 \
+  --policies hbfp8_exact --gemm-census
+step layers 90 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
+  --policies fp32,tf32,hbfp8_w7,hbfp8_w7_bf16,hbfp8
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 step torch_ddp 100 "$py" -m pytest -q tests/torch/test_torch_ddp.py -k "cuda"
 step torch_bits 60 "$py" tests/torch/_triton_check.py cuda 1000000 float32 \
   FX84,FX16S,QPFX,QPFX30,QPFX140
-step torch_tests 60 "$py" -m pytest -q tests/torch/test_torch_cuda.py -k "not match_the_spec"
+step torch_tests 40 "$py" -m pytest -q tests/torch/test_torch_cuda.py -k "not match_the_spec"
 step torch_quantize 80 "$py" benchmarks/torch_quantize.py --device cuda --profile
 # the compressors not measured on 2026-11-26 first (rows print as they finish; a GPU compile
 # of the 62-leaf program takes seconds each), then the rest
-step compression 80 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 70 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'cgx8,randomk1%,graddrop99%,terngrad_hp2,cgx4,topk1%,powersgd2,onebit,qsgd15,dgc1%,bf16,terngrad,tbq'
 # the same with the engine's fused buckets (reduce_gradients(bucket_mb=25)): the per-leaf
 # program is launch-bound on a GPU
-step compression_buckets 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression_buckets 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'cgx4,onebit,qsgd15,topk1%,dgc1%,cgx8,randomk1%,graddrop99%'

@@ -56,14 +56,22 @@ from jaxlp.formats import E4M3, E4M3FN, E5M2
 from jaxlp.ops import _block_dot
 from jaxlp.ops._policy import DotPolicy, float_policy, hbfp_policy, mx_policy
 
-#: name -> (policy, matmul precision of the step's plain float32 GEMMs, None: JAX's default).
+#: name -> (policy, matmul precision of the step's GEMMs, None: JAX's default).
 #: "fp32" is float32 arithmetic (``precision="highest"``); "tf32" the same model with TF32
 #: tensor-core matmuls (GPU; on CPU it equals fp32). The quantized policies run their GEMMs
-#: at JAX's default precision (their operands' significands fit TF32/bf16 exactly).
+#: at JAX's default precision: TF32 on a GPU. That is exact in the products where every
+#: operand is quantized to <= 11 significant bits; "hbfp8" (HBFPEmulator v1.0: per-sample
+#: activations, weights used as given) leaves the weights in float32, which TF32 rounds
+#: in its dX GEMM and forward. "hbfp8_w7" quantizes the weights too (7-bit tiles, the
+#: operands of "hbfp8_exact"), so TF32 computes its products exactly; "hbfp8_w7_bf16" runs
+#: the same GEMMs as bf16 MMAs with float32 accumulation (``BF16_BF16_F32``: 8-bit
+#: significands are exact in bfloat16), twice TF32's tensor-core rate.
 POLICIES = {
     "fp32": (DotPolicy(), "highest"),
     "tf32": (DotPolicy(), "tensorfloat32"),
     "hbfp8": (hbfp_policy(7, 24), None),
+    "hbfp8_w7": (hbfp_policy(7, 24, weight_man_bits=7), None),
+    "hbfp8_w7_bf16": (hbfp_policy(7, 24, weight_man_bits=7), "BF16_BF16_F32"),
     "hbfp8_tiled": (hbfp_policy(7, 24, "tiled"), None),
     "hbfp8_exact": (hbfp_policy(7, 24, weight_man_bits=7, block_dot="exact"), None),
     "hbfp8_tiled_exact": (hbfp_policy(7, 24, "tiled", block_dot="exact"), None),

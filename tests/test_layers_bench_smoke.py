@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/layers.py --small (MLP, the default policies; a bad --policies is
 refused)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -74,3 +75,36 @@ def test_layers_benchmark_gemm_census(tmp_path):
   r = subprocess.run(base + ["--policies", "fp32,hbfp8"], capture_output=True, text=True,
                      env=env, timeout=120)
   assert r.returncode == 2 and "--gemm-census: --policies names no exact policy" in r.stderr
+
+
+def test_hbfp8_w7_operands_are_exact_in_bfloat16():
+  """The premise of "hbfp8_w7_bf16" (BF16_BF16_F32 GEMMs): every operand its GEMMs see --
+  per-sample HBFP8 activations and gradients, 7-bit tiled weights -- is a bfloat16 value, so
+  the bf16 MMA rounds nothing. (The CPU backend ignores dot algorithms and computes in float32,
+  so a CPU run cannot show the MMA side; the GPU benchmark does.) Data over 2**-100..2**100,
+  with zeros and a wide spread inside each block."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxlp
+  from jaxlp import formats as F
+
+  spec = importlib.util.spec_from_file_location(
+      "layers_bench", os.path.join(ROOT, "benchmarks", "layers.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  policy, precision = mod.POLICIES["hbfp8_w7_bf16"]
+  assert precision == "BF16_BF16_F32"
+  assert policy.lhs.fmt == F.hbfp_batched(7) and policy.rhs.fmt == F.hbfp(7, 24)
+  assert policy.grad.fmt == F.hbfp_batched(7)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(k1, (96, 72)) * 2.0 ** jax.random.randint(k2, (96, 72), -100, 100)
+  x = x.at[::7].set(0.0)
+  for fmt in (policy.lhs.fmt, policy.rhs.fmt, policy.grad.fmt):
+    q = jaxlp.quantize(x, fmt)
+    back = q.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint32),
+                                  np.asarray(q).view(np.uint32), err_msg=str(fmt))
+  # the unquantized float32 weights of "hbfp8" are not
+  assert not bool(jnp.all(x.astype(jnp.bfloat16).astype(jnp.float32) == x))
