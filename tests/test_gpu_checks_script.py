@@ -14,7 +14,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
-  assert [s[0] for s in steps] == ["gemm_census", "layers", "torch_ddp", "torch_bits",
+  assert [s[0] for s in steps] == ["gemm_census", "layers", "train_exact", "torch_ddp",
+                                   "torch_bits",
                                    "torch_tests", "torch_quantize", "compression",
                                    "compression_buckets"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
