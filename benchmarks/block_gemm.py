@@ -1,4 +1,4 @@
-"""Block formats on integer tensor cores: speed and bits of the block GEMM paths.
+"""Block formats on tensor cores: speed and bits of the block GEMM paths.
 
 GEMM (M = N = K = ``--size``, jitted, median of ``--repeats`` after a compile call):
 

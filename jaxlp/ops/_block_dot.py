@@ -36,7 +36,7 @@ block of <= 2**(24 - bits_a - bits_b) elements (they are multiples of ``2**(Qa+Q
 ``2**24`` of them). The two differ in how the sums cross block boundaries: XLA's dot adds
 products in its own (unspecified, backend- and shape-dependent) order and rounds partial
 sums that mix blocks; "exact" rounds each block once and adds the blocks in a declared order.
-Measured differences: README, "Block formats on integer tensor cores".
+Measured differences: README, "Block formats on tensor cores".
 
 Implementations with those bits: :func:`block_dot_reference` (pure jnp: an int32 dot per
 K-block in a ``lax.scan``, any backend), :func:`block_dot_xla_int8` (one batched XLA int8 x

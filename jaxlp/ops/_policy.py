@@ -31,7 +31,7 @@ and back after), as HBFPEmulator tiles them.
 default, today's emulation: the plain float32 lax op -- fp32 products, fp32 sums in XLA's
 order), ``"exact"`` (block formats with integer significands: an exact integer dot per
 K-block, rounded once to float32, K-blocks summed in float32 in ascending order -- the same
-bits on every backend, integer tensor cores on a GPU; definition in
+bits on every backend, tensor cores on a GPU; definition in
 ``jaxlp/ops/_block_dot.py``) or ``"fp8"`` (fast, NOT bit-exact: fp8 tensor-core dots with
 power-of-two scales).
 
@@ -179,10 +179,11 @@ class DotPolicy:
         integer significands is exact (int32), scaled by ``2**(ea + eb)`` and rounded
         once to float32 (overflow: inf; below ``2**-126``: a signed zero); the block
         results are summed in float32 sequentially, ascending K-block index. The same
-        bits on every backend (a pure-jnp reference on CPU; integer tensor cores on a
-        GPU). Relative to None only the rounding of sums that cross K-blocks differs
+        bits on every backend (a pure-jnp reference on CPU; on a GPU a Pallas kernel on
+        bf16 tensor cores where the block exponents keep every partial exact, int8 tensor
+        cores elsewhere). Relative to None only the rounding of sums that cross K-blocks differs
         (within a block both are exact for HBFP8-sized blocks); measured in the README
-        ("Block formats on integer tensor cores"). Supported for 2-D ``dot_general``
+        ("Block formats on tensor cores"). Supported for 2-D ``dot_general``
         with one contracting dimension and no batch dimensions, and for ungrouped
         convolutions (GEMMs on im2col matrices, K-blocks = the quantization blocks: see
         :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run across the

@@ -33,7 +33,7 @@ def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys
 
 @pytest.mark.parametrize("policy", [{"hbfp": 8}, {"policy": "mxint8"}])
 def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run(policy):
-  """Documented (README, "Block formats on integer tensor cores"): on the digits MLP every
+  """Documented (README, "Block formats on tensor cores"): on the digits MLP every
   sum of block products fits float32's 24 bits, so the exact block dots give the same bits
   as today's emulation -- the same loss and accuracy (``--hbfp 8`` and ``--policy mxint8``)."""
   cfg = dict(model="mlp", epochs=1, batch_size=16, width=1, max_steps_per_epoch=1,
