@@ -190,6 +190,15 @@ def _tiles(M: int, N: int, block_m, block_n, bf16: bool):
   return bm, bn
 
 
+def _nonzero_blocks(x, g: int):
+  """(R, nb) bool: which K-blocks of ``x`` (R, K), zero-padded to ``nb * g``, hold a value
+  whose magnitude is not zero (-0.0 counts as zero; inf and NaN as nonzero)."""
+  R, K = x.shape
+  nb = cdiv(K, g)
+  mag = B.to_bits(jnp.pad(x, ((0, 0), (0, nb * g - K)))) & B.u32(B.ABS_MASK)
+  return jnp.any(mag.reshape(R, nb, g) != 0, axis=-1)
+
+
 def _prepare(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int):
   """Significands and exponents, rows padded to the tiles: ``ka`` (Mp, nb, g), ``qa``
   (Mp, nb), ``kb`` (Np, nb, g), ``qb`` (nb, Np) int32; all-zero (and padding) blocks get
@@ -197,8 +206,11 @@ def _prepare(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int):
   their tiles on the fast routes)."""
   M, N = a.shape[0], b.shape[1]
   ka, qa, kb, qb = BD._operands(a, b, g, bits_a, bits_b)
-  qa = jnp.where(jnp.any(ka != 0, axis=-1), qa, 0)
-  qb = jnp.where(jnp.any(kb != 0, axis=-1), qb, 0)
+  # a block's significands are all zero exactly when its magnitudes are (the largest one's
+  # significand has its top bit set); testing the input lets XLA fuse this reduction with
+  # the exponents' instead of reading the significands again
+  qa = jnp.where(_nonzero_blocks(a, g), qa, 0)
+  qb = jnp.where(_nonzero_blocks(b.T, g), qb, 0)
   Mp, Np = round_up(M, bm), round_up(N, bn)
   return (jnp.pad(ka, ((0, Mp - M), (0, 0), (0, 0))), jnp.pad(qa, ((0, Mp - M), (0, 0))),
           jnp.pad(kb, ((0, Np - N), (0, 0), (0, 0))), jnp.pad(qb, ((0, Np - N), (0, 0))).T)

@@ -150,6 +150,23 @@ def test_bf16_route_needs_exact_float32_block_sums():
   assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), ref)
 
 
+@pytest.mark.parametrize("g", [1, 5, 24])
+def test_nonzero_blocks_is_any_nonzero_significand(g):
+  """The kernels' block-exponent mask tests the input's magnitudes; it must agree with the
+  significands (the reference's view) on zeros, -0.0, subnormals, inf, NaN and a ragged
+  last block."""
+  vals = np.array([0.0, -0.0, 1e-45, -1e-42, 1.5, -3.0, np.inf, -np.inf, np.nan, 2.0**-126,
+                   3e38], np.float32)
+  rng = np.random.default_rng(g)
+  x = rng.choice(vals, size=(40, 53))
+  x[::3] = 0.0  # all-zero rows and blocks
+  x[1::3, : 53 // 2] = -0.0
+  for bits in (3, 7):
+    k, _ = BD.split_significands(jnp.asarray(x), g, bits)
+    np.testing.assert_array_equal(np.asarray(PB._nonzero_blocks(jnp.asarray(x), g)),
+                                  np.asarray(jnp.any(k != 0, axis=-1)))
+
+
 def test_rejects_bad_route_and_tiles():
   with pytest.raises(ValueError, match="route='fp8' not in"):
     block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 7, 7, interpret=True, route="fp8")
