@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from _bench import load_benchmark
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,15 +38,10 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
 
 
 def test_gpu_checks_compression_names_known_compressors():
-  import importlib.util
-
   r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), "--dry-run"],
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   (cmd,) = re.findall(r"^== compression \(limit \d+ s\): (.*)$", r.stdout, re.M)  # per leaf
   args = cmd.split()
   names = args[args.index("--only") + 1].split(",")
-  spec = importlib.util.spec_from_file_location(
-      "compression_bench", os.path.join(ROOT, "benchmarks", "compression.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_benchmark("compression")
   assert sorted(names) == sorted(mod.COMPRESSORS), names  # every compressor, each once

@@ -1,11 +1,12 @@
 """Smoke test of benchmarks/layers.py --small (MLP, the default policies; a bad --policies is
 refused)."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+from _bench import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,10 +91,7 @@ def test_hbfp8_w7_operands_are_exact_in_bfloat16():
   import jaxlp
   from jaxlp import formats as F
 
-  spec = importlib.util.spec_from_file_location(
-      "layers_bench", os.path.join(ROOT, "benchmarks", "layers.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_benchmark("layers")
   policy, precision = mod.POLICIES["hbfp8_w7_bf16"]
   assert precision == "BF16_BF16_F32"
   assert policy.lhs.fmt == F.hbfp_batched(7) and policy.rhs.fmt == F.hbfp(7, 24)
