@@ -39,6 +39,7 @@ _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
 import argparse
+import collections
 import functools
 import json
 import platform
@@ -196,10 +197,7 @@ def _median_ms(f, args, steps):
 def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
   """Print the exact GEMMs of one step of ``model`` under ``policy`` (module docstring),
   each timed alone where ``timed``."""
-  import collections  # noqa: PLC0415
-
   counts = collections.Counter(exact_gemms(model, x, labels, policy))
-  timed = bool(timed)
   print(f"\n### exact GEMMs of one {mname} step (batch {x.shape[0]}), {pname}\n")
   print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | of which operand "
         "prep ms | f32 dot ms | exact TFLOP/s |")

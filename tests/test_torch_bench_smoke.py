@@ -32,3 +32,13 @@ def test_torch_bench_cuda_rows_say_not_measured_without_a_gpu():
   out = _run("--small", "--device", "cuda")
   assert "| quantize | nearest | 4096 | not measured | not measured |" in out
   assert "torch.cuda.is_available() is False" in out
+
+
+def test_torch_bench_profile_lists_each_entry_points_host_time():
+  """--profile adds, per timed entry point and rounding, the functions its calls spend their
+  host time in (cProfile), the entry point's own wrapper among them."""
+  out = _run("--small", "--only", "quantizer", "--profile")
+  for r in ("nearest", "stochastic"):
+    assert f"# profile: quantizer {r}, 4096 elements, 2000 calls:" in out
+  assert "| function | calls per call | own us per call | cumulative us per call |" in out
+  assert "_qpytorch.py:" in out and "(quantize) | 1.00 |" in out
