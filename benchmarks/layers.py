@@ -194,25 +194,26 @@ def _median_ms(f, args, steps):
   return 1e3 * statistics.median(times)
 
 
-def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
+def gemm_census(mname, model, x, labels, pname, policy, steps, timed, top=0):
   """Print the exact GEMMs of one step of ``model`` under ``policy`` (module docstring),
-  each timed alone where ``timed``."""
+  each timed alone where ``timed`` (only the ``top`` largest by FLOP where ``top`` > 0)."""
   counts = collections.Counter(exact_gemms(model, x, labels, policy))
   print(f"\n### exact GEMMs of one {mname} step (batch {x.shape[0]}), {pname}\n")
   print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | of which operand "
         "prep ms | f32 dot ms | exact TFLOP/s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-  tot_fl = tot_ex = tot_f32 = tot_prep = 0.0
+  tot_fl = tot_ex = tot_f32 = tot_prep = timed_fl = 0.0
   key = jax.random.key(0)
-  for (M, K, N, g, ba, bb), c in sorted(counts.items(), key=lambda kv: -kv[0][0] * kv[0][1]
-                                        * kv[0][2] * kv[1]):
+  for i, ((M, K, N, g, ba, bb), c) in enumerate(sorted(
+      counts.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1])):
     fl = 2.0 * M * K * N * c
     tot_fl += fl
     ex = f32 = prep = "not measured"
     tf = "-"
-    if timed:
+    if timed and (top <= 0 or i < top):
+      timed_fl += fl
       # integers below 2**7 lie on every block grid of 7-bit significands
-      ka, kb = jax.random.split(jax.random.fold_in(key, M * K * N + g))
+      ka, kb = jax.random.split(jax.random.fold_in(key, (M * K * N + g) % 2**32))
       a = jax.random.randint(ka, (M, K), -127, 128).astype(jnp.float32)
       b = jax.random.randint(kb, (K, N), -127, 128).astype(jnp.float32)
       t_ex = _median_ms(jax.jit(lambda a, b, g=g, ba=ba, bb=bb: _block_dot.block_dot(
@@ -228,7 +229,8 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed):
     print(f"| {M} | {K} | {N} | {g} | {-(-K // g)} | {ba}/{bb} | {c} | {fl / 1e9:.2f} | {ex} | "
           f"{prep} | {f32} | {tf} |", flush=True)
   sums = (f"{tot_ex:.1f} ms exact (operand prep {tot_prep:.1f} ms), {tot_f32:.1f} ms f32 dot"
-          if timed else "times not measured (no GPU; --small times them)")
+          f" for the {timed_fl / 1e9:.1f} GFLOP timed" if timed
+          else "times not measured (no GPU; --small times them)")
   print(f"\n{sum(counts.values())} exact GEMMs, {tot_fl / 1e9:.1f} GFLOP per step; {sums}")
   return dict(model=mname, policy=pname, gemms=sum(counts.values()), gflop=tot_fl / 1e9,
               exact_ms=tot_ex if timed else None, prep_ms=tot_prep if timed else None,
@@ -249,6 +251,8 @@ def main(argv=None):
   ap.add_argument("--gemm-census", action="store_true",
                   help="list (and on a GPU time) the exact GEMMs of one step of each exact "
                        "policy instead of timing the steps")
+  ap.add_argument("--census-top", type=int, default=0,
+                  help="--gemm-census: time only the N largest GEMMs by FLOP (0: all)")
   ap.add_argument("--json", default=None, help="write the results to this file")
   args = ap.parse_args(argv)
   steps = args.steps or (3 if args.small else 5)
@@ -275,7 +279,8 @@ def main(argv=None):
       model, x, labels = make_case(mname, args.small)
       for pname in exact:
         rows.append(gemm_census(mname, model, x, labels, pname, POLICIES[pname][0], steps,
-                                jax.default_backend() == "gpu" or args.small))
+                                jax.default_backend() == "gpu" or args.small,
+                                args.census_top))
     if args.json:
       with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

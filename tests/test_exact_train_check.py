@@ -15,3 +15,16 @@ def test_two_cpu_runs_agree_and_another_seed_differs(tmp_path, capsys):
   bad = mod.compare(str(tmp_path / "first"), other)
   assert bad and any(k.startswith("losses") for k in bad)
   assert len(bad) > 1  # parameters differ too, not only the loss
+
+
+def test_diagnosis_runs_every_stage_and_finds_no_difference_between_two_cpu_runs(capsys):
+  """benchmarks/exact_train_diag.py (where two backends part, stage by stage): on one backend
+  every stage and primitive has the same bits; the report covers init, the steps and the
+  portable primitives."""
+  mod = load_benchmark("exact_train_diag")
+  assert mod.main(["--platforms", "cpu,cpu", "--steps", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "DIFFERS" not in out and "# portable mode: True" in out
+  for stage in ("init params", "training step 1", "portable exp", "portable log",
+                "portable cross_entropy"):
+    assert f"same: {stage}" in out

@@ -7,6 +7,7 @@ the backward pass, so the low-precision SUM across workers is the mean gradient.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -34,7 +35,7 @@ from jaxlp.parallel._compressed import (
   compressed_wire_bytes,
   init_compression_state,
 )
-from jaxlp.training import _runs
+from jaxlp.training import _portable, _runs
 
 
 @dataclasses.dataclass
@@ -406,13 +407,25 @@ class Trainer:
     if policy is not None:
       kw = dict(dot_general=jaxlp.dot_general(policy),
                 conv_general_dilated=jaxlp.conv_general_dilated(policy))
-    self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width), **kw)
+    # --exact-blocks with the MLP and an fp32 reduction: every op of the step has specified
+    # bits (jaxlp.training._portable), so the run is the same on every backend
+    self.portable = bool(cfg.exact_blocks and cfg.model == "mlp" and not cfg.lars
+                         and cfg.weight_man is None and self.compressor is None
+                         and self.fmt is None)
+    self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
+                         portable=self.portable, **kw)
     key = jax.random.key(cfg.seed)
     init_key, self.step_key = jax.random.split(key)
     init = lambda k, x: self.model.init(k, x, train=False)
     if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
       init = jax.jit(init)
-    variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
+    init_dev = _portable.init_device() if self.portable else None
+    if init_dev is not None:  # the CPU's erf_inv defines the initial weights
+      with jax.default_device(init_dev):
+        variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
+      variables = jax.tree_util.tree_map(jnp.asarray, jax.device_get(variables))  # uncommitted
+    else:
+      variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
     self.params = variables["params"]
     self.batch_stats = variables.get("batch_stats", {})
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
@@ -425,7 +438,11 @@ class Trainer:
       down = max((cfg.epochs - cfg.warmup_epochs) * steps_per_epoch, 1)
       lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, up),
                                  optax.linear_schedule(cfg.lr, 0.0, down)], [up])
-    if cfg.lars:
+    if self.portable:
+      self.tx = _portable.sgd(self._lr_table(lr, cfg.epochs * steps_per_epoch), cfg.momentum,
+                              nesterov=cfg.schedule == "triangle",
+                              weight_decay=cfg.weight_decay)
+    elif cfg.lars:
       from jaxlp.optim import lars
 
       self.tx = lars(lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -453,6 +470,16 @@ class Trainer:
     self.epoch = 0
     self.step = 0
     self._build_step()
+
+  @staticmethod
+  def _lr_table(lr, steps: int):
+    """The learning rate of each of ``steps`` steps as float32, evaluated on the CPU where
+    there is one (``lr``: a float or an optax schedule)."""
+    if not callable(lr):
+      return np.asarray([lr], np.float32)
+    dev = _portable.init_device()
+    with jax.default_device(dev) if dev is not None else contextlib.nullcontext():
+      return np.asarray(jax.device_get(lr(jnp.arange(max(steps, 1)))), np.float32)
 
   # -- DGC warm-up stages: one static payload capacity (one compiled step) per stage ---------
   def _stage(self, step: int) -> int:
@@ -495,7 +522,8 @@ class Trainer:
       return compressed_allreduce(g, comp_state, self.axis, comp, mean=False, key=key,
                                   **self.reduce_opts)
     if self.fmt is None or W == 1:
-      return jax.tree_util.tree_map(lambda a: lax.psum(a, self.axis), g), comp_state
+      total = _portable.sum_over_axis if self.portable and W > 1 else lax.psum
+      return jax.tree_util.tree_map(lambda a: total(a, self.axis), g), comp_state
 
     return psum(g, self.axis, fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
                 rounding="nearest"), comp_state
@@ -514,6 +542,9 @@ class Trainer:
       else:
         logits = model.apply({"params": params}, x, train=True)
         new_bs = batch_stats
+      if self.portable:  # the same pre-scaled mean, every rounding specified
+        scale = np.float32(1.0 / (x.shape[0] * W))
+        return _portable.cross_entropy(logits, y, jnp.asarray(scale)), new_bs
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
 
@@ -522,7 +553,8 @@ class Trainer:
         (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x,
                                                                         y)
         g, comp_state = self._reduce(g, key, comp_state, comp)
-        loss = lax.psum(loss, self.axis)
+        loss = (_portable.sum_over_axis(loss, self.axis) if self.portable and W > 1
+                else lax.psum(loss, self.axis))
         new_bs = jax.tree_util.tree_map(lambda a: lax.pmean(a, self.axis), new_bs)
         return g, loss, new_bs, comp_state
 
@@ -545,7 +577,8 @@ class Trainer:
       g0 = jax.tree_util.tree_map(lambda a: a[0], g)  # identical on every worker
       bs0 = jax.tree_util.tree_map(lambda a: a[0], bs)
       updates, opt_state = self.tx.update(g0, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      params = (_portable.apply_updates(params, updates) if self.portable
+                else optax.apply_updates(params, updates))
       leaves = jax.tree_util.tree_leaves(g0)
       # a step counts as non-finite when its loss or any gradient element is not finite
       finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in leaves]

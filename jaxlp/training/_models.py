@@ -8,7 +8,7 @@ MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19")
 
 
 def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
-          width: int | None = None) -> Any:
+          width: int | None = None, portable: bool = False) -> Any:
   """A built-in model (exported as ``jaxlp.training.build_model``).
 
   Args:
@@ -19,6 +19,9 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
     width: the model's width: MLP hidden units ``8 * width``, CNN channels ``2 * width`` and
       ``4 * width``, ResNet/VGG base channels ``width``. None: 16 for the MLP and the CNN
       (128 hidden units; 32 and 64 channels), 64 for the others.
+    portable: the MLP's bias gradients summed in a fixed order (the same bits on every
+      backend; ``jaxlp.training._portable``). The parameters (names, shapes, init) are those
+      of the default. Only the MLP has this mode.
 
   Returns:
     A ``flax.linen.Module``.
@@ -44,18 +47,40 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
       raise TypeError(f"build_model: {arg} must be an int, got {v!r}")
     if v < 1:
       raise ValueError(f"build_model: {arg} must be >= 1, got {v}")
+  if portable and name != "mlp":
+    raise ValueError(f"build_model: portable=True is implemented for the mlp only, not {name!r}")
   if width is None:
     width = 16 if name in ("mlp", "cnn") else 64
   dkw = {} if dot_general is None else {"dot_general": dot_general}
   ckw = {} if conv_general_dilated is None else {"conv_general_dilated": conv_general_dilated}
 
+  dense = nn.Dense
+  if portable:
+    import jax
+
+    from jaxlp.training import _portable
+
+    class Dense(nn.Module):  # flax's Dense (same names, shapes, init) with a portable bias
+      features: int
+      dot_general: Any = None
+
+      @nn.compact
+      def __call__(self, x):
+        k = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        b = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        dg = self.dot_general or jax.lax.dot_general
+        y = dg(x, k, (((x.ndim - 1,), (0,)), ((), ())))
+        return _portable.bias_add(y, b)
+
+    dense = Dense
+
   class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
       x = x.reshape((x.shape[0], -1))
-      x = nn.relu(nn.Dense(8 * width, **dkw)(x))
-      x = nn.relu(nn.Dense(8 * width, **dkw)(x))
-      return nn.Dense(num_classes, **dkw)(x)
+      x = nn.relu(dense(8 * width, **dkw)(x))
+      x = nn.relu(dense(8 * width, **dkw)(x))
+      return dense(num_classes, **dkw)(x)
 
   class CNN(nn.Module):
     @nn.compact
