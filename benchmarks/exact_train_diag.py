@@ -79,8 +79,8 @@ def main(argv=None):
   dA, dB = _devices(a.platforms.split(","))
   print(f"# backends: {dA.platform} ({dA.device_kind}) vs {dB.platform} ({dB.device_kind}); "
         f"jax {jax.__version__}")
-  # what `jaxlp train --hbfp 8 --exact-blocks` runs (the command's default: 8 workers)
-  cfg = TrainConfig(nodes=8, hbfp=8, exact_blocks=True, quiet=True, epochs=1)
+  # what `jaxlp train --hbfp 8 --exact-blocks` runs (8 workers) on one device of each backend
+  cfg = TrainConfig(nodes=8, devices=1, hbfp=8, exact_blocks=True, quiet=True, epochs=1)
   tr = {}
   for d in (dA, dB):
     with jax.default_device(d):
