@@ -11,7 +11,8 @@
 #                  CPU, the checkpoints compared bit for bit (the portable step arithmetic,
 #                  jaxlp/training/_portable.py; its first GPU run was cut off after the GPU
 #                  half, whose losses had the CPU's bits)
-#   train_diag     issue 18, item 5: the same, stage by stage and primitive by primitive, in
+#   train_exact_cnn  the same for the CNN (portable bias adds and spatial mean; not yet run on a GPU)
+#   train_diag     issue 18, item 5: the MLP's run, stage by stage and primitive by primitive, in
 #                  one process with both backends
 #   layers         issue 18: the exact ResNet-18 steps against fp32 and TF32 on this card
 #   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), and
@@ -67,7 +68,9 @@ if [ "$dry" = 0 ]; then
   fi
 fi
 step train_exact 120 "$py" benchmarks/exact_train_check.py --epochs 2
-step train_diag 120 "$py" benchmarks/exact_train_diag.py --steps 2
+step train_exact_cnn 100 "$py" benchmarks/exact_train_check.py --epochs 1 -- --model cnn \
+  --width 4 --max-steps-per-epoch 4
+step train_diag 110 "$py" benchmarks/exact_train_diag.py --steps 2
 step layers 80 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
   --policies fp32,tf32,hbfp8_w7,hbfp8_exact,mxint8_exact
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
@@ -75,9 +78,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 step torch_quantize 70 "$py" benchmarks/torch_quantize.py --device cuda --profile
 # the compressors not measured per leaf yet first (rows print as they finish; a GPU compile
 # of the 62-leaf program takes seconds each)
-step compression 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'graddrop99%,terngrad_hp2,powersgd2,onebit,qsgd15,cgx4'
 # the same with the engine's fused buckets (reduce_gradients(bucket_mb=25)); the dense
 # quantizers met the goal bucketed on the H200 (2026-11-26)
-step compression_buckets 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression_buckets 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'graddrop99%,powersgd2,terngrad,tbq,bf16,terngrad_hp2,topk1%'

@@ -16,8 +16,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
-  assert [s[0] for s in steps] == ["train_exact", "train_diag", "layers", "torch_quantize",
-                                   "compression", "compression_buckets"]
+  assert [s[0] for s in steps] == ["train_exact", "train_exact_cnn", "train_diag", "layers",
+                                   "torch_quantize", "compression", "compression_buckets"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
@@ -31,7 +31,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
       continue
     helptext = subprocess.run([sys.executable, script, "--help"], capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=120).stdout
-    for flag in (a for a in args[2:] if a.startswith("--")):
+    own = args[2:args.index("--")] if "--" in args else args[2:]  # after "--": passed on
+    for flag in (a for a in own if a.startswith("--")):
       assert flag in helptext, (name, flag)
 
 

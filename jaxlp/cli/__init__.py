@@ -107,7 +107,7 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "integer dot per K-block, K-blocks summed in fp32 in a declared order "
                       "(DotPolicy(block_dot='exact')): the same bits on CPU (reference) and "
                       "GPU (bf16 or int8 tensor cores where the significands fit int8); "
-                      "with the mlp and an fp32 reduction the whole step (loss, sums, "
+                      "with the mlp or cnn and an fp32 reduction the whole step (loss, sums, "
                       "update) is portable too, so the whole run has the same bits")
   g = p.add_argument_group("optimisation")
   g.add_argument("--epochs", type=_int(1), default=10,

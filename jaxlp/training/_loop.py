@@ -407,9 +407,9 @@ class Trainer:
     if policy is not None:
       kw = dict(dot_general=jaxlp.dot_general(policy),
                 conv_general_dilated=jaxlp.conv_general_dilated(policy))
-    # --exact-blocks with the MLP and an fp32 reduction: every op of the step has specified
-    # bits (jaxlp.training._portable), so the run is the same on every backend
-    self.portable = bool(cfg.exact_blocks and cfg.model == "mlp" and not cfg.lars
+    # --exact-blocks with the MLP or the CNN and an fp32 reduction: every op of the step has
+    # specified bits (jaxlp.training._portable), so the run is the same on every backend
+    self.portable = bool(cfg.exact_blocks and cfg.model in ("mlp", "cnn") and not cfg.lars
                          and cfg.weight_man is None and self.compressor is None
                          and self.fmt is None)
     self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),

@@ -19,9 +19,9 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
     width: the model's width: MLP hidden units ``8 * width``, CNN channels ``2 * width`` and
       ``4 * width``, ResNet/VGG base channels ``width``. None: 16 for the MLP and the CNN
       (128 hidden units; 32 and 64 channels), 64 for the others.
-    portable: the MLP's bias gradients summed in a fixed order (the same bits on every
-      backend; ``jaxlp.training._portable``). The parameters (names, shapes, init) are those
-      of the default. Only the MLP has this mode.
+    portable: bias adds, their gradients and the CNN's spatial mean in portable arithmetic
+      (the same bits on every backend; ``jaxlp.training._portable``). The parameters (names,
+      shapes, init) are those of the default. Only the MLP and the CNN have this mode.
 
   Returns:
     A ``flax.linen.Module``.
@@ -47,8 +47,9 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
       raise TypeError(f"build_model: {arg} must be an int, got {v!r}")
     if v < 1:
       raise ValueError(f"build_model: {arg} must be >= 1, got {v}")
-  if portable and name != "mlp":
-    raise ValueError(f"build_model: portable=True is implemented for the mlp only, not {name!r}")
+  if portable and name not in ("mlp", "cnn"):
+    raise ValueError(f"build_model: portable=True is implemented for the mlp and the cnn, not "
+                     f"{name!r}")
   if width is None:
     width = 16 if name in ("mlp", "cnn") else 64
   dkw = {} if dot_general is None else {"dot_general": dot_general}
@@ -72,7 +73,27 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
         y = dg(x, k, (((x.ndim - 1,), (0,)), ((), ())))
         return _portable.bias_add(y, b)
 
-    dense = Dense
+    class Conv(nn.Module):  # flax's Conv ('SAME', NHWC; same names, shapes, init), portable bias
+      features: int
+      kernel_size: tuple
+      strides: tuple = (1, 1)
+      conv_general_dilated: Any = None
+
+      @nn.compact
+      def __call__(self, x):
+        shape = (*self.kernel_size, x.shape[-1], self.features)
+        k = self.param("kernel", nn.initializers.lecun_normal(), shape)
+        b = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        conv = self.conv_general_dilated or jax.lax.conv_general_dilated
+        dn = jax.lax.conv_dimension_numbers(x.shape, k.shape, ("NHWC", "HWIO", "NHWC"))
+        y = conv(x, k, tuple(self.strides), "SAME", lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+                 dimension_numbers=dn, feature_group_count=1, precision=None)
+        return _portable.bias_add(y, b)
+
+    dense, conv2d, spatial_mean = Dense, Conv, _portable.mean_over_spatial
+  else:
+    conv2d = nn.Conv
+    spatial_mean = lambda x: jnp.mean(x, axis=(1, 2))
 
   class MLP(nn.Module):
     @nn.compact
@@ -85,11 +106,11 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
   class CNN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
-      x = nn.relu(nn.Conv(2 * width, (3, 3), **ckw)(x))
-      x = nn.relu(nn.Conv(4 * width, (3, 3), strides=(2, 2), **ckw)(x))
-      x = jnp.mean(x, axis=(1, 2))
-      x = nn.relu(nn.Dense(128, **dkw)(x))
-      return nn.Dense(num_classes, **dkw)(x)
+      x = nn.relu(conv2d(2 * width, (3, 3), **ckw)(x))
+      x = nn.relu(conv2d(4 * width, (3, 3), strides=(2, 2), **ckw)(x))
+      x = spatial_mean(x)
+      x = nn.relu(dense(128, **dkw)(x))
+      return dense(num_classes, **dkw)(x)
 
   class Block(nn.Module):
     features: int

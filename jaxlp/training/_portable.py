@@ -30,8 +30,8 @@ This module defines the arithmetic of the step instead (the "portable" float32):
 * parameters are initialised on the CPU (:func:`init_device`).
 
 Outside the normal range this differs from IEEE float32 only by the flush to zero. The cost is
-a few dozen integer operations per product: fine for the MLP's 26K parameters and its (batch,
-classes) loss.
+a few dozen integer operations per product: fine for the MLP's and the CNN's 26-28K
+parameters, their bias gradients and their (batch, classes) loss.
 """
 
 from __future__ import annotations
@@ -254,6 +254,29 @@ def _bias_bwd(_, ct):
 
 
 bias_add.defvjp(_bias_fwd, _bias_bwd)
+
+
+@jax.custom_vjp
+def mean_over_spatial(x):
+  """The mean of ``x`` (N, H, W, C) over H and W: :func:`tree_sum` over the H * W positions
+  (row-major) times ``1 / (H W)`` rounded once, by :func:`mul`; the gradient is the cotangent
+  times the same factor, broadcast."""
+  return _spatial_fwd(x)[0]
+
+
+def _spatial_fwd(x):
+  n, h, w, c = x.shape
+  inv = _f32(1.0 / (h * w))
+  return mul(tree_sum(x.reshape(n, h * w, c), 1), inv), (x.shape, inv)
+
+
+def _spatial_bwd(res, ct):
+  shape, inv = res
+  g = mul(ct, inv)[:, None, None, :]
+  return (jnp.broadcast_to(g, shape),)
+
+
+mean_over_spatial.defvjp(_spatial_fwd, _spatial_bwd)
 
 
 def sum_over_axis(x, axis_name):

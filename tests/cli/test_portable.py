@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxlp.training import TrainConfig, Trainer
+from jaxlp.training import TrainConfig, Trainer, build_model
 from jaxlp.training import _portable as PT
 
 f32 = np.float32
@@ -233,10 +233,45 @@ def test_trainer_uses_the_portable_mode_only_where_it_is_complete():
   toy = dict(epochs=1, batch_size=16, width=1, max_steps_per_epoch=1, quiet=True)
   assert Trainer(TrainConfig(hbfp=8, exact_blocks=True, nodes=3, batch_size=48,
                              **{k: v for k, v in toy.items() if k != "batch_size"})).portable
-  for extra in ({"model": "cnn"}, {"lars": True}, {"grad_exp": 5, "grad_man": 2},
-                {"compress": "onebit"}):
+  assert Trainer(TrainConfig(hbfp=8, exact_blocks=True, model="cnn", **toy)).portable
+  for extra in ({"lars": True}, {"grad_exp": 5, "grad_man": 2}, {"compress": "onebit"}):
     assert not Trainer(TrainConfig(hbfp=8, exact_blocks=True, **toy, **extra)).portable
   assert not Trainer(TrainConfig(hbfp=8, **toy)).portable
+  with pytest.raises(ValueError, match="portable=True is implemented for the mlp and the cnn"):
+    build_model("resnet18", 10, portable=True)
+
+
+def test_spatial_mean_and_its_gradient():
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((2, 3, 5, 4)).astype(f32)
+  ct = rng.standard_normal((2, 4)).astype(f32)
+  y, vjp = jax.vjp(PT.mean_over_spatial, x)
+  inv = f32(1 / 15)
+  ref = np.stack([np.stack([_mul(_tree_np(x[n].reshape(15, 4)[:, c]), inv) for c in range(4)])
+                  for n in range(2)])
+  _same_bits(y, ref.astype(f32))
+  (dx,) = vjp(ct)
+  _same_bits(dx, np.broadcast_to(_mul(ct, inv)[:, None, None, :], x.shape))
+  np.testing.assert_allclose(y, x.mean((1, 2)), rtol=1e-6)
+
+
+def test_portable_cnn_has_flax_params_and_the_exact_logits():
+  """The portable CNN (its own Conv/Dense with portable bias adds, the portable spatial mean)
+  has the parameters of the flax CNN and, with the exact block policy, the same logits."""
+  import jaxlp
+  from jaxlp.training._loop import _policy
+
+  pol = _policy(TrainConfig(hbfp=8, exact_blocks=True))
+  kw = dict(dot_general=jaxlp.dot_general(pol),
+            conv_general_dilated=jaxlp.conv_general_dilated(pol))
+  a = build_model("cnn", 10, width=2, **kw)
+  b = build_model("cnn", 10, width=2, portable=True, **kw)
+  x = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (4, 8, 8, 1)).astype(f32))
+  pa, pb = a.init(jax.random.key(0), x), b.init(jax.random.key(0), x)
+  assert jax.tree_util.tree_structure(pa) == jax.tree_util.tree_structure(pb)
+  for u, v in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+    _same_bits(u, v)
+  _same_bits(b.apply(pb, x), a.apply(pa, x))
 
 
 def test_portable_run_with_workers_schedule_and_decay_agrees_with_optax_closely():
