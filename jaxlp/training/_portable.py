@@ -39,26 +39,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from jaxlp.formats import _bits as B
+from jaxlp.parallel import _axes
 
 _f32 = np.float32
-_NAN = np.uint32(0x7FC00000)
-_SIGN = np.uint32(0x80000000)
+_NAN = B.u32(B.QNAN_BITS)
+_SIGN = B.u32(B.SIGN_MASK)
 
 
 def _bits(x):
-  return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+  return B.to_bits(jnp.asarray(x, jnp.float32))
 
 
-def _float(u):
-  return lax.bitcast_convert_type(u, jnp.float32)
+_float = B.from_bits
 
 
 def _clean(u):
   """Bit patterns ``u`` with subnormals flushed to a signed zero and NaNs made canonical."""
-  exp = u & 0x7F800000
+  exp = u & B.EXP_MASK
   u = jnp.where(exp == 0, u & _SIGN, u)
-  return jnp.where((exp == 0x7F800000) & ((u & 0x7FFFFF) != 0), _NAN, u)
+  return jnp.where((exp == B.EXP_MASK) & ((u & B.FRAC_MASK) != 0), _NAN, u)
 
 
 def flush(x):
@@ -282,13 +283,9 @@ mean_over_spatial.defvjp(_spatial_fwd, _spatial_bwd)
 def sum_over_axis(x, axis_name):
   """The sum of ``x`` over the named axis ``axis_name`` (all workers): :func:`tree_sum` of the
   gathered values in worker order, the same bits on every backend and every worker.
-  ``axis_name`` may be a tuple (e.g. ``("dev", "nodes")``: major to minor); each axis is
-  gathered on its own (JAX cannot gather a shard_map and a vmap axis in one collective)."""
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  for name in reversed(names):
-    x = lax.all_gather(x, name, axis=0)
-  x = x.reshape((-1,) + x.shape[len(names):])
-  return tree_sum(x, 0)
+  ``axis_name`` may be a tuple (e.g. ``("dev", "nodes")``: major to minor), gathered in
+  combined worker order (``jaxlp.parallel._axes.all_gather``)."""
+  return tree_sum(_axes.all_gather(x, axis_name), 0)
 
 
 def apply_updates(params, updates):
