@@ -54,11 +54,8 @@ def report(name, a, b):
     if x.tobytes() == y.tobytes():
       continue
     same = False
-    n = int(np.sum(x.view(np.uint8).reshape(x.size, -1) != y.view(np.uint8).reshape(y.size, -1))
-            ) if x.dtype.itemsize else 0
-    d = int(np.sum(np.any(
-        x.view(np.uint8).reshape(max(x.size, 1), -1) != y.view(np.uint8).reshape(max(y.size, 1),
-                                                                                  -1), -1)))
+    diff = x.view(np.uint8).reshape(x.size, -1) != y.view(np.uint8).reshape(y.size, -1)
+    n, d = int(diff.sum()), int(diff.any(-1).sum())  # bytes, elements
     u = _ulps(x, y) if x.dtype == np.float32 else "-"
     lines.append(f"    {jax.tree_util.keystr(path) or '(leaf)'}: {d} of {x.size} elements "
                  f"differ, max {u} ulp (bytes {n})")
