@@ -106,3 +106,20 @@ def test_hbfp8_w7_operands_are_exact_in_bfloat16():
                                   np.asarray(q).view(np.uint32), err_msg=str(fmt))
   # the unquantized float32 weights of "hbfp8" are not
   assert not bool(jnp.all(x.astype(jnp.bfloat16).astype(jnp.float32) == x))
+
+
+def test_layers_benchmark_census_top_times_only_the_largest_gemms():
+  """--census-top N times only the N largest GEMMs by FLOP; the others read "not measured",
+  and the summary names the GFLOP that were timed."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+                      "--models", "mlp", "--steps", "1", "--gemm-census", "--policies",
+                      "hbfp8_exact", "--census-top", "2"],
+                     capture_output=True, text=True, env=env, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [ln for ln in r.stdout.splitlines() if " | 7/7 | " in ln]
+  assert len(rows) == 8  # 9 GEMMs, two of one shape
+  timed = [ln for ln in rows if "not measured" not in ln]
+  assert len(timed) == 2 and rows[:2] == timed  # the two largest come first
+  assert "| 784 | 32 | 128 | 1 | 32 | 7/7 | 1 | 0.01 | not measured |" in r.stdout
+  assert "GFLOP timed" in r.stdout
