@@ -16,7 +16,10 @@ Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N]
 per-call row above its goal spends the host's time.
 
 ``--device cuda`` on a machine without a CUDA device prints the table with every row
-"not measured" (and says why) instead of numbers.
+"not measured" (and says why) instead of numbers. On CUDA the column "via JITFunction.run"
+times each jaxlp entry point again with the Triton kernels launched through Triton's
+``JITFunction.run`` instead of the bridge's direct launches (``jaxlp/torch/_triton.py``,
+``Launcher``), in the same run.
 """
 
 import os as _os
@@ -50,6 +53,30 @@ def _time(fn, reps, sync, inner):
     sync()
     best = min(best, (time.perf_counter() - t0) / inner)
   return best
+
+
+def _launchers():
+  """(the bridge's launcher, one that always takes JITFunction.run), or None without Triton."""
+  from jaxlp.torch import _triton as T  # noqa: PLC0415
+
+  if not T.available():
+    return None
+  jit = T.Launcher()
+  jit.disabled = "benchmark: every launch through JITFunction.run"
+  return T.LAUNCHER, jit
+
+
+def _time_with(launchers, fn, reps, sync, inner):
+  """:func:`_time` of ``fn`` with every Triton kernel launched through JITFunction.run."""
+  if launchers is None:
+    return None
+  from jaxlp.torch import _triton as T  # noqa: PLC0415
+
+  T.LAUNCHER = launchers[1]
+  try:
+    return _time(fn, reps, sync, inner)
+  finally:
+    T.LAUNCHER = launchers[0]
 
 
 def _cases(jt, qq, x):
@@ -156,19 +183,23 @@ def main():
   print(f"# formats: float E{EXP}M{MAN} (QPyTorch FloatingPoint), block wl={WL_BLOCK} "
         f"(last dim), fixed wl={WL_FIXED} fl={FL_FIXED}; per-call rows: best of {reps} x 50 "
         "calls; throughput rows: best of reps (CUDA: x 10 calls)")
-  print("| entry point | rounding | elements | jaxlp.torch | QPyTorch | speed-up | goal |")
-  print("|---|---|---|---|---|---|---|")
+  cuda = args.device == "cuda"
+  jit_col = " via JITFunction.run |" if cuda else ""
+  print(f"| entry point | rounding | elements | jaxlp.torch |{jit_col} QPyTorch | speed-up | "
+        "goal |")
+  print("|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
   only = set(args.only.split(",")) if args.only else None
-  if args.device == "cuda" and not torch.cuda.is_available():
+  if cuda and not torch.cuda.is_available():
     for n in (small_n, large_n):
       for name in ("quantize", "float_quantize", "block_quantize", "fixed_point_quantize",
                    "quantizer", "Quantizer", "OptimLP step"):
         for r in ("nearest", "stochastic"):
           if only is None or name in only:
-            print(f"| {name} | {r} | {n} | not measured | not measured | - | "
+            print(f"| {name} | {r} | {n} | not measured | not measured | not measured | - | "
                   f"{'<= 50 us' if n == small_n else '>= 1.5x'} |")
     print("# not measured: torch.cuda.is_available() is False on this machine")
     return
+  launchers = _launchers() if cuda else None
   dev = torch.device(args.device)
   sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
   for n in (small_n, large_n):
@@ -180,13 +211,18 @@ def main():
       if only is not None and name not in only:
         continue
       tj = _time(jf, reps, sync, inner)
+      jit_s = ""
+      if cuda:
+        tjit = _time_with(launchers, jf, reps, sync, inner)
+        jit_s = f" {tjit * 1e6:.1f} us |" if tjit is not None else " n/a |"
       tq = _time(qf, reps, sync, inner) if qf is not None else None
       unit, scale = ("us", 1e6) if n == small_n or dev.type == "cuda" else ("ms", 1e3)
       goal = "<= 50 us" if n == small_n else "CPU: no regression" if dev.type == "cpu" \
           else ">= 1.5x"
       q_s = f"{tq * scale:.1f} {unit}" if tq is not None else "n/a"
       ratio = f"{tq / tj:.2f}x" if tq is not None else "n/a"
-      print(f"| {name} | {r} | {n} | {tj * scale:.1f} {unit} | {q_s} | {ratio} | {goal} |")
+      print(f"| {name} | {r} | {n} | {tj * scale:.1f} {unit} |{jit_s} {q_s} | {ratio} | "
+            f"{goal} |")
   if args.profile:
     _profile(jt, torch.randn(small_n, device=dev), only, sync)
   x = torch.randn(large_n)

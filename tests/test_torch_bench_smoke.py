@@ -42,3 +42,21 @@ def test_torch_bench_profile_lists_each_entry_points_host_time():
     assert f"# profile: quantizer {r}, 4096 elements, 2000 calls:" in out
   assert "| function | calls per call | own us per call | cumulative us per call |" in out
   assert "_qpytorch.py:" in out and "(quantize) | 1.00 |" in out
+
+
+def test_torch_bench_times_the_jitfunction_run_column_with_the_jit_launcher():
+  """On CUDA each jaxlp row is timed twice: with the bridge's launcher, then with one that
+  always takes JITFunction.run; the bridge's launcher is back in place afterwards."""
+  pytest.importorskip("triton", reason="the launcher column needs the triton package")
+  from _bench import load_benchmark
+
+  from jaxlp.torch import _triton as T
+
+  bench = load_benchmark("torch_quantize")
+  launchers = bench._launchers()
+  assert launchers[0] is T.LAUNCHER and launchers[1].disabled is not None
+  seen = []
+  t = bench._time_with(launchers, lambda: seen.append(T.LAUNCHER), 1, lambda: None, 2)
+  assert t >= 0 and seen and all(s is launchers[1] for s in seen)
+  assert T.LAUNCHER is launchers[0]
+  assert bench._time_with(None, lambda: None, 1, lambda: None, 1) is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import jax
 import torch
@@ -148,19 +149,141 @@ def run(t, fmt, rounding: str, words, with_mask: bool = False):
   y = torch.empty_like(x)
   mask = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if with_mask else None
   if n:
-    kernel = getattr(_k(), name)
+    k = _k()
     grid = ((n + BLOCK - 1) // BLOCK,)
+    consts = dict(consts, BLOCK=BLOCK)
     if name == "qpytorch_block_kernel" and fmt.dim == -1 and n <= WHOLE_BLOCK_MAX:
-      _k().qpytorch_block_whole_kernel[(1,)](x, y, n, k0, k1, **consts, BLOCK=BLOCK,
-                                              num_warps=NUM_WARPS)
+      LAUNCHER(k.qpytorch_block_whole_kernel, (1,), (x, y, n, k0, k1), consts, (1,))
     elif name == "qpytorch_block_kernel":
       mx, inner, size = _block_max(x, fmt.dim)
-      kernel[grid](x, mx, y, n, inner, size, k0, k1, **consts, BLOCK=BLOCK, num_warps=NUM_WARPS)
+      LAUNCHER(k.qpytorch_block_kernel, grid, (x, mx, y, n, inner, size, k0, k1), consts, (2,))
     elif name == "qpytorch_fixed_kernel":
-      kernel[grid](x, y, y if mask is None else mask, n, k0, k1, **consts,
-                   WITH_MASK=with_mask, BLOCK=BLOCK, num_warps=NUM_WARPS)
+      consts["WITH_MASK"] = with_mask
+      LAUNCHER(k.qpytorch_fixed_kernel, grid, (x, y, y if mask is None else mask, n, k0, k1),
+               consts, (1, 2) if with_mask else (1,))
     else:
-      kernel[grid](x, y, n, k0, k1, **consts, BLOCK=BLOCK, num_warps=NUM_WARPS)
+      LAUNCHER(getattr(k, name), grid, (x, y, n, k0, k1), consts, (1,))
   if with_mask:
     return y, mask.view(torch.bool)
   return y
+
+
+def _spec(args) -> tuple:
+  """What Triton specializes a compiled kernel on, for these launch arguments (a superset of
+  it: one key never maps to two compiled kernels). Tensors: dtype, device and 16-byte
+  alignment; ints: the integer type Triton gives them (int32, int64 or uint64 by range), and
+  whether they equal 1 or are multiples of 16; bools and others: their type."""
+  key = []
+  for a in args:
+    if isinstance(a, torch.Tensor):
+      key.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+    elif isinstance(a, bool):
+      key.append(bool)
+    elif isinstance(a, int):
+      key.append((-(2**31) <= a < 2**31, a < 2**63, a == 1, a % 16 == 0))
+    else:
+      key.append(type(a))
+  return tuple(key)
+
+
+class Launcher:
+  """Launches the kernels without ``triton.JITFunction.run``'s per-call work.
+
+  Why (one H200, Triton 3.6, 2026-11-26; ``benchmarks/RESULTS.md``): at 4K elements a call
+  spent 43-63 us of its 79-101 us (under cProfile) in ``JITFunction.run``, which binds and
+  specializes the arguments, hashes a cache key and looks the compiled kernel up on every
+  call. Here the first call of each specialization (:func:`_spec`, the format's constexprs
+  and the device) goes through ``JITFunction.run``, which compiles and returns the compiled
+  kernel; later calls launch that kernel directly with ``compiled[grid](*args)``, every
+  argument in signature order, constexprs included, which is how ``JITFunction.run`` passes
+  them to it in Triton 3.x.
+
+  That calling convention is Triton's, not a public API, so the first direct launch of each
+  specialization is checked: it runs into the real outputs, ``JITFunction.run`` into fresh
+  ones, and the bits must agree (one synchronisation per specialization). On a difference or
+  an exception the direct launch is switched off for this launcher with a warning, the
+  ``JITFunction.run`` result is the one returned, and every later call takes
+  ``JITFunction.run``. :attr:`disabled` then holds the reason.
+
+  A launcher holds compiled kernels (at most :attr:`MAX_ENTRIES`; the cache is cleared when
+  it is full); the module keeps one, :data:`LAUNCHER`.
+  """
+
+  MAX_ENTRIES = 1024
+
+  def __init__(self, compiled_type=None):
+    self._compiled_type = compiled_type
+    self._cache: dict = {}
+    self.disabled: str | None = None
+
+  def _compiled_kernel_type(self):
+    if self._compiled_type is None:
+      from triton.compiler import CompiledKernel  # noqa: PLC0415 -- triton is optional
+
+      self._compiled_type = CompiledKernel
+    return self._compiled_type
+
+  def __call__(self, kernel, grid, args: tuple, consts: dict, outs: tuple):
+    """Launch ``kernel[grid](*args, **consts, num_warps=NUM_WARPS)``; ``outs``: the indices
+    in ``args`` of the tensors the kernel writes."""
+    if self.disabled is not None:
+      kernel[grid](*args, **consts, num_warps=NUM_WARPS)
+      return
+    key = (kernel, _spec(args), tuple(consts.items()))
+    entry = self._cache.get(key)
+    if entry is None:
+      compiled = kernel[grid](*args, **consts, num_warps=NUM_WARPS)
+      if len(self._cache) >= self.MAX_ENTRIES:
+        self._cache.clear()
+      if isinstance(compiled, self._compiled_kernel_type()):
+        tail = tuple(consts[a] for a in kernel.arg_names[len(args):])
+        self._cache[key] = [compiled, tail, False]
+      else:  # Triton's interpreter (no compiled kernel): always JITFunction.run
+        self._cache[key] = [None, (), True]
+      return
+    compiled, tail, checked = entry
+    if compiled is None:
+      kernel[grid](*args, **consts, num_warps=NUM_WARPS)
+      return
+    if checked:
+      compiled[grid](*args, *tail)
+      return
+    try:
+      compiled[grid](*args, *tail)
+    except Exception as e:  # noqa: BLE001 -- any failure: fall back, and say why
+      self._disable(f"the direct launch raised {type(e).__name__}: {e}")
+      kernel[grid](*args, **consts, num_warps=NUM_WARPS)
+      return
+    ref = list(args)
+    for i in outs:
+      ref[i] = torch.empty_like(args[i])
+    kernel[grid](*ref, **consts, num_warps=NUM_WARPS)
+    same = all(torch.equal(_raw(args[i]), _raw(ref[i])) for i in outs)
+    if not same:
+      for i in outs:
+        args[i].copy_(ref[i])
+      self._disable("the direct launch gave other bits than JITFunction.run")
+      return
+    entry[2] = True
+
+  def _disable(self, why: str):
+    self.disabled = why
+    self._cache.clear()
+    warnings.warn(f"jaxlp.torch: {why} (Triton {_triton_version()}); every later call "
+                  "takes JITFunction.run, with the same bits and more per-call time",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _raw(t):
+  """The bytes of a contiguous tensor (a NaN-aware, bit-for-bit comparison)."""
+  return t.reshape(-1).view(torch.uint8)
+
+
+def _triton_version() -> str:
+  import triton  # noqa: PLC0415 -- triton is optional
+
+  return triton.__version__
+
+
+#: The module's launcher (a cache of compiled kernels; see :class:`Launcher`).
+LAUNCHER = Launcher()

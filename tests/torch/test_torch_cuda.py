@@ -145,3 +145,34 @@ def test_cuda_tensors_take_the_triton_path_where_it_applies(monkeypatch):
               jt.Quantizer(F.qpytorch_float(4, 3), forward_rounding="nearest")(x)):
     assert out.device == CUDA and out.shape == x.shape
   assert mx.device == CUDA
+
+
+def test_direct_triton_launches_keep_the_bits(monkeypatch):
+  """The bridge's launcher (``jaxlp/torch/_triton.py``, ``Launcher``): the first call of each
+  specialization compiles through ``JITFunction.run``, the second launches the compiled kernel
+  directly and is checked against ``JITFunction.run``, later calls launch directly. Four calls
+  of every kernel path, stochastic keys whose words are int32 and int64 to Triton: each gives
+  the CPU's bits, and the direct launches stay on."""
+  pytest.importorskip("triton")
+  from jaxlp.torch import _triton as T
+
+  lau = T.Launcher()
+  monkeypatch.setattr(T, "LAUNCHER", lau)
+  x = torch.tensor(special_data(64 * 64, seed=6, max_exp=8)).reshape(64, 64)
+  calls = {
+      "quantize": lambda t, s: jt.quantize(t, F.E5M2, "stochastic", seed=s),
+      "quantize_nearest": lambda t, s: jt.quantize(t, F.E4M3, "nearest"),
+      "float_quantize": lambda t, s: jt.float_quantize(t, 5, 2, "stochastic", seed=s),
+      "fixed_point_quantize": lambda t, s: jt.fixed_point_quantize(t, 8, 4, rounding="nearest"),
+      "block_whole": lambda t, s: jt.block_quantize(t, 8, -1, "stochastic", seed=s),
+      "block_dim": lambda t, s: jt.block_quantize(t, 8, 0, "nearest"),
+      "FixedPoint": lambda t, s: jt.quantize(t, F.FixedPoint(8, 4), "stochastic", seed=s),
+  }
+  for seed in (5, 2**63 + 2**31 + 7):  # key words (0, 5) and (2**31, 2**31 + 7)
+    for name, f in calls.items():
+      want = f(x, seed)
+      for i in range(4):
+        assert_same_bits(f(x.to(CUDA), seed), want, f"{name} call {i}")
+  assert lau.disabled is None, lau.disabled
+  entries = [e for e in lau._cache.values() if e[0] is not None]
+  assert entries and all(e[2] for e in entries)  # every specialization checked, then direct
