@@ -13,10 +13,15 @@
 #                  half, whose losses had the CPU's bits)
 #   train_exact_cnn  the same for the CNN (portable bias adds and spatial mean; not yet run on a GPU)
 #   train_diag     issue 18, item 5: the MLP's run, stage by stage and primitive by primitive, in
-#                  one process with both backends
-#   layers         issue 18: the exact ResNet-18 steps against fp32 and TF32 on this card
-#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), and
-#                  a cProfile of each entry point's host time per call at 4K
+#                  one process with both backends; only when train_exact found a difference
+#   layers         issue 18: the exact ResNet-18 step against fp32 and TF32 on this card, and
+#                  where its time goes (--trace-top: the step's most expensive XLA ops and
+#                  source lines, from jax.profiler's trace)
+#   torch_launch   issue 17: the bridge's direct Triton launches (jaxlp/torch/_triton.py,
+#                  Launcher) give the spec's bits and stay on (a CUDA test)
+#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), each
+#                  jaxlp row also timed through JITFunction.run, and a cProfile of each entry
+#                  point's host time per call at 4K
 #   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x), per leaf,
 #                  the compressors not measured yet first
 #   compression_buckets  issue 14: the same on the engine's fused 25 MB buckets
@@ -37,6 +42,7 @@ export JAX_PLATFORMS=cuda,cpu
 export PYTHONUNBUFFERED=1  # a step stopped at its limit keeps the rows it printed
 py=${PYTHON:-python3}      # the device image's python3 holds torch and jax; it may have no 'python'
 
+status=0  # the exit status of the last step run
 step() {
   local name=$1 limit=$2
   shift 2
@@ -47,7 +53,8 @@ step() {
   # one log for every step (a device call brings back at most 8 files), written as it runs
   echo "== $name (limit ${limit} s): $*" >> "$out/checks.txt"
   timeout "$limit" "$@" 2>&1 | tee -a "$out/checks.txt" > "/tmp/gpu_checks_$name.txt"
-  echo "exit status ${PIPESTATUS[0]}" | tee -a "$out/checks.txt" >> "/tmp/gpu_checks_$name.txt"
+  status=${PIPESTATUS[0]}
+  echo "exit status $status" | tee -a "$out/checks.txt" >> "/tmp/gpu_checks_$name.txt"
   tail -n 30 "/tmp/gpu_checks_$name.txt"
 }
 
@@ -68,19 +75,24 @@ if [ "$dry" = 0 ]; then
   fi
 fi
 step train_exact 120 "$py" benchmarks/exact_train_check.py --epochs 2
-step train_exact_cnn 100 "$py" benchmarks/exact_train_check.py --epochs 1 -- --model cnn \
+exact_status=$status
+step train_exact_cnn 90 "$py" benchmarks/exact_train_check.py --epochs 1 -- --model cnn \
   --width 4 --max-steps-per-epoch 4
-step train_diag 110 "$py" benchmarks/exact_train_diag.py --steps 2
-step layers 80 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
-  --policies fp32,tf32,hbfp8_w7,hbfp8_exact,mxint8_exact
+if [ "$dry" = 1 ] || [ "$exact_status" != 0 ]; then  # where the MLP's bits differ, find why
+  step train_diag 90 "$py" benchmarks/exact_train_diag.py --steps 2
+fi
+step layers 95 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
+  --policies fp32,tf32,hbfp8_exact --trace-top 12
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step torch_quantize 70 "$py" benchmarks/torch_quantize.py --device cuda --profile
+step torch_launch 50 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
+  -k direct_triton_launches
+step torch_quantize 65 "$py" benchmarks/torch_quantize.py --device cuda --profile
 # the compressors not measured per leaf yet first (rows print as they finish; a GPU compile
 # of the 62-leaf program takes seconds each)
-step compression 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression 45 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'graddrop99%,terngrad_hp2,powersgd2,onebit,qsgd15,cgx4'
-# the same with the engine's fused buckets (reduce_gradients(bucket_mb=25)); the dense
+# the same with the engine's fused 25 MB buckets (reduce_gradients(bucket_mb=25)); the dense
 # quantizers met the goal bucketed on the H200 (2026-11-26)
-step compression_buckets 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression_buckets 45 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'graddrop99%,powersgd2,terngrad,tbq,bf16,terngrad_hp2,topk1%'

@@ -7,6 +7,7 @@ step, all policies in the same run. ``--small`` shrinks the models for CI.
 
 Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
        [--block-route int8|auto] [--fp8-impl xla|pallas] [--gemm-census] [--json F]
+       [--trace-top N]
 
 ``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
 ``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
@@ -16,6 +17,13 @@ Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies
 reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp8`` (the
 batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
 library's ``FP8_GPU_IMPL``).
+
+``--trace-top N`` also runs ``--steps`` more steps of each policy under ``jax.profiler`` and
+prints where the step's device time goes: its N most expensive XLA operations (kernels on a
+GPU, thunks on the CPU, whose times are thread time), and the same time summed per source
+line (the innermost jaxlp frame of each operation, from the compiled HLO's stack frames),
+in ms per step. On a device, kernels the HLO does not name (library kernels) are listed by
+their own names, with source "-".
 
 ``--gemm-census`` lists, for every model and every exact-mode policy (``block_dot="exact"``)
 in ``--policies``, the exact GEMMs of one training step (forward and both gradients), found by
@@ -43,6 +51,7 @@ import collections
 import functools
 import json
 import platform
+import re
 import statistics
 import time
 
@@ -109,7 +118,7 @@ def make_case(name, small):
   return model, x, jnp.arange(batch) % 10
 
 
-def time_step(model, x, labels, policy, steps):
+def time_step(model, x, labels, policy, steps, trace_top=0):
   q = jf.quantize_model(model, policy)
   v = numpy_init(model, x)
   params = v["params"]
@@ -133,6 +142,10 @@ def time_step(model, x, labels, policy, steps):
     return optax.apply_updates(params, u), upd, opt, loss
 
   t0 = time.perf_counter()
+  hlo = None
+  if trace_top:  # one compile, whose optimized HLO names the traced ops
+    step = step.lower(params, stats, opt, x, labels).compile()
+    hlo = step.as_text()
   state = jax.block_until_ready(step(params, stats, opt, x, labels))
   compile_s = time.perf_counter() - t0
   times = []
@@ -140,7 +153,132 @@ def time_step(model, x, labels, policy, steps):
     t0 = time.perf_counter()
     state = jax.block_until_ready(step(*state[:3], x, labels))
     times.append(time.perf_counter() - t0)
+  if trace_top:
+    def run():
+      st = state
+      for _ in range(steps):
+        st = jax.block_until_ready(step(*st[:3], x, labels))
+
+    print_trace(*trace_ops(run, hlo), steps, trace_top)
   return statistics.median(times), compile_s, float(state[3])
+
+
+# ---------------------------------------------------------------------------------------
+# --trace-top: where a step's device time goes (jax.profiler's trace, the HLO's sources)
+# ---------------------------------------------------------------------------------------
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
+
+
+def hlo_sources(hlo: str) -> dict[str, tuple[str, str]]:
+  """HLO instruction name -> (``file:line (function)`` of its innermost jaxlp frame, else its
+  innermost frame, else "?"; the last three parts of its jax op name), from a compiled
+  module's text. A custom VJP's backward ops carry the stack of its forward call."""
+  sections = {}
+  cur = None
+  for line in hlo.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      cur = sections.setdefault(line, {})
+      continue
+    if not line.strip() or not line[0].isdigit():
+      cur = None if not line.strip() else cur
+      if cur is None or not line.strip():
+        continue
+    if cur is not None and line[0].isdigit():
+      k, _, v = line.partition(" ")
+      cur[int(k)] = v.strip().strip('"')
+  field = lambda v, f: int(re.search(rf"{f}=(-?\d+)", v).group(1))  # noqa: E731
+
+  def where(frame_id):
+    frames, seen = [], set()
+    while frame_id in sections.get("StackFrames", {}) and frame_id not in seen:
+      seen.add(frame_id)
+      fr = sections["StackFrames"][frame_id]
+      loc = sections["FileLocations"][field(fr, "file_location_id")]
+      fname = sections["FileNames"][field(loc, "file_name_id")]
+      func = sections["FunctionNames"][field(loc, "function_name_id")]
+      frames.append((fname, field(loc, "line"), func))
+      parent = field(fr, "parent_frame_id")
+      frame_id = parent if parent != frame_id else -1
+    if not frames:
+      return None
+    mine = [f for f in frames if "/jaxlp/" in f[0].replace(_os.sep, "/")]
+    fname, line, func = (mine or frames)[0]
+    return f"{_os.path.basename(fname)}:{line} ({func})"
+
+  out = {}
+  for line in hlo.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    meta = m.group(2)
+    sf = re.search(r"stack_frame_id=(\d+)", meta)
+    on = re.search(r'op_name="([^"]*)"', meta)
+    out[m.group(1)] = ((where(int(sf.group(1))) if sf else None) or "?",
+                       "/".join(on.group(1).split("/")[-3:]) if on else "-")
+  return out
+
+
+def trace_ops(run, hlo: str):
+  """Run ``run()`` under ``jax.profiler.trace``; (op name -> total us, source map, kind):
+  the device's XLA ops (a GPU's "XLA Ops" line, else its stream kernels named by their
+  ``hlo_op``), or on the CPU the XLA threads' thunks (thread time)."""
+  import gzip  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+
+  src = hlo_sources(hlo)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      run()
+    paths = [_os.path.join(r, f) for r, _, fs in _os.walk(d) for f in fs
+             if f.endswith(".trace.json.gz")]
+    if not paths:
+      return {}, src, "no trace written"
+    with gzip.open(paths[0]) as f:
+      data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e["tid"])] = e["args"]["name"]
+  dev = {p for p, n in procs.items() if n.startswith("/device:")}
+  ops_lines = {k for k, n in threads.items() if k[0] in dev and n == "XLA Ops"}
+  if ops_lines:
+    kind, keep = "device (XLA Ops)", lambda k: k in ops_lines
+  elif dev:
+    kind, keep = "device kernels", lambda k: k[0] in dev and "Stream" in threads.get(k, "")
+  else:
+    kind, keep = "CPU thread time", lambda k: threads.get(k, "").startswith("tf_XLA")
+  totals = collections.Counter()
+  for e in events:
+    if e.get("ph") != "X" or not keep((e.get("pid"), e.get("tid"))):
+      continue
+    name = (e.get("args") or {}).get("hlo_op") or e["name"]
+    m = re.match(r"(.*)_(\d+)$", name)
+    if name not in src and m and f"{m.group(1)}.{m.group(2)}" in src:
+      name = f"{m.group(1)}.{m.group(2)}"  # a kernel named after its HLO op, "." as "_"
+    if name in src or dev:  # on a device also what the HLO does not name (library kernels)
+      totals[name] += float(e.get("dur", 0))
+  return totals, src, kind
+
+
+def print_trace(totals, src, kind, steps: int, top: int):
+  total = sum(totals.values())
+  print(f"\n# trace: {kind}, {1e-3 * total / steps:.2f} ms per step in {len(totals)} ops")
+  print("| op | ms per step | share | source | jax op |")
+  print("|---|---|---|---|---|")
+  for name, us in totals.most_common(top):
+    where, op = src.get(name, ("-", "-"))
+    print(f"| {name} | {1e-3 * us / steps:.3f} | {us / max(total, 1e-9):.1%} | {where} | "
+          f"{op} |")
+  by_src = collections.Counter()
+  for name, us in totals.items():
+    by_src[src[name][0] if name in src else name] += us
+  print("| source | ms per step | share |")
+  print("|---|---|---|")
+  for where, us in by_src.most_common(top):
+    print(f"| {where} | {1e-3 * us / steps:.3f} | {us / max(total, 1e-9):.1%} |")
 
 
 def exact_gemms(model, x, labels, policy):
@@ -254,7 +392,12 @@ def main(argv=None):
   ap.add_argument("--census-top", type=int, default=0,
                   help="--gemm-census: time only the N largest GEMMs by FLOP (0: all)")
   ap.add_argument("--json", default=None, help="write the results to this file")
+  ap.add_argument("--trace-top", type=int, default=0,
+                  help="also trace --steps more steps of each policy and print its N most "
+                       "expensive XLA ops and source lines (0: no trace)")
   args = ap.parse_args(argv)
+  if args.trace_top < 0:
+    ap.error(f"--trace-top must be >= 0, got {args.trace_top}")
   steps = args.steps or (3 if args.small else 5)
   # benchmark-only overrides of the library defaults, read when the steps are traced
   from jaxlp.ops import _block_dot
@@ -293,7 +436,7 @@ def main(argv=None):
     for pname in args.policies.split(","):
       policy, precision = POLICIES[pname]
       with jax.default_matmul_precision(precision):
-        t, c, loss = time_step(model, x, labels, policy, steps)
+        t, c, loss = time_step(model, x, labels, policy, steps, args.trace_top)
       base = t if pname == "fp32" else base
       ratio = t / base if base else float("nan")
       rows.append(dict(model=mname, policy=pname, step_ms=1e3 * t, compile_s=c,

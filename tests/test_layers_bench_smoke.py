@@ -3,6 +3,7 @@ refused)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -123,3 +124,43 @@ def test_layers_benchmark_census_top_times_only_the_largest_gemms():
   assert len(timed) == 2 and rows[:2] == timed  # the two largest come first
   assert "| 784 | 32 | 128 | 1 | 32 | 7/7 | 1 | 0.01 | not measured |" in r.stdout
   assert "GFLOP timed" in r.stdout
+
+
+def test_layers_benchmark_trace_top_says_where_the_step_time_goes():
+  """--trace-top N traces the steps and prints the N most expensive XLA ops and source lines
+  in ms per step; a negative N is refused."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+          "--models", "resnet18", "--policies", "hbfp8_exact", "--steps", "1"]
+  r = subprocess.run(base + ["--trace-top", "4"], capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "# trace: CPU thread time, " in r.stdout
+  ops = re.findall(r"^\| (\S+) \| ([\d.]+) \| ([\d.]+)% \| (.+?) \| (.+?) \|$", r.stdout, re.M)
+  assert len(ops) == 4 and all(float(ms) > 0 for _, ms, _, _, _ in ops)
+  srcs = re.findall(r"^\| (\S+\.py:\d+ \(.*?\)) \| ([\d.]+) \| ([\d.]+)% \|$", r.stdout, re.M)
+  assert len(srcs) == 4
+  assert any(s.startswith(("_conv.py:", "_block_dot.py:", "_block.py:", "_dot_general.py:"))
+             for s, _, _ in srcs), srcs  # jaxlp's own frames
+  r = subprocess.run(base + ["--trace-top", "-1"], capture_output=True, text=True, env=env,
+                     timeout=120)
+  assert r.returncode == 2 and "--trace-top must be >= 0" in r.stderr
+
+
+def inner_sine(x):
+  import jax.numpy as jnp
+
+  return jnp.sin(x) * 3.0
+
+
+def test_hlo_sources_name_the_line_of_each_op():
+  import jax
+  import jax.numpy as jnp
+
+  layers = load_benchmark("layers")
+  hlo = jax.jit(inner_sine).lower(jnp.ones(8)).compile().as_text()
+  src = layers.hlo_sources(hlo)
+  wheres = {w for w, _ in src.values()}
+  assert any(w.startswith("test_layers_bench_smoke.py:") and "(inner_sine)" in w
+             for w in wheres), src
+  assert any(op.endswith(("sin", "mul")) for _, op in src.values()), src
