@@ -3,13 +3,15 @@ ResNet-18- and VGG-19-sized gradient sets (real layer shapes), plus a bandwidth-
 (step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
 
 Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both] [--only a,b]
-       [--repeats N] [--bucket-mb B]
+       [--repeats N] [--bucket-mb B] [--trace-top N]
 
 Rows: a copy baseline (the same program with each leaf's encode+decode replaced by a
 negation), then each compressor with its ratio to the copy (issue 14's GPU goal: >= 0.5x).
 ``--bucket-mb B`` encodes and decodes consecutive leaves fused into flat buckets of at most B
 MB, as ``reduce_gradients(bucket_mb=B)`` does (fewer, larger kernels: on a GPU the per-leaf
 program is launch-bound); PowerSGD stays per leaf (its fused buckets are square matrices).
+``--trace-top N`` also traces each compressor's timed runs (``benchmarks/_trace.py``): its N
+most expensive XLA ops and source lines, and the device time against the wall time per run.
 """
 
 from __future__ import annotations
@@ -95,7 +97,17 @@ def _split(outs, groups, shapes):
   return res
 
 
-def bench(comp, shapes, repeats, bucket_mb=None):
+def _trace_module():
+  import importlib.util  # noqa: PLC0415
+
+  spec = importlib.util.spec_from_file_location(
+      "benchmark__trace", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_trace.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def bench(comp, shapes, repeats, bucket_mb=None, trace_top=0):
   key = jax.random.key(0)
   grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
   # PowerSGD fuses its buckets differently (one square matrix per bucket): per leaf only
@@ -119,12 +131,22 @@ def bench(comp, shapes, repeats, bucket_mb=None):
       new.append(st)
     return _split(outs, groups, shapes), new
 
+  if trace_top:  # one compile, whose optimized HLO names the traced ops
+    roundtrip = roundtrip.lower(grads, states).compile()
   jax.block_until_ready(roundtrip(grads, states))
   ts = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(roundtrip(grads, states))
     ts.append(time.perf_counter() - t0)
+  if trace_top:
+    T = _trace_module()
+
+    def run():
+      for _ in range(repeats):
+        jax.block_until_ready(roundtrip(grads, states))
+
+    T.print_trace(*T.trace_ops(run, roundtrip.as_text()), repeats, trace_top)
   n = sum(int(np.prod(s)) for s in shapes)
   wire = sum(comp.wire_bytes(s) for s in units)
   return 4 * n / min(ts) / 1e9, wire, n
@@ -166,6 +188,9 @@ def main(argv=None):
                   help="encode and decode consecutive leaves fused into buckets of at most this "
                        "many MB (the engine's bucket_mb; PowerSGD stays per leaf), the copy "
                        "row likewise")
+  ap.add_argument("--trace-top", type=int, default=0,
+                  help="also trace each compressor's timed runs: its N most expensive XLA ops "
+                       "and source lines (0: no trace)")
   ap.add_argument("--fc6", action="store_true",
                   help="also time randomk1%% on one VGG-19 fc6 leaf (4096 x 25088 = 102.8M)")
   a = ap.parse_args(argv)
@@ -179,6 +204,8 @@ def main(argv=None):
   repeats = a.repeats if a.repeats is not None else (1 if a.small else 3)
   if repeats < 1:
     ap.error(f"--repeats={repeats} must be >= 1")
+  if a.trace_top < 0:
+    ap.error(f"--trace-top={a.trace_top} must be >= 0")
   if a.bucket_mb is not None and not a.bucket_mb > 0:
     ap.error(f"--bucket-mb={a.bucket_mb} must be > 0")
   unit = "leaf" if a.bucket_mb is None else f"bucket of <= {a.bucket_mb:g} MB"
@@ -203,7 +230,7 @@ def main(argv=None):
           f"{fp32_ms:.1f} |",
           flush=True)
     for name in names:
-      gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats, a.bucket_mb)
+      gbps, wire, _ = bench(COMPRESSORS[name], shapes, repeats, a.bucket_mb, a.trace_top)
       # bytes each worker sends per step: the engine's own accounting (default filters:
       # small leaves and vectors in fp32; CGX scatter-reduce-allgather, sparsifiers'
       # all-gather, PowerSGD's fused P/Q sums, the bf16 ring)

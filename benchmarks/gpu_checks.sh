@@ -24,7 +24,8 @@
 #                  point's host time per call at 4K
 #   compression    issue 14: encode+decode against the copy row (GPU goal: >= 0.5x), per leaf,
 #                  the compressors not measured yet first
-#   compression_buckets  issue 14: the same on the engine's fused 25 MB buckets
+#   compression_buckets  issue 14: the same on the engine's fused 25 MB buckets, each row traced
+#                  (device time against wall time, the most expensive ops)
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
 # installed; the repository is put on PYTHONPATH. QPyTorch (for torch_quantize) is installed
 # from wheels in .whl/ when that folder exists (it JIT-builds its CUDA kernels with ninja):
@@ -93,6 +94,7 @@ step torch_quantize 65 "$py" benchmarks/torch_quantize.py --device cuda --profil
 step compression 45 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --only 'graddrop99%,terngrad_hp2,powersgd2,onebit,qsgd15,cgx4'
 # the same with the engine's fused 25 MB buckets (reduce_gradients(bucket_mb=25)); the dense
-# quantizers met the goal bucketed on the H200 (2026-11-26)
+# quantizers met the goal bucketed on the H200 (2026-11-26); the sparsifiers did not: where
+# their time goes (--trace-top: device time against wall time, and the top ops)
 step compression_buckets 45 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'graddrop99%,powersgd2,terngrad,tbq,bf16,terngrad_hp2,topk1%'
+  --bucket-mb 25 --only 'topk1%,graddrop99%,powersgd2,terngrad_hp2,dgc1%' --trace-top 8

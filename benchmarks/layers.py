@@ -49,9 +49,9 @@ _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 import argparse
 import collections
 import functools
+import importlib.util
 import json
 import platform
-import re
 import statistics
 import time
 
@@ -91,6 +91,15 @@ POLICIES = {
     "float_e4m3": (float_policy(E4M3, E5M2), None),
 }
 DEFAULT_POLICIES = "fp32,tf32,hbfp8,mxfp8,float_e4m3"
+
+
+def load_sibling(name: str):
+  """``benchmarks/<name>.py`` as a module (this folder is kept off ``sys.path``)."""
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}",
+                                                _os.path.join(_here, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def numpy_init(model, x, seed=0):
@@ -159,126 +168,9 @@ def time_step(model, x, labels, policy, steps, trace_top=0):
       for _ in range(steps):
         st = jax.block_until_ready(step(*st[:3], x, labels))
 
-    print_trace(*trace_ops(run, hlo), steps, trace_top)
+    T = load_sibling("_trace")
+    T.print_trace(*T.trace_ops(run, hlo), steps, trace_top)
   return statistics.median(times), compile_s, float(state[3])
-
-
-# ---------------------------------------------------------------------------------------
-# --trace-top: where a step's device time goes (jax.profiler's trace, the HLO's sources)
-# ---------------------------------------------------------------------------------------
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}")
-
-
-def hlo_sources(hlo: str) -> dict[str, tuple[str, str]]:
-  """HLO instruction name -> (``file:line (function)`` of its innermost jaxlp frame, else its
-  innermost frame, else "?"; the last three parts of its jax op name), from a compiled
-  module's text. A custom VJP's backward ops carry the stack of its forward call."""
-  sections = {}
-  cur = None
-  for line in hlo.splitlines():
-    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-      cur = sections.setdefault(line, {})
-      continue
-    if not line.strip() or not line[0].isdigit():
-      cur = None if not line.strip() else cur
-      if cur is None or not line.strip():
-        continue
-    if cur is not None and line[0].isdigit():
-      k, _, v = line.partition(" ")
-      cur[int(k)] = v.strip().strip('"')
-  field = lambda v, f: int(re.search(rf"{f}=(-?\d+)", v).group(1))  # noqa: E731
-
-  def where(frame_id):
-    frames, seen = [], set()
-    while frame_id in sections.get("StackFrames", {}) and frame_id not in seen:
-      seen.add(frame_id)
-      fr = sections["StackFrames"][frame_id]
-      loc = sections["FileLocations"][field(fr, "file_location_id")]
-      fname = sections["FileNames"][field(loc, "file_name_id")]
-      func = sections["FunctionNames"][field(loc, "function_name_id")]
-      frames.append((fname, field(loc, "line"), func))
-      parent = field(fr, "parent_frame_id")
-      frame_id = parent if parent != frame_id else -1
-    if not frames:
-      return None
-    mine = [f for f in frames if "/jaxlp/" in f[0].replace(_os.sep, "/")]
-    fname, line, func = (mine or frames)[0]
-    return f"{_os.path.basename(fname)}:{line} ({func})"
-
-  out = {}
-  for line in hlo.splitlines():
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    meta = m.group(2)
-    sf = re.search(r"stack_frame_id=(\d+)", meta)
-    on = re.search(r'op_name="([^"]*)"', meta)
-    out[m.group(1)] = ((where(int(sf.group(1))) if sf else None) or "?",
-                       "/".join(on.group(1).split("/")[-3:]) if on else "-")
-  return out
-
-
-def trace_ops(run, hlo: str):
-  """Run ``run()`` under ``jax.profiler.trace``; (op name -> total us, source map, kind):
-  the device's XLA ops (a GPU's "XLA Ops" line, else its stream kernels named by their
-  ``hlo_op``), or on the CPU the XLA threads' thunks (thread time)."""
-  import gzip  # noqa: PLC0415
-  import tempfile  # noqa: PLC0415
-
-  src = hlo_sources(hlo)
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      run()
-    paths = [_os.path.join(r, f) for r, _, fs in _os.walk(d) for f in fs
-             if f.endswith(".trace.json.gz")]
-    if not paths:
-      return {}, src, "no trace written"
-    with gzip.open(paths[0]) as f:
-      data = json.load(f)
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  procs, threads = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      procs[e["pid"]] = e["args"]["name"]
-    elif e.get("ph") == "M" and e.get("name") == "thread_name":
-      threads[(e["pid"], e["tid"])] = e["args"]["name"]
-  dev = {p for p, n in procs.items() if n.startswith("/device:")}
-  ops_lines = {k for k, n in threads.items() if k[0] in dev and n == "XLA Ops"}
-  if ops_lines:
-    kind, keep = "device (XLA Ops)", lambda k: k in ops_lines
-  elif dev:
-    kind, keep = "device kernels", lambda k: k[0] in dev and "Stream" in threads.get(k, "")
-  else:
-    kind, keep = "CPU thread time", lambda k: threads.get(k, "").startswith("tf_XLA")
-  totals = collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or not keep((e.get("pid"), e.get("tid"))):
-      continue
-    name = (e.get("args") or {}).get("hlo_op") or e["name"]
-    m = re.match(r"(.*)_(\d+)$", name)
-    if name not in src and m and f"{m.group(1)}.{m.group(2)}" in src:
-      name = f"{m.group(1)}.{m.group(2)}"  # a kernel named after its HLO op, "." as "_"
-    if name in src or dev:  # on a device also what the HLO does not name (library kernels)
-      totals[name] += float(e.get("dur", 0))
-  return totals, src, kind
-
-
-def print_trace(totals, src, kind, steps: int, top: int):
-  total = sum(totals.values())
-  print(f"\n# trace: {kind}, {1e-3 * total / steps:.2f} ms per step in {len(totals)} ops")
-  print("| op | ms per step | share | source | jax op |")
-  print("|---|---|---|---|---|")
-  for name, us in totals.most_common(top):
-    where, op = src.get(name, ("-", "-"))
-    print(f"| {name} | {1e-3 * us / steps:.3f} | {us / max(total, 1e-9):.1%} | {where} | "
-          f"{op} |")
-  by_src = collections.Counter()
-  for name, us in totals.items():
-    by_src[src[name][0] if name in src else name] += us
-  print("| source | ms per step | share |")
-  print("|---|---|---|")
-  for where, us in by_src.most_common(top):
-    print(f"| {where} | {1e-3 * us / steps:.3f} | {us / max(total, 1e-9):.1%} |")
 
 
 def exact_gemms(model, x, labels, policy):

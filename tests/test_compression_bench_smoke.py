@@ -46,3 +46,27 @@ def test_compression_bench_buckets_decode_every_leaf(capsys):
   assert "| resnet18 | copy (per bucket of <= 25 MB) |" in out and "| resnet18 | bf16 |" in out
   with pytest.raises(SystemExit):
     mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "0"])
+
+
+def test_compression_bench_trace_top(capsys):
+  """--trace-top N traces each compressor's runs: N ops and N source lines with their time,
+  control-flow ops marked as nesting (not summed again); a negative N is refused."""
+  import re
+
+  import pytest
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+  mod = runpy.run_path(str(path))
+  mod["main"](["--small", "--model", "resnet18", "--only", "topk1%", "--bucket-mb", "25",
+               "--trace-top", "3"])
+  out = capsys.readouterr().out
+  assert "# trace: CPU thread time, " in out and "ms wall per run under the profiler" in out
+  ops = re.findall(r"^\| (\S+)( \(nesting\))? \| ([\d.]+) \| [\d.]+% \| (.+?) \| .+? \|$", out,
+                   re.M)
+  assert len(ops) == 3 and all(float(ms) > 0 for _, _, ms, _ in ops)
+  srcs = re.findall(r"^\| (\S+\.py:\d+ \(.*?\)) \| ([\d.]+) \| [\d.]+% \|$", out, re.M)
+  assert len(srcs) == 3 and any(s.startswith(("_base.py:", "_sparse.py:")) for s, _ in srcs)
+  assert "| resnet18 | topk1% |" in out
+  with pytest.raises(SystemExit):
+    mod["main"](["--small", "--model", "resnet18", "--only", "topk1%", "--trace-top", "-2"])
+  assert "--trace-top=-2 must be >= 0" in capsys.readouterr().err
