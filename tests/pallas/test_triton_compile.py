@@ -207,3 +207,19 @@ def test_every_accumulator_kahan_kernel_compiles_for_sm90(acc):
 
   for module, w, s in _lower(fn, (SQUARE, SQUARE), 4, 1):
     assert ".entry" in TC.compile_ttir_sm90(module, num_warps=w, num_stages=s)
+
+
+@pytest.mark.parametrize("g,shared", [(24, True), (32, True), (40, False), (1, False)])
+def test_block_gemm_int8_route_runs_int8_mmas_on_either_operand_copy(g, shared):
+  """The int8 route reads the bf16 route's operands where their padded K-blocks are a
+  multiple of 32 (``int8_reads_bf16``: it recovers the significands in the kernel, and no
+  int8 copy is written), else its own int8 copies; either way its dots are int8 x int8 ->
+  int32 MMAs in the sm_90 PTX."""
+  assert PB.int8_reads_bf16(g, True) == shared and not PB.int8_reads_bf16(g, False)
+  modules = _lower(lambda a, b: PB.block_gemm(a, b, g, 7, 7), (SQUARE, SQUARE), 4, 1)
+  (module, w, stages), = [m for m in modules if "tt.func public @jaxlp_block_gemm(" in m[0]]
+  signature = re.search(r"tt\.func public @jaxlp_block_gemm\((.*)", module).group(1)
+  assert ("!tt.ptr<bf16>" in signature) == shared  # the operands it reads
+  assert ("!tt.ptr<i8>" in signature) == (not shared)
+  ptx = TC.compile_ttir_sm90(module, num_warps=w, num_stages=stages)
+  assert "s32.s8.s8" in ptx
