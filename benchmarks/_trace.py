@@ -140,3 +140,16 @@ def print_trace(totals, src, kind, wall: float, steps: int, top: int):
   print("|---|---|---|")
   for where, us in by_src.most_common(top):
     print(f"| {where} | {1e-3 * us / steps:.3f} | {us / max(total, 1e-9):.1%} |")
+
+
+def report(run, hlo: str, steps: int, top: int) -> bool:
+  """:func:`trace_ops` then :func:`print_trace`; a failure (no profiler backend, an
+  unreadable trace) prints one "# trace failed" line instead of raising, so the timings of
+  the calling benchmark still print. Returns whether the tables were printed."""
+  try:
+    result = trace_ops(run, hlo)
+  except Exception as e:  # noqa: BLE001 -- any profiler failure: report it, go on
+    print(f"\n# trace failed: {type(e).__name__}: {e}")
+    return False
+  print_trace(*result, steps, top)
+  return True

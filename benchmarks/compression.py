@@ -146,7 +146,7 @@ def bench(comp, shapes, repeats, bucket_mb=None, trace_top=0):
       for _ in range(repeats):
         jax.block_until_ready(roundtrip(grads, states))
 
-    T.print_trace(*T.trace_ops(run, roundtrip.as_text()), repeats, trace_top)
+    T.report(run, roundtrip.as_text(), repeats, trace_top)
   n = sum(int(np.prod(s)) for s in shapes)
   wire = sum(comp.wire_bytes(s) for s in units)
   return 4 * n / min(ts) / 1e9, wire, n

@@ -169,7 +169,7 @@ def time_step(model, x, labels, policy, steps, trace_top=0):
         st = jax.block_until_ready(step(*st[:3], x, labels))
 
     T = load_sibling("_trace")
-    T.print_trace(*T.trace_ops(run, hlo), steps, trace_top)
+    T.report(run, hlo, steps, trace_top)
   return statistics.median(times), compile_s, float(state[3])
 
 

@@ -165,3 +165,15 @@ def test_hlo_sources_name_the_line_of_each_op():
   assert any(w.startswith("test_layers_bench_smoke.py:") and "(inner_sine)" in w
              for w in wheres), src
   assert any(op.endswith(("sin", "mul")) for _, op in src.values()), src
+
+
+def test_a_failing_trace_is_reported_not_raised(capsys):
+  trace = load_benchmark("_trace")
+
+  def run():
+    raise RuntimeError("no profiler here")
+
+  assert not trace.report(run, "", 1, 3)
+  assert "# trace failed: RuntimeError: no profiler here" in capsys.readouterr().out
+  assert trace.report(lambda: None, "", 1, 3)  # an empty trace: empty tables
+  assert "ms wall per run under the profiler" in capsys.readouterr().out
