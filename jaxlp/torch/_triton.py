@@ -196,7 +196,8 @@ class Launcher:
   and the device) goes through ``JITFunction.run``, which compiles and returns the compiled
   kernel; later calls launch that kernel directly with ``compiled[grid](*args)``, every
   argument in signature order, constexprs included, which is how ``JITFunction.run`` passes
-  them to it in Triton 3.x.
+  them to it in Triton 3.x (3.6 and 3.9 read). Other Triton versions always take
+  ``JITFunction.run``.
 
   That calling convention is Triton's, not a public API, so the first direct launch of each
   specialization is checked: it runs into the real outputs, ``JITFunction.run`` into fresh
@@ -217,10 +218,13 @@ class Launcher:
     self.disabled: str | None = None
 
   def _compiled_kernel_type(self):
+    """Triton's ``CompiledKernel``; None (no direct launches) outside Triton 3.x, whose
+    calling convention and specialization :func:`_spec` follows."""
     if self._compiled_type is None:
-      from triton.compiler import CompiledKernel  # noqa: PLC0415 -- triton is optional
+      import triton  # noqa: PLC0415 -- triton is optional
+      from triton.compiler import CompiledKernel  # noqa: PLC0415
 
-      self._compiled_type = CompiledKernel
+      self._compiled_type = CompiledKernel if triton.__version__.startswith("3.") else type(None)
     return self._compiled_type
 
   def __call__(self, kernel, grid, args: tuple, consts: dict, outs: tuple):
@@ -235,10 +239,10 @@ class Launcher:
       compiled = kernel[grid](*args, **consts, num_warps=NUM_WARPS)
       if len(self._cache) >= self.MAX_ENTRIES:
         self._cache.clear()
-      if isinstance(compiled, self._compiled_kernel_type()):
+      if compiled is not None and isinstance(compiled, self._compiled_kernel_type()):
         tail = tuple(consts[a] for a in kernel.arg_names[len(args):])
         self._cache[key] = [compiled, tail, False]
-      else:  # Triton's interpreter (no compiled kernel): always JITFunction.run
+      else:  # Triton's interpreter (no compiled kernel), another Triton: JITFunction.run
         self._cache[key] = [None, (), True]
       return
     compiled, tail, checked = entry

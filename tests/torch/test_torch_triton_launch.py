@@ -191,3 +191,14 @@ def test_run_passes_every_kernel_argument(case, rounding, monkeypatch):
   words = [7, 2**32 - 3] if rounding == "stochastic" else None
   T.run(x, fmt, rounding, words, with_mask)
   assert len(seen) == 1
+
+
+def test_only_triton_3_gets_direct_launches(monkeypatch):
+  """The calling convention and specialization the launcher follows are Triton 3.x's: under
+  another version every call takes JITFunction.run."""
+  triton = pytest.importorskip("triton")
+  monkeypatch.setattr(triton, "__version__", "4.0.0")
+  lau, kern, x = T.Launcher(), FakeKernel(), torch.arange(8.0)
+  for _ in range(3):
+    assert torch.equal(call(lau, kern, x), x * 2 + 3)
+  assert kern.log == ["jit"] * 3
