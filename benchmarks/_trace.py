@@ -27,18 +27,15 @@ def hlo_sources(hlo: str) -> dict[str, tuple[str, str]]:
   innermost frame, else "?"; the last three parts of its jax op name), from a compiled
   module's text. A custom VJP's backward ops carry the stack of its forward call."""
   sections = {}
-  cur = None
+  cur = None  # the table being read: "<id> <entry>" lines up to the first other line
   for line in hlo.splitlines():
     if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
       cur = sections.setdefault(line, {})
-      continue
-    if not line.strip() or not line[0].isdigit():
-      cur = None if not line.strip() else cur
-      if cur is None or not line.strip():
-        continue
-    if cur is not None and line[0].isdigit():
+    elif cur is not None and line[:1].isdigit():
       k, _, v = line.partition(" ")
       cur[int(k)] = v.strip().strip('"')
+    else:
+      cur = None
   field = lambda v, f: int(re.search(rf"{f}=(-?\d+)", v).group(1))  # noqa: E731
 
   def where(frame_id):

@@ -367,8 +367,8 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   # the int8 route on (im, in_) sub-tiles of the route tiles
   sub = jnp.repeat(jnp.repeat(routes, bm // im, axis=0), bn // in_, axis=1)
   out_spec = pl.BlockSpec((im, in_), lambda i, j: (i, j))
-  from_bf16 = ka8 is None
-  if from_bf16:  # the bf16 operands, descaled in the kernel (int8_reads_bf16)
+  from_bf16 = int8_reads_bf16(g, bf16)
+  if from_bf16:  # the bf16 operands, descaled in the kernel (kernel_operands wrote no int8)
     gp = round_up(g, 16)
     c = math.gcd(gp, 128)
     ka8, kb8, extra = va, vb, [qb.T]

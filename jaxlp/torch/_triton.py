@@ -218,13 +218,14 @@ class Launcher:
     self.disabled: str | None = None
 
   def _compiled_kernel_type(self):
-    """Triton's ``CompiledKernel``; None (no direct launches) outside Triton 3.x, whose
-    calling convention and specialization :func:`_spec` follows."""
+    """Triton's ``CompiledKernel``; outside Triton 3.x, whose calling convention and
+    specialization :func:`_spec` follows, ``()`` (``isinstance(x, ())`` is never true: no
+    direct launches)."""
     if self._compiled_type is None:
       import triton  # noqa: PLC0415 -- triton is optional
       from triton.compiler import CompiledKernel  # noqa: PLC0415
 
-      self._compiled_type = CompiledKernel if triton.__version__.startswith("3.") else type(None)
+      self._compiled_type = CompiledKernel if triton.__version__.startswith("3.") else ()
     return self._compiled_type
 
   def __call__(self, kernel, grid, args: tuple, consts: dict, outs: tuple):
@@ -239,7 +240,7 @@ class Launcher:
       compiled = kernel[grid](*args, **consts, num_warps=NUM_WARPS)
       if len(self._cache) >= self.MAX_ENTRIES:
         self._cache.clear()
-      if compiled is not None and isinstance(compiled, self._compiled_kernel_type()):
+      if isinstance(compiled, self._compiled_kernel_type()):
         tail = tuple(consts[a] for a in kernel.arg_names[len(args):])
         self._cache[key] = [compiled, tail, False]
       else:  # Triton's interpreter (no compiled kernel), another Triton: JITFunction.run
