@@ -18,7 +18,7 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
   assert [s[0] for s in steps] == ["train_exact", "train_exact_cnn", "train_diag", "layers",
                                    "torch_launch", "torch_quantize", "compression",
-                                   "compression_buckets"]
+                                   "sparse_select", "compression_buckets"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:

@@ -463,12 +463,23 @@ def sample_threshold(mag, key, keep, sample_rate):
 
 # Sparse selection without a top_k over all n elements. The candidates (magnitude above a
 # threshold) are compacted in index order into a small buffer (32-bit mask words, popcount
-# prefix sums, binary search per slot); among them the k largest are found by a bisection on
-# the magnitudes' bit patterns, ties broken by the lower index as lax.top_k does. Whenever the
-# buffer would overflow (or, for exact top-k, the sampled threshold keeps fewer than k), a
-# lax.cond falls back to the full lax.top_k. Only the order of the payload's (idx, val) pairs
-# can differ from the full top_k's (ascending index instead of descending magnitude); the
-# selected set, hence every decoded value, residual and aggregate, is the same.
+# prefix sums, binary search per slot); among them the k largest are found from the k-th
+# largest of the magnitudes' bit patterns, ties broken by the lower index as lax.top_k does.
+# Whenever the buffer would overflow (or, for exact top-k, the sampled threshold keeps fewer
+# than k), a lax.cond falls back to the full lax.top_k. Only the order of the payload's
+# (idx, val) pairs can differ from the full top_k's (ascending index instead of descending
+# magnitude); the selected set, hence every decoded value, residual and aggregate, is the same.
+#
+# Two schedules of the same arithmetic, picked by the platform the program is compiled for
+# (``impl=None``; "cpu" or "gpu" force one, for tests and benchmarks):
+# * "cpu": the k-th largest key by a 31-step bisection, only when there are more than k
+#   candidates (a lax.cond); binary searches as a loop (``searchsorted`` "scan"). Cheap
+#   branches and loops, little work: what XLA:CPU runs fastest.
+# * "gpu" (every other platform): one sort of the candidates' keys instead of the bisection,
+#   no conditional around it, binary searches unrolled ("scan_unrolled"). On a GPU each loop
+#   step is a few kernel launches and a conditional reads its predicate back to the host; the
+#   H200 run of 2026-11-26 put the sparsifiers' bucketed round trips at 0.16-0.35x of the copy.
+#   One lax.cond (the rare fallback) is left.
 
 _FAST_MIN = 1 << 15  # below this many elements the full top_k is as fast
 _INF_BITS = 0x7F800000
@@ -489,7 +500,27 @@ def _above(key, thr):
   return (key > _mag_key(thr)) & (key <= _INF_BITS)
 
 
-def _true_positions(mask, cap: int):
+_IMPLS = (None, "cpu", "gpu")
+
+
+def check_impl(impl):
+  if impl not in _IMPLS:
+    raise ValueError(f"impl={impl!r} must be one of {_IMPLS}")
+
+
+def per_platform(impl, cpu, gpu, *args):
+  """``cpu(*args)`` or ``gpu(*args)``: two schedules of the same result. ``impl=None`` picks
+  by the platform the program is compiled for (``lax.platform_dependent``: "cpu" on CPU,
+  "gpu" elsewhere); "cpu"/"gpu" force one."""
+  check_impl(impl)
+  if impl == "cpu":
+    return cpu(*args)
+  if impl == "gpu":
+    return gpu(*args)
+  return lax.platform_dependent(*args, cpu=cpu, default=gpu)
+
+
+def _true_positions(mask, cap: int, impl=None):
   """The first ``cap`` positions where ``mask`` (bool[n]) is True, ascending, padded with
   ``n``; and the number of True entries (which may exceed ``cap``)."""
   n = mask.shape[0]
@@ -502,7 +533,10 @@ def _true_positions(mask, cap: int):
   incl = lax.associative_scan(jnp.add, pc)  # exact (int32); far faster than cumsum on XLA:CPU
   total = incl[-1]
   j = lax.iota(jnp.int32, cap)
-  w = jnp.minimum(jnp.searchsorted(incl, j, side="right"), nw - 1).astype(jnp.int32)
+  w = per_platform(impl, lambda a, v: jnp.searchsorted(a, v, side="right", method="scan"),
+                   lambda a, v: jnp.searchsorted(a, v, side="right", method="scan_unrolled"),
+                   incl, j)
+  w = jnp.minimum(w, nw - 1).astype(jnp.int32)
   r = j - (incl[w] - pc[w])  # slot j is the r-th set bit of word w
   word = words[w]
   pos = w * 32
@@ -524,23 +558,34 @@ def _kth_largest_key(keys, k):
   return lax.fori_loop(0, 31, body, jnp.int32(0))
 
 
-def _largest_of(cidx, ckey, count, k_sel, k_cap: int, n: int):
+def _largest_of(cidx, ckey, count, k_sel, k_cap: int, n: int, impl=None):
   """Of the ``count`` candidates ``cidx`` (ascending, keys ``ckey``, padding after them), the
   ``k_sel`` largest (all if ``count <= k_sel``; among equal keys the lower indices): their
-  indices ascending in ``k_cap`` slots, padded with ``n``."""
+  indices ascending in ``k_cap`` slots, padded with ``n``.
+
+  The keys greater than the k-th largest key are taken, and of the keys equal to it the
+  first ones, up to ``k_sel`` in all. "cpu" finds that key by bisection, and only when there
+  are more than ``k_sel`` candidates; "gpu" reads it from the sorted keys, always: with
+  fewer candidates it is -1 (an empty slot's key) or the smallest key, and the same rule
+  then takes every candidate, as "cpu" does."""
   slots = cidx.shape[0]
   valid = lax.iota(jnp.int32, slots) < count
+  keys = jnp.where(valid, ckey, -1)
 
-  def truncate():
-    keys = jnp.where(valid, ckey, -1)
-    kth = _kth_largest_key(keys, k_sel)
+  def take(kth):
     gt = keys > kth
-    eq = keys == kth
+    eq = (keys == kth) & valid
     tie_rank = lax.associative_scan(jnp.add, eq.astype(jnp.int32))
     return gt | (eq & (tie_rank <= k_sel - jnp.sum(gt, dtype=jnp.int32)))
 
-  sel = lax.cond(count > k_sel, truncate, lambda: valid)
-  pos, _ = _true_positions(sel, k_cap)
+  def cpu(keys):
+    return lax.cond(count > k_sel, lambda: take(_kth_largest_key(keys, k_sel)), lambda: valid)
+
+  def gpu(keys):
+    return take(jnp.sort(keys)[jnp.clip(slots - k_sel, 0, slots - 1)])
+
+  sel = per_platform(impl, cpu, gpu, keys)
+  pos, _ = _true_positions(sel, k_cap, impl)
   return jnp.where(pos < slots, cidx[jnp.minimum(pos, slots - 1)], n)
 
 
@@ -570,7 +615,7 @@ def _select_full(values, mag, thr, k_cap: int, k_now):
   return jnp.where(valid, idx, n).astype(jnp.int32)
 
 
-def select_sparse(values, mag, thr, k_cap: int, k_now=None):
+def select_sparse(values, mag, thr, k_cap: int, k_now=None, impl=None):
   """Elements with ``mag > thr``, truncated to the ``k_now`` (<= ``k_cap``) largest magnitudes
   (among equal magnitudes the lower indices, as ``lax.top_k``); a static ``thr < 0`` selects
   the exact top-``k_now`` of all non-NaN magnitudes.
@@ -581,8 +626,10 @@ def select_sparse(values, mag, thr, k_cap: int, k_now=None):
   pairs then in ascending index order), small ones and the rare overflow the full
   ``lax.top_k`` (descending magnitude); the selected set is the same on either path, except
   for subnormal magnitudes, which XLA:CPU's float ops may flush to zero (the compaction path
-  compares them exactly).
+  compares them exactly). ``impl``: the schedule of the compaction path (see above; None:
+  by platform), the same selection either way.
   """
+  check_impl(impl)
   n = values.shape[0]
 
   def mag_of():
@@ -597,14 +644,14 @@ def select_sparse(values, mag, thr, k_cap: int, k_now=None):
     key = _mag_key(mag_of())
     if exact:
       lo, cap = _exact_threshold(mag_of(), k_cap)
-      cidx, count = _true_positions(_above(key, lo), cap)
+      cidx, count = _true_positions(_above(key, lo), cap, impl)
       ok = (lo >= 0) & (count >= k_sel) & (count <= cap)
     else:
       cap = min(n, k_cap + max(1024, k_cap // 2))
-      cidx, count = _true_positions(_above(key, thr), cap)
+      cidx, count = _true_positions(_above(key, thr), cap, impl)
       ok = count <= cap
     ckey = key[jnp.minimum(cidx, n - 1)]
-    idx = lax.cond(ok, lambda: _largest_of(cidx, ckey, count, k_sel, k_cap, n),
+    idx = lax.cond(ok, lambda: _largest_of(cidx, ckey, count, k_sel, k_cap, n, impl),
                    lambda: _select_full(values, mag_of(), thr, k_cap, k_now))
   valid = idx < n
   val = jnp.where(valid, values[jnp.minimum(idx, n - 1)], 0.0).astype(jnp.float32)

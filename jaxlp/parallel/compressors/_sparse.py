@@ -14,9 +14,11 @@ from jaxlp.formats._bits import fmix32
 from jaxlp.parallel._aggregate import SPARSIFIERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
+  check_impl,
   det_sum,
   no_fma,
   numel,
+  per_platform,
   sample_threshold,
   select_sparse,
   sparse_capacity,
@@ -314,9 +316,17 @@ def topk(ratio=0.01, error_feedback=True) -> TopK:
 _FEISTEL_ROUNDS = 8
 
 
-def feistel_sample(seed, n: int, k: int):
+def feistel_sample(seed, n: int, k: int, impl=None):
   """``k`` distinct int32 indices in ``[0, n)`` (``k <= n < 2**31``): ``perm(0..k-1)`` for the
-  seed-keyed pseudorandom permutation of ``[0, n)`` described in :class:`RandomK`; O(k)."""
+  seed-keyed pseudorandom permutation of ``[0, n)`` described in :class:`RandomK`; O(k).
+
+  The cycle walking is a ``while_loop`` until every index is in range, after ``impl``'s
+  unrolled steps (None: by platform). "cpu": none. "gpu": ``k.bit_length() + 8`` steps in one
+  elementwise pass, after which an index is still out of range with probability below
+  ``2**-(k.bit_length() + 8)`` (each step leaves it out with probability ``1 - n/2**w < 1/2``),
+  so the loop, whose every step reads its predicate back to the host there, almost never
+  runs a step. A step leaves an index in range unchanged: the same indices either way."""
+  check_impl(impl)
   if not 0 <= k <= n < 2 ** 31:
     raise ValueError(f"randomk: need 0 <= k={k} <= n={n} < 2**31")
   if k == 0:
@@ -338,7 +348,13 @@ def feistel_sample(seed, n: int, k: int):
         lo = lo ^ (fmix32(hi ^ rk) & lo_mask)
     return (hi << jnp.uint32(lo_bits)) | lo
 
+  def walk(y, steps):
+    for _ in range(steps):
+      y = jnp.where(y >= n, perm(y), y)
+    return y
+
   y = perm(lax.iota(jnp.uint32, k))
+  y = per_platform(impl, lambda y: y, lambda y: walk(y, k.bit_length() + 8), y)
   y = lax.while_loop(lambda y: jnp.any(y >= n), lambda y: jnp.where(y >= n, perm(y), y), y)
   return y.astype(jnp.int32)
 

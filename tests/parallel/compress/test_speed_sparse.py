@@ -48,12 +48,12 @@ def ref_select(values, mag, thr, k_cap, k_now=None):
   return {"count": jnp.sum(valid, dtype=jnp.int32).reshape(1), "idx": idx, "val": val}, idx
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _both(v, thr, k_now, k_cap, exact, with_k_now):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _both(v, thr, k_now, k_cap, exact, with_k_now, impl):
   kn = k_now if with_k_now else None
   t = -1.0 if exact else thr
   a = ref_select(v, jnp.abs(v), t, k_cap, kn)
-  b = select_sparse(v, None, t, k_cap, kn)
+  b = select_sparse(v, None, t, k_cap, kn, impl=impl)
   n = v.shape[0]
   return (a[0], b[0], sparse_decode(a[0], n), sparse_decode(b[0], n), zero_at(v, a[1]),
           zero_at(v, b[1]))
@@ -65,9 +65,9 @@ def _pairs(p):
   return int(p["count"][0]), idx[o].tobytes(), val[o].tobytes()
 
 
-def _check(v, thr, k_cap, k_now, exact):
+def _check(v, thr, k_cap, k_now, exact, impl=None):
   a, b, da, db, ra, rb = _both(v, jnp.float32(thr), jnp.int32(k_now or 0), k_cap, exact,
-                               k_now is not None)
+                               k_now is not None, impl)
   assert _pairs(a) == _pairs(b), (thr, k_cap, k_now, exact)
   assert np.asarray(da).tobytes() == np.asarray(db).tobytes()
   assert np.asarray(ra).tobytes() == np.asarray(rb).tobytes()
@@ -85,17 +85,21 @@ def _inputs():
                             np.where(rng.random(N) < 0.002, -np.inf, rng.standard_normal(N)))
 
 
+@pytest.mark.parametrize("impl", [None, "gpu"], ids=["platform", "gpu_schedule"])
 @pytest.mark.parametrize("name,x", list(_inputs()), ids=lambda a: a if isinstance(a, str) else "")
-def test_selection_equals_full_top_k(name, x):
+def test_selection_equals_full_top_k(name, x, impl):
+  """Both schedules of the compaction path (on CPU, None is "cpu"; "gpu" is what a GPU
+  compiles: a sort instead of the bisection, no conditional around it)."""
   v = jnp.asarray(x.astype(np.float32))
   mags = np.sort(np.nan_to_num(np.abs(np.asarray(v)), nan=0.0))[::-1]
   for k_cap in (9, 400):
-    got = _check(v, 0.0, k_cap, None, True)  # exact top-k (TopK; sample_rate=None)
+    got = _check(v, 0.0, k_cap, None, True, impl)  # exact top-k (TopK; sample_rate=None)
     if name == "normal":  # the compaction path was taken: ascending indices
       assert (np.diff(got) > 0).all() and len(got) == k_cap
     if k_cap == 9:  # (compile time) the other variants at k_cap = 400 only
       continue
-    _check(v, 0.0, k_cap, k_cap // 3, True)
+    _check(v, 0.0, k_cap, k_cap // 3, True, impl)
+    _check(v, 0.0, k_cap, 0, True, impl)  # DGC's warm-up may keep none
     key = jax.random.key(k_cap)
     thr = sample_threshold(jnp.abs(v), key, k_cap / N, 0.01)
     want = ref_threshold(jnp.abs(v), key, k_cap / N, 0.01)
@@ -104,8 +108,8 @@ def test_selection_equals_full_top_k(name, x):
     # sampled, crafted: at the k-th magnitude (ties at the threshold), just above it (count ==
     # k_cap or fewer), 0, and so low that the candidates overflow the buffer (fallback)
     for t in (thr, mags[k_cap], mags[k_cap - 1], 0.0, mags[min(N - 1, 5 * k_cap + 2000)]):
-      _check(v, t, k_cap, None, False)
-      _check(v, t, k_cap, k_cap // 2, False)
+      _check(v, t, k_cap, None, False, impl)
+      _check(v, t, k_cap, k_cap // 2, False, impl)
 
 
 def test_sampled_threshold_nan_and_traced_keep():
@@ -165,3 +169,34 @@ def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
   want = A._join_state(jax.tree_util.tree_map(lambda *a: jnp.stack(a), *states), n)
   for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(new), strict=True):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _data_dependent_conditionals(text):
+  """``stablehlo.case`` ops of a lowering less those of ``lax.platform_dependent`` (a case
+  on a constant platform index and the case on its result, both folded by XLA)."""
+  return text.count("stablehlo.case") - 2 * text.count('stablehlo.case"(%c')
+
+
+@pytest.mark.parametrize("make", [lambda: C.topk(0.01), lambda: C.dgc(0.01),
+                                  lambda: C.graddrop(0.99)], ids=["topk", "dgc", "graddrop"])
+def test_the_gpu_schedule_is_what_cuda_compiles(make):
+  """Dispatch follows the platform: the CUDA lowering of a sparsifier's round trip has no
+  loop and one data-dependent conditional (the rare fallback to the full top_k) and sorts
+  the candidates; the CPU lowering keeps the bisection loop and its conditional."""
+  comp = make()
+  n = 1 << 20
+  st = comp.init((n,))
+  f = jax.jit(lambda x, st: comp.decode(comp.encode(x, st, jax.random.key(0))[0], (n,)))
+  traced = f.trace(jax.ShapeDtypeStruct((n,), jnp.float32), st)
+  low = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
+  assert low["cuda"].count("stablehlo.while") == 0
+  assert _data_dependent_conditionals(low["cuda"]) == 1
+  assert low["cuda"].count("stablehlo.sort") == 1
+  assert low["cpu"].count("stablehlo.while") >= 1 and "stablehlo.sort" not in low["cpu"]
+  assert _data_dependent_conditionals(low["cpu"]) == 2
+
+
+def test_unknown_schedule_is_refused():
+  x = jnp.zeros(N, jnp.float32)
+  with pytest.raises(ValueError, match="impl='tpu'"):
+    select_sparse(x, None, -1.0, 9, impl="tpu")
