@@ -200,3 +200,26 @@ def test_unknown_schedule_is_refused():
   x = jnp.zeros(N, jnp.float32)
   with pytest.raises(ValueError, match="impl='tpu'"):
     select_sparse(x, None, -1.0, 9, impl="tpu")
+
+
+@pytest.mark.parametrize("impl", ["cpu", "gpu"])
+def test_both_schedules_under_vmap_match_per_row(impl):
+  """Under vmap (the engine's emulated workers) each schedule selects per row what it
+  selects alone (the fallback's conditional becomes a select there)."""
+  rng = np.random.default_rng(4)
+  xs = rng.standard_normal((3, N)).astype(np.float32)
+  xs[1, : N // 2] = 0.0  # fewer candidates than k above a low threshold
+  xs[2] = np.round(xs[2])  # ties at the k-th magnitude
+  xs = jnp.asarray(xs)
+  thr = jnp.asarray([0.5, 0.0, 1.0], jnp.float32)
+  k_now = jnp.asarray([400, 150, 0], jnp.int32)
+
+  def one(x, t, kn):
+    return (select_sparse(x, None, -1.0, 400, kn, impl=impl)[0],
+            select_sparse(x, None, t, 400, kn, impl=impl)[0])
+
+  batched = jax.jit(jax.vmap(one))(xs, thr, k_now)
+  for i in range(3):
+    want = [ref_select(xs[i], jnp.abs(xs[i]), t, 400, k_now[i])[0] for t in (-1.0, thr[i])]
+    for b, r in zip(batched, want, strict=True):
+      assert _pairs(jax.tree_util.tree_map(lambda a, i=i: a[i], b)) == _pairs(r)
