@@ -71,6 +71,10 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
     raise ValueError(f"{bits=} must be in 1..8")
   codes = jnp.ravel(codes).astype(jnp.uint32)
   n = codes.shape[0]
+  split = _whole_groups_apart(codes, 8 // bits if 8 % bits == 0 else 8,
+                              lambda c: pack_bits(c, bits, pad_code))
+  if split is not None:
+    return split
   nbytes = packed_nbytes(n, bits)
   if 8 % bits == 0:
     per = 8 // bits
@@ -101,6 +105,19 @@ def pack_bits(codes, bits: int, pad_code: int = 0):
   return out.reshape(-1)[:nbytes].astype(jnp.uint8)
 
 
+def _whole_groups_apart(codes, group: int, pack):
+  """``pack(codes)`` as the packed whole groups of ``group`` codes (which end on a byte
+  boundary) followed by the packed rest, or None when ``codes`` is whole groups (or less than
+  one). The same stream: padding a partial group (the codes' producer fused into a padded
+  view) made XLA:CPU run the whole pack with per-element index arithmetic, 3-15x slower
+  (TBQ's encode of 2359293 codes: 2.8 ms, against 0.18 for 2359296)."""
+  n = codes.shape[0]
+  full = n // group * group
+  if full in (0, n):
+    return None
+  return jnp.concatenate([pack(codes[:full]), pack(codes[full:])])
+
+
 def pack_bits_vectorized(codes, bits: int, pad_code: int = 0):
   """:func:`pack_bits` (the same bytes) for ``bits`` in 1, 2, 4, 8, for codes that are
   expensive to compute (stochastic rounding: a Threefry hash per code).
@@ -121,6 +138,9 @@ def pack_bits_vectorized(codes, bits: int, pad_code: int = 0):
   if bits == 8 or n == 0:
     return pack_bits(codes, bits, pad_code)
   per = 32 // bits
+  split = _whole_groups_apart(codes, per, lambda c: pack_bits_vectorized(c, bits, pad_code))
+  if split is not None:
+    return split
   nwords = -(-n // per)
   c = jnp.pad(codes, (0, nwords * per - n), constant_values=pad_code).reshape(nwords, per)
   word = c[:, 0]

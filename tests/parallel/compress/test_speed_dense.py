@@ -310,3 +310,25 @@ def test_unpack_bits_reads_every_position_of_every_width(bits):
     codes = rng.integers(0, 2 ** bits, n).astype(np.uint32)
     packed = jnp.asarray(np_pack(codes, bits))
     assert _bytes(jax.jit(lambda p, n=n: C.unpack_bits(p, bits, n))(packed)) == _bytes(codes)
+
+
+def test_qsgd_partial_last_bucket_on_a_large_leaf_equals_numpy():
+  """QSGD runs its elementwise passes over whole buckets (zeros after the leaf's end, the
+  packed stream cut back to the leaf's codes): a leaf above the encoder's barrier threshold
+  (2**19) that ends mid-bucket and mid-group has the numpy definition's codes, and decodes
+  to the numpy values, with the bits of the same leaf encoded as a multi-worker chunk would
+  be (under vmap)."""
+  c = C.qsgd(15, 512)
+  n = 2 ** 19 + 3
+  x = np.random.default_rng(6).standard_normal(n).astype(np.float32)
+  key = jax.random.key(4)
+  p = jax.jit(lambda x: c.encode(x, (), key)[0])(jnp.asarray(x))
+  assert p["codes"].shape == (c.wire_bytes((n,)) - 4 * p["norm"].size,)
+  want = np_qsgd_levels(x, p["norm"], np.asarray(uniform01(key, (n,))), 15, 512)
+  assert _bytes(p["codes"]) == _bytes(np_pack(want, c.bits))
+  d = np.asarray(jax.jit(lambda p: c.decode(p, (n,)))(p))
+  mag = (want >> 1).astype(np.float32) / np.float32(15)
+  nrm = np.repeat(np.asarray(p["norm"]), 512)[:n]
+  assert _bytes(d) == _bytes(nrm * np.where(want & 1, -mag, mag))
+  pv = jax.jit(jax.vmap(lambda x: c.encode(x, (), key)[0]))(jnp.asarray(x[None]))
+  assert jax.tree_util.tree_map(lambda a: _bytes(a[0]), pv) == jax.tree_util.tree_map(_bytes, p)
