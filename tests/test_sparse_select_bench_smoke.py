@@ -22,7 +22,7 @@ def test_sparse_select_bench_small(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--sizes", "12,x"], ["--sizes", "0"], ["--repeats", "0"],
-                                  ["--schedules", "cpu,tpu"]])
+                                  ["--schedules", "cpu,tpu"], ["--schedules", "cpu,cpu"]])
 def test_sparse_select_bench_refuses_bad_options(argv, capsys):
   mod = load_benchmark("sparse_select")
   with pytest.raises(SystemExit):
