@@ -58,10 +58,10 @@ def cases(n, impl):
     thr = sample_threshold(jnp.abs(x), key, RATIO, SAMPLE_RATE)
     return sparse_decode(select_sparse(x, None, thr, k, impl=impl)[0], n)
 
-  def randomk(x, key):
+  def randomk(x, key):  # RandomK's encode (the values at the seed's indices) and decode
     seed = jax.random.bits(key, (2,), jnp.uint32)
     val = x[feistel_sample(seed, n, k, impl=impl)]
-    return jnp.zeros((n,), jnp.float32).at[feistel_sample(seed, n, k, impl=impl)].set(val)
+    return sparse_decode({"idx": feistel_sample(seed, n, k, impl=impl), "val": val}, n)
 
   return {"topk1%": topk, "dgc1%/graddrop99%": sampled, "randomk1%": randomk}
 
@@ -72,7 +72,7 @@ def baselines(n):
   def full(x, key):
     del key
     idx = _select_full(x, jnp.abs(x), -1.0, k, None)
-    return jnp.zeros((n,), jnp.float32).at[idx].set(x[jnp.minimum(idx, n - 1)], mode="drop")
+    return sparse_decode({"idx": idx, "val": x[jnp.minimum(idx, n - 1)]}, n)
 
   return {"copy": lambda x, key: -x, "full top_k": full}
 
