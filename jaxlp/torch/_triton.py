@@ -194,10 +194,10 @@ class Launcher:
   specializes the arguments, hashes a cache key and looks the compiled kernel up on every
   call. Here the first call of each specialization (:func:`_spec`, the format's constexprs
   and the device) goes through ``JITFunction.run``, which compiles and returns the compiled
-  kernel; later calls launch that kernel directly with ``compiled[grid](*args)``, every
-  argument in signature order, constexprs included, which is how ``JITFunction.run`` passes
-  them to it in Triton 3.x (3.6 and 3.9 read). Other Triton versions always take
-  ``JITFunction.run``.
+  kernel; later calls launch that kernel directly with ``compiled[grid](*args)``: the grid
+  padded to three sizes (``CompiledKernel`` reads ``grid[0..2]``) and every argument in
+  signature order, constexprs included, which is how ``JITFunction.run`` passes them to it in
+  Triton 3.x (3.6 and 3.9 read). Other Triton versions always take ``JITFunction.run``.
 
   That calling convention is Triton's, not a public API, so the first direct launch of each
   specialization is checked: it runs into the real outputs, ``JITFunction.run`` into fresh
@@ -250,11 +250,13 @@ class Launcher:
     if compiled is None:
       kernel[grid](*args, **consts, num_warps=NUM_WARPS)
       return
+    # A compiled kernel reads all three grid sizes (JITFunction.run pads a shorter grid with 1s)
+    grid3 = (*grid, 1, 1)[:3]
     if checked:
-      compiled[grid](*args, *tail)
+      compiled[grid3](*args, *tail)
       return
     try:
-      compiled[grid](*args, *tail)
+      compiled[grid3](*args, *tail)
     except Exception as e:  # noqa: BLE001 -- any failure: fall back, and say why
       self._disable(f"the direct launch raised {type(e).__name__}: {e}")
       kernel[grid](*args, **consts, num_warps=NUM_WARPS)
