@@ -7,6 +7,12 @@ their per-epoch losses. Prints one line per run and a verdict; exits 1 when they
 
 Usage: python benchmarks/exact_train_check.py [--epochs N] [--first PLATFORMS]
        [--second PLATFORMS] [--out DIR] [-- extra jaxlp train arguments]
+       python benchmarks/exact_train_check.py --compare RUN_A RUN_B
+
+``--compare`` only compares two run folders written elsewhere: e.g. the GPU run's folder,
+brought back from a device machine, against the same command run here on the CPU (on the
+H200 host of 2026-11-27 the CPU half of the check ran past its limit, so ``gpu_checks.sh``
+runs the GPU half only and keeps its folders).
 """
 
 from __future__ import annotations
@@ -80,8 +86,16 @@ def main(argv=None):
   ap.add_argument("--second", default="cpu", help="JAX_PLATFORMS of the second run")
   ap.add_argument("--out", default=None, help="keep the two run folders here (default: a "
                   "temporary folder, removed)")
+  ap.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), default=None,
+                  help="compare two existing run folders and train nothing")
   ap.add_argument("extra", nargs="*", help="more jaxlp train arguments (after --)")
   a = ap.parse_args(argv)
+  if a.compare:
+    for d in a.compare:
+      if not _os.path.isfile(_os.path.join(d, "checkpoint.msgpack")):
+        ap.error(f"--compare: {d} holds no checkpoint.msgpack (not a jaxlp train run folder)")
+    bad = compare(*a.compare)
+    return report(bad)
   if a.epochs < 1:
     ap.error(f"--epochs={a.epochs} must be >= 1")
   with tempfile.TemporaryDirectory() as tmp:
@@ -96,6 +110,11 @@ def main(argv=None):
       print(f"jaxlp {' '.join(COMMAND + a.extra)} --epochs {a.epochs}, "
             f"JAX_PLATFORMS={platforms}: {secs:.1f} s, losses {losses(d)}", flush=True)
     bad = compare(*runs)
+  return report(bad)
+
+
+def report(bad: list[str]) -> int:
+  """Print the verdict on :func:`compare`'s list; the exit status."""
   if bad:
     print(f"DIFFERENT: {', '.join(bad)}")
     return 1

@@ -2,6 +2,7 @@
 bits on a GPU as on the CPU): on the CPU both runs take the reference and agree; a run with
 another seed is reported as different."""
 
+import pytest
 from _bench import load_benchmark
 
 
@@ -15,6 +16,15 @@ def test_two_cpu_runs_agree_and_another_seed_differs(tmp_path, capsys):
   bad = mod.compare(str(tmp_path / "first"), other)
   assert bad and any(k.startswith("losses") for k in bad)
   assert len(bad) > 1  # parameters differ too, not only the loss
+  # --compare: two existing folders, nothing trained; a folder that is not a run is refused
+  capsys.readouterr()
+  assert mod.main(["--compare", str(tmp_path / "first"), str(tmp_path / "second")]) == 0
+  assert mod.main(["--compare", str(tmp_path / "first"), other]) == 1
+  out = capsys.readouterr().out
+  assert "same bits" in out and "DIFFERENT: " in out
+  with pytest.raises(SystemExit):
+    mod.main(["--compare", str(tmp_path), other])
+  assert "holds no checkpoint.msgpack" in capsys.readouterr().err
 
 
 def test_diagnosis_runs_every_stage_and_finds_no_difference_between_two_cpu_runs(capsys):

@@ -24,6 +24,9 @@ def test_torch_bench_small():
   out = _run("--small", "--only", "float_quantize,OptimLP step")
   assert "| float_quantize | nearest | 4096 |" in out
   assert "| OptimLP step | stochastic | 65536 |" in out
+  # OptimLP's baseline (the SGD step it wraps), once per size, and its 4K cost over it
+  assert out.count("| torch.optim.SGD step alone (OptimLP's baseline) | - |") == 2
+  assert "<= 50 us over SGD: +" in out
   assert "zero-copy=True" in out
 
 
