@@ -12,6 +12,9 @@ MB, as ``reduce_gradients(bucket_mb=B)`` does (fewer, larger kernels: on a GPU t
 program is launch-bound); PowerSGD stays per leaf (its fused buckets are square matrices).
 ``--trace-top N`` also traces each compressor's timed runs (``benchmarks/_trace.py``): its N
 most expensive XLA ops and source lines, and the device time against the wall time per run.
+``--no-command-buffers`` switches XLA:GPU's command buffers (CUDA graphs) off first, to see
+what they are worth (on the H200 the bucketed sparsifiers' wall time was 3-6x their device
+time under the profiler, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -193,7 +196,12 @@ def main(argv=None):
                        "and source lines (0: no trace)")
   ap.add_argument("--fc6", action="store_true",
                   help="also time randomk1%% on one VGG-19 fc6 leaf (4096 x 25088 = 102.8M)")
+  ap.add_argument("--no-command-buffers", action="store_true",
+                  help="switch XLA:GPU's command buffers (CUDA graphs) off (not the default "
+                       "configuration's times; the header says so)")
   a = ap.parse_args(argv)
+  if a.no_command_buffers:
+    _trace_module().command_buffers_off()
   models = {"resnet18": resnet18_shapes(), "vgg19": vgg19_shapes()}
   if a.model != "both":
     models = {a.model: models[a.model]}
@@ -210,7 +218,8 @@ def main(argv=None):
     ap.error(f"--bucket-mb={a.bucket_mb} must be > 0")
   unit = "leaf" if a.bucket_mb is None else f"bucket of <= {a.bucket_mb:g} MB"
   on_gpu = jax.default_backend() == "gpu"
-  print(f"# device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print(f"# device: {jax.devices()[0].device_kind}, jax {jax.__version__}"
+        + (", XLA:GPU command buffers OFF" if a.no_command_buffers else ""))
   print("# goal: on this 2-core CPU, GB/s (dense >= 2, sparse and low-rank >= 1); on a GPU, "
         f"enc+dec >= {GPU_GOAL_VS_COPY:g}x the copy row (the same program, one negation per "
         f"{unit})")

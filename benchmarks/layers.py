@@ -25,6 +25,10 @@ line (the innermost jaxlp frame of each operation, from the compiled HLO's stack
 in ms per step. On a device, kernels the HLO does not name (library kernels) are listed by
 their own names, with source "-".
 
+``--no-command-buffers`` switches XLA:GPU's command buffers (CUDA graphs) off first: with them
+a trace can show a whole step as one ``command_buffer_N`` op; the times are then not the
+default configuration's (the header says so).
+
 ``--gemm-census`` lists, for every model and every exact-mode policy (``block_dot="exact"``)
 in ``--policies``, the exact GEMMs of one training step (forward and both gradients), found by
 tracing the step without running it: shape, K-block, count and GFLOP. On a GPU each distinct
@@ -287,9 +291,14 @@ def main(argv=None):
   ap.add_argument("--trace-top", type=int, default=0,
                   help="also trace --steps more steps of each policy and print its N most "
                        "expensive XLA ops and source lines (0: no trace)")
+  ap.add_argument("--no-command-buffers", action="store_true",
+                  help="switch XLA:GPU's command buffers (CUDA graphs) off, so that a trace "
+                       "names each kernel (not the default configuration's times)")
   args = ap.parse_args(argv)
   if args.trace_top < 0:
     ap.error(f"--trace-top must be >= 0, got {args.trace_top}")
+  if args.no_command_buffers:
+    load_sibling("_trace").command_buffers_off()
   steps = args.steps or (3 if args.small else 5)
   # benchmark-only overrides of the library defaults, read when the steps are traced
   from jaxlp.ops import _block_dot
@@ -301,7 +310,8 @@ def main(argv=None):
   rows = []
   print(f"# jaxlp layers benchmark: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}, small={args.small}, steps={steps}")
+        f"{time.strftime('%Y-%m-%d')}, small={args.small}, steps={steps}"
+        + (", XLA:GPU command buffers OFF" if args.no_command_buffers else ""))
   for pname in args.policies.split(","):
     if pname not in POLICIES:
       ap.error(f"--policies: unknown policy {pname!r}; choose from {', '.join(POLICIES)}")

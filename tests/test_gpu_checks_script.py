@@ -16,9 +16,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
-  assert [s[0] for s in steps] == ["train_exact", "train_exact_cnn", "train_diag", "layers",
-                                   "torch_launch", "torch_quantize", "compression",
-                                   "sparse_select", "compression_buckets"]
+  assert [s[0] for s in steps] == ["compression_buckets", "compression_nocb", "torch_launch",
+                                   "torch_quantize", "torch_cuda", "layers", "train_exact_gpu"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
@@ -41,7 +40,7 @@ def test_gpu_checks_compression_names_known_compressors():
   r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_checks.sh"), "--dry-run"],
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   cmds = re.findall(r"^== compression\w* \(limit \d+ s\): (.*)$", r.stdout, re.M)
-  assert len(cmds) == 2  # per leaf and bucketed
+  assert len(cmds) == 2  # bucketed, with and without command buffers
   mod = load_benchmark("compression")
   for cmd in cmds:
     args = cmd.split()

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from _bench import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,3 +178,22 @@ def test_a_failing_trace_is_reported_not_raised(capsys):
   assert "# trace failed: RuntimeError: no profiler here" in capsys.readouterr().out
   assert trace.report(lambda: None, "", 1, 3)  # an empty trace: empty tables
   assert "ms wall per run under the profiler" in capsys.readouterr().out
+
+
+def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_after():
+  """--no-command-buffers (layers.py, compression.py) adds XLA:GPU's empty command-buffer list
+  to XLA_FLAGS before JAX starts a backend, and says so in the header; once a backend has
+  started the helper refuses (the flag would be ignored silently)."""
+  import jax
+
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
+                      "--models", "mlp", "--policies", "fp32", "--steps", "1",
+                      "--no-command-buffers"], capture_output=True, text=True, env=env,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert ", XLA:GPU command buffers OFF" in r.stdout and "| mlp (batch 32) | fp32 |" in r.stdout
+  trace = load_benchmark("_trace")
+  jax.devices()
+  with pytest.raises(RuntimeError, match="a JAX backend has started"):
+    trace.command_buffers_off()
