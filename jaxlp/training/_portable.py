@@ -111,6 +111,21 @@ def mul(a, b):
   return _float(out)
 
 
+def materialize(x):
+  """``x`` (float32), bit for bit, computed once as an array of its own.
+
+  XLA fuses cheap elementwise producers into every consumer, so without this a portable
+  expression (a few thousand integer operations for a cross-entropy gradient) is recomputed
+  inside each reduction that reads it. jax 0.11's CPU backend replicates a reduction fusion's
+  body for each reduced element: the MLP's ``--exact-blocks`` training step did not finish
+  compiling in 10 minutes (jax 0.10: 11 s). Here ``x``'s bit patterns are summed with zeros
+  over a new leading axis of two, a reduction XLA keeps (algebraically an identity on the
+  integers) and whose fusion holds the expression once; its readers read the result.
+  ``tests/training/test_portable.py`` checks the compiled step's fusions."""
+  u = _bits(x)
+  return _float(jnp.sum(jnp.stack([u, jnp.zeros_like(u)]), axis=0, dtype=jnp.uint32))
+
+
 def tree_sum(x, axis=0):
   """The sum of ``x`` over ``axis`` as a fixed pairwise tree: element ``i`` of the first half
   plus element ``i`` of the second, repeated (an odd last element is carried to the next
@@ -217,7 +232,7 @@ def _lse(logits):
 
 def _ce_fwd(logits, labels, scale):
   logits = flush(logits)
-  lse = _lse(logits)
+  lse = materialize(_lse(logits))
   picked = jnp.take_along_axis(logits, labels[:, None].astype(jnp.int32), axis=-1)
   per = add(lse, -picked)[:, 0]
   loss = mul(tree_sum(per, 0), jnp.asarray(scale, jnp.float32))
@@ -229,7 +244,7 @@ def _ce_bwd(res, ct):
   p = exp(add(logits, -lse))
   onehot = (jnp.arange(logits.shape[-1])[None, :] == labels[:, None]).astype(jnp.float32)
   g = mul(add(p, -onehot), mul(ct, jnp.asarray(scale, jnp.float32)))
-  return g, None, jnp.zeros_like(scale)
+  return materialize(g), None, jnp.zeros_like(scale)
 
 
 cross_entropy.defvjp(_ce_fwd, _ce_bwd)
@@ -251,7 +266,7 @@ def _bias_fwd(y, b):
 
 
 def _bias_bwd(_, ct):
-  return ct, tree_sum(ct.reshape(-1, ct.shape[-1]), 0)
+  return ct, materialize(tree_sum(ct.reshape(-1, ct.shape[-1]), 0))
 
 
 bias_add.defvjp(_bias_fwd, _bias_bwd)
@@ -268,7 +283,7 @@ def mean_over_spatial(x):
 def _spatial_fwd(x):
   n, h, w, c = x.shape
   inv = _f32(1.0 / (h * w))
-  return mul(tree_sum(x.reshape(n, h * w, c), 1), inv), (x.shape, inv)
+  return materialize(mul(tree_sum(x.reshape(n, h * w, c), 1), inv)), (x.shape, inv)
 
 
 def _spatial_bwd(res, ct):
@@ -285,7 +300,7 @@ def sum_over_axis(x, axis_name):
   gathered values in worker order, the same bits on every backend and every worker.
   ``axis_name`` may be a tuple (e.g. ``("dev", "nodes")``: major to minor), gathered in
   combined worker order (``jaxlp.parallel._axes.all_gather``)."""
-  return tree_sum(_axes.all_gather(x, axis_name), 0)
+  return materialize(tree_sum(_axes.all_gather(x, axis_name), 0))
 
 
 def apply_updates(params, updates):
