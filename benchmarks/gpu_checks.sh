@@ -101,6 +101,7 @@ step layers 120 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
 # back in OUTDIR: compare it here with
 #   python -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 --out /tmp/cpu_run   # the CPU
 #   python benchmarks/exact_train_check.py --compare OUTDIR/exact_mlp /tmp/cpu_run
-# (the CPU half on the device host ran past 90 s, against 16 s on the 2-core VM)
+# (the CPU half on the device host ran past its limits: jax 0.11's CPU backend compiled the
+# exact step for > 10 minutes, fixed the same day; jaxlp.training._portable.materialize)
 step train_exact_gpu 45 "$py" -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 \
   --out "$out/exact_mlp"

@@ -27,7 +27,10 @@ This module defines the arithmetic of the step instead (the "portable" float32):
 * sums run as a fixed pairwise tree (:func:`tree_sum`); ``exp`` and ``log`` are fixed
   polynomials in these operations (accurate to about 1 and 2 ulps; not correctly rounded,
   but the same everywhere);
-* parameters are initialised on the CPU (:func:`init_device`).
+* parameters are initialised on the CPU (:func:`init_device`);
+* values that several reductions read (the log-sum-exp, the logits' gradient, the tree sums)
+  are computed once (:func:`materialize`): XLA would fuse their whole expressions into each
+  reader, which jax 0.11's CPU backend compiles very slowly.
 
 Outside the normal range this differs from IEEE float32 only by the flush to zero. The cost is
 a few dozen integer operations per product: fine for the MLP's and the CNN's 26-28K
