@@ -189,6 +189,24 @@ def test_materialize_keeps_bits_and_computes_an_expression_once():
   assert kept <= once < plain, (once, plain, kept)  # XLA duplicates; materialize stops it
 
 
+def test_the_exact_mlp_step_computes_its_portable_arithmetic_about_once():
+  """The compiled ``--exact-blocks`` MLP step (XLA:CPU) holds 56 portable multiplies (one
+  ``xor`` each); before :func:`~jaxlp.training._portable.materialize` it held 260, five copies
+  of the cross-entropy's gradient fused into the exact GEMM reference's reductions, which jax
+  0.11's CPU backend took over 10 minutes to compile."""
+  import re
+
+  cfg = TrainConfig(hbfp=8, exact_blocks=True, epochs=1, max_steps_per_epoch=1)
+  tr = Trainer(cfg)
+  assert tr.portable
+  step = tr._make_train_step(tr._compressor_at(0))
+  x, y = (jnp.asarray(a[:cfg.batch_size]) for a in (tr.ds.x_train, tr.ds.y_train))
+  hlo = step.lower(tr.params, tr.batch_stats, tr.opt_state, tr.comp_state, x, y,
+                   jax.random.fold_in(tr.step_key, 0)).compile().as_text()
+  per = [len(re.findall(r"= \S+ xor\(", c)) for c in hlo.split("\n\n")]
+  assert sum(per) <= 80 and max(per) <= 16, (sum(per), sorted(per)[-6:])
+
+
 def test_cross_entropy_value_and_gradient():
   rng = np.random.default_rng(2)
   logits = (rng.standard_normal((32, 10)) * 5).astype(f32)
