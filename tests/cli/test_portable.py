@@ -181,9 +181,11 @@ def test_materialize_keeps_bits_and_computes_an_expression_once():
   got = np.asarray(jax.jit(PT.materialize)(jnp.asarray(u.view(f32)))).view(np.uint32)
   np.testing.assert_array_equal(got, u)
 
-  x = jnp.linspace(-3.0, 3.0, 128 * 10, dtype=jnp.float32).reshape(128, 10)
-  readers = lambda g: (jnp.max(jnp.abs(g), 0), jnp.any(g != 0, 0), jnp.sum(g * 2.0, 1))
-  once = _fused_xors(lambda x: jnp.sum(PT.exp(x) * 2.0, 1), x)
+  # three readers (elementwise and a transpose: reductions of an unmaterialized exp are what
+  # compiles slowly on jax 0.11, so this test does not build one)
+  x = jnp.linspace(-3.0, 3.0, 4 * 10, dtype=jnp.float32).reshape(4, 10)
+  readers = lambda g: (g * 2.0, g + 1.0, g.T)
+  once = _fused_xors(lambda x: PT.exp(x) * 2.0, x)
   plain = _fused_xors(lambda x: readers(PT.exp(x)), x)
   kept = _fused_xors(lambda x: readers(PT.materialize(PT.exp(x))), x)
   assert kept <= once < plain, (once, plain, kept)  # XLA duplicates; materialize stops it
