@@ -13,8 +13,8 @@ program is launch-bound); PowerSGD stays per leaf (its fused buckets are square 
 ``--trace-top N`` also traces each compressor's timed runs (``benchmarks/_trace.py``): its N
 most expensive XLA ops and source lines, and the device time against the wall time per run.
 ``--no-command-buffers`` switches XLA:GPU's command buffers (CUDA graphs) off first, to see
-what they are worth (on the H200 the bucketed sparsifiers' wall time was 3-6x their device
-time under the profiler, 2026-11-27).
+what they are worth (on the H200 the bucketed sparsifiers' wall time was 5-6x their device
+time under the profiler and 2-3x without it, 2026-11-27).
 """
 
 from __future__ import annotations

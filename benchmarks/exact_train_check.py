@@ -10,9 +10,10 @@ Usage: python benchmarks/exact_train_check.py [--epochs N] [--first PLATFORMS]
        python benchmarks/exact_train_check.py --compare RUN_A RUN_B
 
 ``--compare`` only compares two run folders written elsewhere: e.g. the GPU run's folder,
-brought back from a device machine, against the same command run here on the CPU (on the
-H200 host of 2026-11-27 the CPU half of the check ran past its limit, so ``gpu_checks.sh``
-runs the GPU half only and keeps its folders).
+brought back from a device machine, against the same command run here on the CPU
+(``gpu_checks.sh`` runs the GPU half only and keeps its folder; on the H200 host of 2026-11-27
+the CPU half ran past its limit, because jax 0.11 compiled the exact step for minutes, since
+fixed by ``jaxlp.training._portable.materialize``).
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@
 #                  the copy row (GPU goal: >= 0.5x): the compressors not measured bucketed yet,
 #                  and the sparsifiers (below the goal)
 #   compression_nocb  issue 14: top-k and DGC again with XLA:GPU's command buffers off, traced
-#                  (their wall time was 3-6x their device time)
+#                  (their wall time was 2-3x their device time, 5-6x under the profiler)
 #   torch_launch   issue 17: the bridge's direct Triton launches (jaxlp/torch/_triton.py,
 #                  Launcher) give the spec's bits and stay on (a CUDA test)
 #   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), each
 #                  jaxlp row also timed through JITFunction.run, OptimLP next to the plain
 #                  SGD step it wraps
 #   torch_cuda     issue 17: the CUDA tests of the bridge and its DDP hooks, direct launches on
-#                  (not the all-formats spec check: it compiles every kernel variant, and passed on 4M
-#                  patterns on the H100, 2026-11-26)
+#                  (not the all-formats spec check: it compiles every kernel variant, and
+#                  passed on 4M patterns on the H100, 2026-11-26)
 #   layers         issue 18: the exact ResNet-18 step against fp32, traced with command
 #                  buffers off (the step's most expensive kernels and source lines)
 #   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half, its folder kept in OUTDIR
@@ -80,8 +80,8 @@ fi
 # topk1% 0.44x and dgc1% 0.31x of the copy on the H200, 2026-11-27; goal 0.5x)
 step compression_buckets 90 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'topk1%,dgc1%,randomk1%,graddrop99%,powersgd2,terngrad_hp2,terngrad,tbq,bf16'
-# the sparsifiers' wall time was 3-6x their device time under the profiler: the same rows with
-# XLA:GPU's command buffers off, traced (what the CUDA graphs and their conditionals cost)
+# the sparsifiers' wall time was 2-3x their device time (5-6x under the profiler): the same
+# rows with XLA:GPU's command buffers off, traced (what the CUDA graphs and conditionals cost)
 step compression_nocb 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'topk1%,dgc1%' --trace-top 8 --no-command-buffers
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front

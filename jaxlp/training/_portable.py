@@ -119,12 +119,12 @@ def materialize(x):
 
   XLA fuses cheap elementwise producers into every consumer, so without this a portable
   expression (a few thousand integer operations for a cross-entropy gradient) is recomputed
-  inside each reduction that reads it. jax 0.11's CPU backend replicates a reduction fusion's
-  body for each reduced element: the MLP's ``--exact-blocks`` training step did not finish
-  compiling in 10 minutes (jax 0.10: 11 s). Here ``x``'s bit patterns are summed with zeros
-  over a new leading axis of two, a reduction XLA keeps (algebraically an identity on the
-  integers) and whose fusion holds the expression once; its readers read the result.
-  ``tests/training/test_portable.py`` checks the compiled step's fusions."""
+  inside each reduction that reads it. jax 0.11's CPU backend compiles such reduction fusions
+  very slowly: the MLP's ``--exact-blocks`` training step did not finish compiling in 10
+  minutes (jax 0.10: 11 s). Here ``x``'s bit patterns are summed with zeros over a new
+  leading axis of two, a reduction XLA keeps (algebraically an identity on the integers) and
+  whose fusion holds the expression once; its readers read the result.
+  ``tests/cli/test_portable.py`` checks the compiled step's fusions."""
   u = _bits(x)
   return _float(jnp.sum(jnp.stack([u, jnp.zeros_like(u)]), axis=0, dtype=jnp.uint32))
 
