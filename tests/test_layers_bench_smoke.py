@@ -193,6 +193,17 @@ def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_aft
                      timeout=120)
   assert r.returncode == 0, r.stderr[-3000:]
   assert ", XLA:GPU command buffers OFF" in r.stdout and "| mlp (batch 32) | fp32 |" in r.stdout
+  # the helper's effect, in a process whose backend has not started: the flag joins XLA_FLAGS
+  # once, after what was there
+  path = os.path.join(ROOT, "benchmarks", "_trace.py")
+  code = ("import importlib.util, os, sys; "
+          f"spec = importlib.util.spec_from_file_location('t', {path!r}); "
+          "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t); "
+          "t.command_buffers_off(); t.command_buffers_off(); print(os.environ['XLA_FLAGS'])")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                     env=dict(env, XLA_FLAGS="--xla_dump_to=/nowhere"), timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.split() == ["--xla_dump_to=/nowhere", "--xla_gpu_enable_command_buffer="]
   trace = load_benchmark("_trace")
   jax.devices()
   with pytest.raises(RuntimeError, match="a JAX backend has started"):
