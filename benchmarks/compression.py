@@ -65,6 +65,10 @@ COMPRESSORS = {
     "terngrad_hp2": C.terngrad("hipress", 2), "topk1%": C.topk(0.01),
     "randomk1%": C.randomk(0.01), "dgc1%": C.dgc(0.01, sample_rate=0.01),
     "graddrop99%": C.graddrop(0.99, sample_rate=0.01), "powersgd2": C.powersgd(2),
+    # the same selections on the "radix" schedule (no candidate buffer, no conditional): an
+    # A/B against the platform's schedule in one run, before it becomes a platform's default
+    "topk1%_radix": C.topk(0.01, schedule="radix"),
+    "dgc1%_radix": C.dgc(0.01, sample_rate=0.01, schedule="radix"),
 }
 
 

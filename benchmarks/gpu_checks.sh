@@ -10,8 +10,9 @@
 # exact MLP and CNN runs' checkpoints (GPU = CPU, bit for bit) and the sparsifiers' GPU
 # selection schedule (2.0-3.3x the CPU schedule on one bucket).
 #   compression_buckets  issue 14: encode+decode on the engine's fused 25 MB buckets against
-#                  the copy row (GPU goal: >= 0.5x): the compressors not measured bucketed yet,
-#                  and the sparsifiers (below the goal)
+#                  the copy row (GPU goal: >= 0.5x): the sparsifiers (below the goal), each
+#                  also on the "radix" selection schedule, and the compressors not measured
+#                  bucketed yet
 #   compression_nocb  issue 14: top-k and DGC again with XLA:GPU's command buffers off, traced
 #                  (their wall time was 2-3x their device time, 5-6x under the profiler)
 #   torch_launch   issue 17: the bridge's direct Triton launches (jaxlp/torch/_triton.py,
@@ -76,14 +77,15 @@ if [ "$dry" = 0 ]; then
   fi
 fi
 # the engine's fused 25 MB buckets (reduce_gradients(bucket_mb=25)), the GPU configuration:
-# the compressors not measured bucketed yet, and the sparsifiers again (the GPU schedule gave
-# topk1% 0.44x and dgc1% 0.31x of the copy on the H200, 2026-11-27; goal 0.5x)
-step compression_buckets 90 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'topk1%,dgc1%,randomk1%,graddrop99%,powersgd2,terngrad_hp2,terngrad,tbq,bf16'
+# the sparsifiers again (the GPU schedule gave topk1% 0.44x and dgc1% 0.31x of the copy on
+# the H200, 2026-11-27; goal 0.5x), each next to the same selection on the "radix" schedule
+# (no conditional; not measured on a GPU yet), then the compressors not measured bucketed yet
+step compression_buckets 110 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%,dgc1%_radix,randomk1%,graddrop99%,powersgd2,terngrad_hp2,terngrad,tbq,bf16'
 # the sparsifiers' wall time was 2-3x their device time (5-6x under the profiler): the same
 # rows with XLA:GPU's command buffers off, traced (what the CUDA graphs and conditionals cost)
-step compression_nocb 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'topk1%,dgc1%' --trace-top 8 --no-command-buffers
+step compression_nocb 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%,dgc1%_radix' --trace-top 8 --no-command-buffers
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # the direct launches failed on the H200 (grid passed as a 1-tuple; fixed 2026-11-27 and

@@ -1,12 +1,15 @@
 """The sparsifiers' selection, one bucket at a time, in both of its schedules side by side.
 
 Usage: python benchmarks/sparse_select.py [--small] [--sizes N,N] [--repeats R]
-       [--schedules platform,cpu,gpu]
+       [--schedules platform,cpu,gpu,radix]
 
 ``select_sparse`` (top-k, DGC, GradDrop) and ``feistel_sample`` (RandomK) have two schedules
 of the same arithmetic (``jaxlp/parallel/compressors/_base.py``): "cpu" (a bisection loop
 and conditionals, binary searches as loops) and "gpu" (a sort of the candidates, no loop,
-unrolled searches). A program picks by the platform it is compiled for ("platform"); this
+unrolled searches). ``select_sparse`` has a third, "radix" (no candidate buffer: the k-th
+largest key in eight counting passes over the bucket, no conditional at all; not a
+platform's default until it is measured faster on a GPU; no RandomK row). A program picks
+by the platform it is compiled for ("platform"); this
 benchmark forces each one on the current device, so one run shows what the choice is worth
 there. Each row is one jitted round trip of one flat float32 bucket of N elements (encode
 and decode, as the engine's fused buckets run them), best of R, with:
@@ -41,7 +44,7 @@ from jaxlp.parallel.compressors._base import (  # noqa: E402
 )
 from jaxlp.parallel.compressors._sparse import feistel_sample  # noqa: E402
 
-SCHEDULES = {"platform": None, "cpu": "cpu", "gpu": "gpu"}
+SCHEDULES = {"platform": None, "cpu": "cpu", "gpu": "gpu", "radix": "radix"}
 RATIO = 0.01  # top-k 1%, DGC 1%, GradDrop 99% dropped, RandomK 1%
 SAMPLE_RATE = 0.01  # DGC's and GradDrop's default
 
@@ -63,7 +66,10 @@ def cases(n, impl):
     val = x[feistel_sample(seed, n, k, impl=impl)]
     return sparse_decode({"idx": feistel_sample(seed, n, k, impl=impl), "val": val}, n)
 
-  return {"topk1%": topk, "dgc1%/graddrop99%": sampled, "randomk1%": randomk}
+  out = {"topk1%": topk, "dgc1%/graddrop99%": sampled}
+  if impl != "radix":  # a schedule of select_sparse only
+    out["randomk1%"] = randomk
+  return out
 
 
 def baselines(n):
@@ -108,9 +114,11 @@ def run(sizes, repeats, schedules, out=print):
     copy_fn = jax.jit(base.pop("copy"))
     groups = [{("copy", "-"): copy_fn, ("full top_k", "-"): jax.jit(base.pop("full top_k"))}]
     per_sched = {sched: cases(n, SCHEDULES[sched]) for sched in schedules}
-    for name in per_sched[schedules[0]]:
+    names = dict.fromkeys(name for sched in schedules for name in per_sched[sched])
+    for name in names:
       group = {("copy", "-"): copy_fn}
-      group.update({(name, sched): jax.jit(per_sched[sched][name]) for sched in schedules})
+      group.update({(name, sched): jax.jit(per_sched[sched][name]) for sched in schedules
+                    if name in per_sched[sched]})
       groups.append(group)
     for i, group in enumerate(groups):
       times = best_of(group, (x, key), repeats)
@@ -133,7 +141,7 @@ def main(argv=None):
   ap.add_argument("--sizes", default="1048576,6553600",
                   help="comma-separated bucket sizes in elements (default: 4 MB and 25 MB)")
   ap.add_argument("--repeats", type=int, default=10)
-  ap.add_argument("--schedules", default="platform,cpu,gpu",
+  ap.add_argument("--schedules", default="platform,cpu,gpu,radix",
                   help=f"comma-separated, of {', '.join(SCHEDULES)}")
   a = ap.parse_args(argv)
   try:

@@ -13,12 +13,13 @@ def test_sparse_select_bench_small(capsys):
   seen = {(r[1].strip(), r[2].strip()) for r in rows}
   assert {("copy", "-"), ("full top_k", "-")} <= seen
   for case in ("topk1%", "dgc1%/graddrop99%", "randomk1%"):
-    for sched in ("platform", "cpu", "gpu"):
-      assert (case, sched) in seen
+    for sched in ("platform", "cpu", "gpu", "radix"):
+      # "radix" is a schedule of select_sparse only: no RandomK row
+      assert ((case, sched) in seen) == (case != "randomk1%" or sched != "radix")
   for r in rows:
     assert float(r[3]) > 0 and r[5].strip().endswith("x")
     # the ratio to the CPU schedule on every other schedule's row
-    assert r[6].strip().endswith("x") == (r[2].strip() in ("platform", "gpu"))
+    assert r[6].strip().endswith("x") == (r[2].strip() in ("platform", "gpu", "radix"))
 
 
 @pytest.mark.parametrize("argv", [["--sizes", "12,x"], ["--sizes", "0"], ["--repeats", "0"],

@@ -353,7 +353,7 @@ class CommState:
     >>> state.fmt, state.aps, state.kahan, state.order, state.step
     (CPDFloat(exp_bits=5, man_bits=2), 'parameter', True, 'chain', 0)
     >>> CommState(compressor=topk(0.1)).compressor
-    TopK(ratio=0.1, error_feedback=True)
+    TopK(ratio=0.1, error_feedback=True, schedule=None)
   """
 
   def __init__(self, compressor=None, fmt=None, aps=False, kahan=False, layer_min_size=1024,

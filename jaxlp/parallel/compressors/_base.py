@@ -500,6 +500,8 @@ def sample_threshold(mag, key, keep, sample_rate):
 #   step is a few kernel launches and a conditional reads its predicate back to the host; the
 #   H200 run of 2026-11-26 put the sparsifiers' bucketed round trips at 0.16-0.35x of the copy.
 #   One lax.cond (the rare fallback) is left.
+# A third, "radix" (``select_sparse`` only; no platform's default until it is measured faster
+# on a GPU), has no candidate buffer and so no fallback and no conditional: see _select_radix.
 
 _FAST_MIN = 1 << 15  # below this many elements the full top_k is as fast
 _INF_BITS = 0x7F800000
@@ -521,6 +523,7 @@ def _above(key, thr):
 
 
 _IMPLS = (None, "cpu", "gpu")
+_SELECT_IMPLS = _IMPLS + ("radix",)  # select_sparse's schedules: see _select_radix
 
 
 def check_impl(impl):
@@ -543,30 +546,43 @@ def per_platform(impl, cpu, gpu, *args):
 def _true_positions(mask, cap: int, impl=None):
   """The first ``cap`` positions where ``mask`` (bool[n]) is True, ascending, padded with
   ``n``; and the number of True entries (which may exceed ``cap``)."""
+  words = _mask_words(mask)
+  pc = lax.population_count(words).astype(jnp.int32)
+  incl = lax.associative_scan(jnp.add, pc)  # exact (int32); far faster than cumsum on XLA:CPU
+  return _positions_of(words, pc, incl, cap, mask.shape[0], impl), incl[-1]
+
+
+def _positions_of(words, pc, incl, cap: int, n: int, impl):
+  """``_true_positions`` from the mask's words, their popcounts and its inclusive sum."""
+  j = lax.iota(jnp.int32, cap)
+  w = per_platform(impl, lambda a, v: jnp.searchsorted(a, v, side="right", method="scan"),
+                   lambda a, v: jnp.searchsorted(a, v, side="right", method="scan_unrolled"),
+                   incl, j)
+  w = jnp.minimum(w, words.shape[0] - 1).astype(jnp.int32)
+  r = j - (incl[w] - pc[w])  # slot j is the r-th set bit of word w
+  return jnp.where(j < incl[-1], w * 32 + _bit_of_rank(words[w], r), n)
+
+
+def _mask_words(mask):
+  """bool[n] as little-endian uint32 words (bit ``i % 32`` of word ``i // 32``), padded."""
   n = mask.shape[0]
   nw = -(-n // 32)
   if nw * 32 != n:
     mask = jnp.pad(mask, (0, nw * 32 - n))
   shifts = lax.broadcasted_iota(jnp.uint32, (1, 32), 1)
-  words = jnp.sum(mask.reshape(nw, 32).astype(jnp.uint32) << shifts, axis=1, dtype=jnp.uint32)
-  pc = lax.population_count(words).astype(jnp.int32)
-  incl = lax.associative_scan(jnp.add, pc)  # exact (int32); far faster than cumsum on XLA:CPU
-  total = incl[-1]
-  j = lax.iota(jnp.int32, cap)
-  w = per_platform(impl, lambda a, v: jnp.searchsorted(a, v, side="right", method="scan"),
-                   lambda a, v: jnp.searchsorted(a, v, side="right", method="scan_unrolled"),
-                   incl, j)
-  w = jnp.minimum(w, nw - 1).astype(jnp.int32)
-  r = j - (incl[w] - pc[w])  # slot j is the r-th set bit of word w
-  word = words[w]
-  pos = w * 32
+  return jnp.sum(mask.reshape(nw, 32).astype(jnp.uint32) << shifts, axis=1, dtype=jnp.uint32)
+
+
+def _bit_of_rank(word, r):
+  """The position (0-31) of the ``r``-th (0-based) set bit of ``word``, by halving."""
+  pos = jnp.zeros_like(r)
   for width in (16, 8, 4, 2, 1):
     low = lax.population_count(word & jnp.uint32((1 << width) - 1)).astype(jnp.int32)
     go = r >= low
     r = jnp.where(go, r - low, r)
     word = jnp.where(go, word >> jnp.uint32(width), word)
     pos = jnp.where(go, pos + width, pos)
-  return jnp.where(j < total, pos, n), total
+  return pos
 
 
 def _kth_largest_key(keys, k):
@@ -609,6 +625,50 @@ def _largest_of(cidx, ckey, count, k_sel, k_cap: int, n: int, impl=None):
   return jnp.where(pos < slots, cidx[jnp.minimum(pos, slots - 1)], n)
 
 
+# The "radix" schedule: no candidate buffer, hence no overflow, no fallback and no conditional
+# at all (under vmap nothing runs twice). The k-th largest candidate key is found over all n
+# keys, 4 bits at a time: each of 8 passes counts the keys at or above 15 splitting values in
+# one fused reduction. Of the keys equal to it, the ones with the lowest indices are taken, as
+# many as k still needs: one prefix sum of the popcounts of the "greater" and "equal" mask
+# words gives, per word, how many equal keys to take and where the selection's slots fall, and
+# the exactly-sized selection is compacted as above. About ten passes over the bucket, each a
+# plain reduction or elementwise kernel, and one prefix sum over n/32 words.
+_RADIX_PASSES = tuple((lo, 4) for lo in (27, 23, 19, 15, 11, 7, 3)) + ((0, 3),)  # bits 30..0
+
+
+def _kth_largest_radix(ckey, k):
+  """The largest ``b`` in ``[0, 2**31)`` with ``sum(ckey >= b) >= k``; -1 when fewer than
+  ``k`` keys are ``>= 0`` (``ckey``: int32, -1 for elements that are not candidates)."""
+  ans = jnp.int32(0)
+  for lo, width in _RADIX_PASSES:
+    split = ans | (lax.iota(jnp.int32, (1 << width) - 1) + 1) << lo
+    counts = jnp.sum(ckey[:, None] >= split[None, :], axis=0, dtype=jnp.int32)
+    # the counts fall as the splitting value rises: those still >= k are a prefix
+    ans = ans | jnp.sum(counts >= k, dtype=jnp.int32) << lo
+  return jnp.where(jnp.sum(ckey >= 0, dtype=jnp.int32) >= k, ans, -1)
+
+
+def _select_radix(key, thr, k_sel, k_cap: int):
+  """``select_sparse``'s indices (ascending, padded with n) on the "radix" schedule."""
+  n = key.shape[0]
+  ckey = jnp.where(_above(key, thr), key, -1)
+  kth = _kth_largest_radix(ckey, k_sel)
+  gt_words = _mask_words(ckey > kth)
+  eq_words = _mask_words((ckey == kth) & (kth >= 0))
+  pc_gt = lax.population_count(gt_words).astype(jnp.int32)
+  pc_eq = lax.population_count(eq_words).astype(jnp.int32)
+  incl_gt, incl_eq = lax.associative_scan(  # one scan of both
+      lambda a, b: (a[0] + b[0], a[1] + b[1]), (pc_gt, pc_eq))
+  # of the keys equal to the k-th, the first r by index: `take` of them in each word
+  r = jnp.maximum(k_sel - incl_gt[-1], 0)
+  take = jnp.clip(r - (incl_eq - pc_eq), 0, pc_eq)
+  last = _bit_of_rank(eq_words, jnp.maximum(take - 1, 0)).astype(jnp.uint32)
+  below = (jnp.uint32(2) << last) - jnp.uint32(1)  # bits 0..last (all 32 when last = 31)
+  sel_words = gt_words | jnp.where(take > 0, eq_words & below, jnp.uint32(0))
+  incl_sel = incl_gt + jnp.minimum(incl_eq, r)
+  return _positions_of(sel_words, pc_gt + take, incl_sel, k_cap, n, "gpu")
+
+
 def _exact_threshold(mag, k: int):
   """A threshold with, very likely, between ``k`` and the returned capacity magnitudes above
   it: a quantile of a fixed spread-out sample of ``m`` magnitudes, 4 standard deviations of
@@ -647,9 +707,10 @@ def select_sparse(values, mag, thr, k_cap: int, k_now=None, impl=None):
   ``lax.top_k`` (descending magnitude); the selected set is the same on either path, except
   for subnormal magnitudes, which XLA:CPU's float ops may flush to zero (the compaction path
   compares them exactly). ``impl``: the schedule of the compaction path (see above; None:
-  by platform), the same selection either way.
+  by platform; "cpu", "gpu" or "radix"), the same selection on each.
   """
-  check_impl(impl)
+  if impl not in _SELECT_IMPLS:
+    raise ValueError(f"impl={impl!r} must be one of {_SELECT_IMPLS}")
   n = values.shape[0]
 
   def mag_of():
@@ -660,6 +721,8 @@ def select_sparse(values, mag, thr, k_cap: int, k_now=None, impl=None):
   exact = t is not None and t < 0
   if n < _FAST_MIN or (exact and 8 * k_cap > n):
     idx = _select_full(values, mag_of(), thr, k_cap, k_now)
+  elif impl == "radix":
+    idx = _select_radix(_mag_key(mag_of()), -1.0 if exact else thr, k_sel, k_cap)
   else:
     key = _mag_key(mag_of())
     if exact:

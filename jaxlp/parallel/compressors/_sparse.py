@@ -14,6 +14,7 @@ from jaxlp.formats._bits import fmix32
 from jaxlp.parallel._aggregate import SPARSIFIERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
+  _SELECT_IMPLS,
   check_impl,
   det_sum,
   no_fma,
@@ -36,9 +37,18 @@ class _Sparse:
   kind = "sparse"
   aggregation = SPARSIFIERS
   elementwise_state = True
-  # encode holds a data-dependent lax.cond (select_sparse): the engine encodes pieces one at
-  # a time, not under vmap (jaxlp.parallel._aggregate._encode_pieces)
-  _encode_branches = True
+
+  @property
+  def _encode_branches(self):
+    # encode holds a data-dependent lax.cond (select_sparse) except on the "radix" schedule:
+    # the engine then encodes pieces one at a time, not under vmap (which runs both branches;
+    # jaxlp.parallel._aggregate._encode_pieces)
+    return self.schedule != "radix"
+
+  def _check_schedule(self):
+    if self.schedule not in _SELECT_IMPLS:
+      raise ValueError(f"{type(self).__name__.lower()}: schedule={self.schedule!r} must be one "
+                       f"of {_SELECT_IMPLS}")
 
   def decode(self, payload, shape):
     return sparse_decode(payload, numel(shape)).reshape(shape)
@@ -89,8 +99,10 @@ class DGC(_Sparse):
   warmup: int = 0
   workers: int | None = None
   stage: int | None = None
+  schedule: str | None = None
 
   def __post_init__(self):
+    self._check_schedule()
     for name in ("ratio", "momentum", "sample_rate", "clip"):
       check_number("dgc", name, getattr(self, name), none_ok=name in ("sample_rate", "clip"))
     check_int("dgc", "warmup", self.warmup)
@@ -177,11 +189,12 @@ class DGC(_Sparse):
     if key is None and self.sample_rate is not None:
       raise ValueError("dgc with sample_rate needs key")
     thr = sample_threshold(jnp.abs(v), key, keep, self.sample_rate)
-    payload, idx = select_sparse(v, None, thr, self.capacity(n), k_now)
+    payload, idx = select_sparse(v, None, thr, self.capacity(n), k_now, impl=self.schedule)
     return payload, {"u": zero_at(u, idx), "v": zero_at(v, idx), "step": step + 1}
 
 
-def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
+def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0,
+        schedule=None) -> DGC:
   """Deep Gradient Compression: momentum correction, local accumulation and top-``ratio``
   sparsification by a sampled threshold.
 
@@ -191,6 +204,9 @@ def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
     sample_rate: fraction sampled to estimate the threshold (None: exact top-k).
     clip: local clipping ``g *= min(1, clip/||g||)``; None: no clipping.
     warmup: steps per warm-up stage (0: no warm-up); see the returned object's class.
+    schedule: how the selection runs, the same selected elements on every schedule: None
+      picks by the platform the program is compiled for ("cpu" on CPU, "gpu" elsewhere);
+      "cpu", "gpu" or "radix" force one (see ``jaxlp/parallel/compressors/_base.py``).
 
   Returns:
     The compressor (a frozen dataclass).
@@ -204,7 +220,7 @@ def dgc(ratio=0.01, momentum=0.9, sample_rate=0.01, clip=None, warmup=0) -> DGC:
     >>> compressors.dgc(ratio=0.001).ratio
     0.001
   """
-  return DGC(ratio, momentum, sample_rate, clip, warmup)
+  return DGC(ratio, momentum, sample_rate, clip, warmup, schedule=schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +234,10 @@ class GradDrop(_Sparse):
   """
   drop_ratio: float = 0.99
   sample_rate: float | None = 0.01
+  schedule: str | None = None
 
   def __post_init__(self):
+    self._check_schedule()
     check_number("graddrop", "drop_ratio", self.drop_ratio)
     check_number("graddrop", "sample_rate", self.sample_rate, none_ok=True)
     if not 0 <= self.drop_ratio < 1:
@@ -237,16 +255,19 @@ class GradDrop(_Sparse):
     if key is None and self.sample_rate is not None:
       raise ValueError("graddrop with sample_rate needs key")
     thr = sample_threshold(jnp.abs(r), key, keep, self.sample_rate)
-    payload, idx = select_sparse(r, None, thr, self.capacity(r.shape[0]))
+    payload, idx = select_sparse(r, None, thr, self.capacity(r.shape[0]), impl=self.schedule)
     return payload, {"residual": zero_at(r, idx)}
 
 
-def graddrop(drop_ratio=0.99, sample_rate=0.01) -> GradDrop:
+def graddrop(drop_ratio=0.99, sample_rate=0.01, schedule=None) -> GradDrop:
   """GradDrop: accumulate into a residual and send the largest ``1 - drop_ratio`` fraction.
 
   Args:
     drop_ratio: fraction of elements dropped per step (0 <= drop_ratio < 1).
     sample_rate: fraction sampled to estimate the threshold (None: exact).
+    schedule: how the selection runs, the same selected elements on every schedule: None
+      picks by the platform the program is compiled for ("cpu" on CPU, "gpu" elsewhere);
+      "cpu", "gpu" or "radix" force one (see ``jaxlp/parallel/compressors/_base.py``).
 
   Returns:
     The compressor (a frozen dataclass).
@@ -260,7 +281,7 @@ def graddrop(drop_ratio=0.99, sample_rate=0.01) -> GradDrop:
     >>> compressors.graddrop(drop_ratio=0.99).drop_ratio
     0.99
   """
-  return GradDrop(drop_ratio, sample_rate)
+  return GradDrop(drop_ratio, sample_rate, schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,8 +289,10 @@ class TopK(_Sparse):
   """Exact top-k by magnitude (``k = ceil(n*ratio)``), with residual error feedback."""
   ratio: float = 0.01
   error_feedback: bool = True
+  schedule: str | None = None
 
   def __post_init__(self):
+    self._check_schedule()
     check_number(type(self).__name__.lower(), "ratio", self.ratio)
     check_bool(type(self).__name__.lower(), "error_feedback", self.error_feedback)
     if not 0 < self.ratio <= 1:
@@ -285,32 +308,35 @@ class TopK(_Sparse):
     x = _flat(g)
     if self.error_feedback:
       x = x + state["residual"]
-    payload, idx = select_sparse(x, None, -1.0, self.capacity(x.shape[0]))
+    payload, idx = select_sparse(x, None, -1.0, self.capacity(x.shape[0]), impl=self.schedule)
     if self.error_feedback:
       state = {"residual": zero_at(x, idx)}
     return payload, state
 
 
-def topk(ratio=0.01, error_feedback=True) -> TopK:
+def topk(ratio=0.01, error_feedback=True, schedule=None) -> TopK:
   """Exact top-k by magnitude (``k = ceil(n * ratio)``) with residual error feedback.
 
   Args:
     ratio: fraction of elements sent per step (0 < ratio <= 1).
     error_feedback: keep what was not sent and add it to the next gradient.
+    schedule: how the selection runs, the same selected elements on every schedule: None
+      picks by the platform the program is compiled for ("cpu" on CPU, "gpu" elsewhere);
+      "cpu", "gpu" or "radix" force one (see ``jaxlp/parallel/compressors/_base.py``).
 
   Returns:
     The compressor (a frozen dataclass).
 
   Raises:
     TypeError: an option of the wrong type (a float or string for an int, a non-bool flag).
-    ValueError: a ratio out of range.
+    ValueError: a ratio or schedule out of range.
 
   Example:
     >>> from jaxlp.parallel import compressors
     >>> compressors.topk(ratio=0.01).capacity(1000)
     10
   """
-  return TopK(ratio, error_feedback)
+  return TopK(ratio, error_feedback, schedule)
 
 
 _FEISTEL_ROUNDS = 8

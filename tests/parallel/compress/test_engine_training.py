@@ -100,3 +100,7 @@ def test_wire_bytes_per_step_is_the_engines_accounting():
     _parse_compress("topk:ratio=0.1,algorithm=ring")
   with pytest.raises(ValueError, match="skip_vectors"):
     _parse_compress("cgx:skip_vectors=3")
+  # a sparsifier's selection schedule (the same selected elements on each) is an option too
+  assert _parse_compress("dgc:ratio=0.01,schedule=radix")[0].schedule == "radix"
+  with pytest.raises(ValueError, match="schedule='tpu' must be one of"):
+    _parse_compress("topk:schedule=tpu")

@@ -85,11 +85,13 @@ def _inputs():
                             np.where(rng.random(N) < 0.002, -np.inf, rng.standard_normal(N)))
 
 
-@pytest.mark.parametrize("impl", [None, "gpu"], ids=["platform", "gpu_schedule"])
+@pytest.mark.parametrize("impl", [None, "gpu", "radix"],
+                         ids=["platform", "gpu_schedule", "radix_schedule"])
 @pytest.mark.parametrize("name,x", list(_inputs()), ids=lambda a: a if isinstance(a, str) else "")
 def test_selection_equals_full_top_k(name, x, impl):
-  """Both schedules of the compaction path (on CPU, None is "cpu"; "gpu" is what a GPU
-  compiles: a sort instead of the bisection, no conditional around it)."""
+  """Every schedule of the compaction path (on CPU, None is "cpu"; "gpu" is what a GPU
+  compiles: a sort instead of the bisection, no conditional around it; "radix": no candidate
+  buffer, no conditional at all)."""
   v = jnp.asarray(x.astype(np.float32))
   mags = np.sort(np.nan_to_num(np.abs(np.asarray(v)), nan=0.0))[::-1]
   for k_cap in (9, 400):
@@ -143,15 +145,17 @@ def test_sparsifiers_under_vmap_match_per_worker():
 
 
 @pytest.mark.parametrize("make", [lambda: C.topk(0.01), lambda: C.dgc(0.01, sample_rate=0.05),
-                                  lambda: C.graddrop(0.99, sample_rate=0.05)],
-                         ids=["topk", "dgc", "graddrop"])
+                                  lambda: C.graddrop(0.99, sample_rate=0.05),
+                                  lambda: C.dgc(0.01, sample_rate=0.05, schedule="radix")],
+                         ids=["topk", "dgc", "graddrop", "dgc_radix"])
 def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
   """A SeCoPa plan cuts a leaf into pieces; the sparsifiers (a lax.cond in their encoder) are
-  encoded one piece at a time (lax.map) instead of under vmap, which ran both branches.
-  Each piece's payload and state equal that piece encoded on its own."""
+  encoded one piece at a time (lax.map) instead of under vmap, which ran both branches; on
+  the "radix" schedule (no conditional) under vmap. Each piece's payload and state equal that
+  piece encoded on its own."""
   from jaxlp.parallel import _aggregate as A  # noqa: PLC0415
   comp = make()
-  assert comp._encode_branches
+  assert comp._encode_branches == (comp.schedule != "radix")
   n, k = 3 * N + 5, 3
   x = jnp.asarray(np.random.default_rng(7).standard_normal(n).astype(np.float32))
   st = comp.init((n,))
@@ -196,14 +200,56 @@ def test_the_gpu_schedule_is_what_cuda_compiles(make):
   assert _data_dependent_conditionals(low["cpu"]) == 2
 
 
+def test_the_radix_schedule_has_no_loop_no_conditional_no_sort():
+  """What "radix" adds: the CUDA lowering of a top-k and a thresholded selection holds no
+  data-dependent conditional (the fallback), no loop and no sort, whatever the platform."""
+  n = 1 << 20
+
+  def f(x, t, kn):
+    return (select_sparse(x, None, -1.0, 10486, impl="radix")[0],
+            select_sparse(x, None, t, 10486, kn, impl="radix")[0])
+
+  traced = jax.jit(f).trace(jax.ShapeDtypeStruct((n,), jnp.float32),
+                            jax.ShapeDtypeStruct((), jnp.float32),
+                            jax.ShapeDtypeStruct((), jnp.int32))
+  for p in ("cpu", "cuda"):
+    text = traced.lower(lowering_platforms=(p,)).as_text()
+    assert _data_dependent_conditionals(text) == 0, p
+    assert "stablehlo.while" not in text and "stablehlo.sort" not in text, p
+
+
 def test_unknown_schedule_is_refused():
   x = jnp.zeros(N, jnp.float32)
   with pytest.raises(ValueError, match="impl='tpu'"):
     select_sparse(x, None, -1.0, 9, impl="tpu")
+  for make in (C.topk, C.dgc, C.graddrop):
+    with pytest.raises(ValueError, match="schedule='tpu'"):
+      make(schedule="tpu")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "gpu"])
-def test_both_schedules_under_vmap_match_per_row(impl):
+@pytest.mark.parametrize("make", [lambda s: C.topk(0.01, schedule=s),
+                                  lambda s: C.dgc(0.01, sample_rate=0.05, warmup=2, schedule=s),
+                                  lambda s: C.graddrop(0.99, sample_rate=0.05, schedule=s)],
+                         ids=["topk", "dgc_warmup", "graddrop"])
+def test_a_compressor_on_the_radix_schedule_keeps_the_bits(make):
+  """Three steps of each sparsifier, default schedule against "radix": the same decoded
+  gradients and error-feedback state, bit for bit (DGC's warm-up: a traced k)."""
+  x = jnp.asarray(np.random.default_rng(8).standard_normal(N).astype(np.float32))
+  runs = []
+  for sched in (None, "radix"):
+    comp = make(sched)
+    st = comp.init((N,))
+    enc = jax.jit(lambda x, st, comp=comp: comp.encode(x, st, jax.random.key(2)))
+    out = []
+    for i in range(3):
+      p, st = enc(x * (i + 1), st)
+      out.append(np.asarray(comp.decode(p, (N,))).tobytes())
+    runs.append((out, [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(st)]))
+  assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("impl", ["cpu", "gpu", "radix"])
+def test_every_schedule_under_vmap_matches_per_row(impl):
   """Under vmap (the engine's emulated workers) each schedule selects per row what it
   selects alone (the fallback's conditional becomes a select there)."""
   rng = np.random.default_rng(4)
