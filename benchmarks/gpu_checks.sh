@@ -24,7 +24,8 @@
 #                  (not the all-formats spec check: it compiles every kernel variant, and
 #                  passed on 4M patterns on the H100, 2026-11-26)
 #   layers         issue 18: the exact ResNet-18 step against fp32, traced with command
-#                  buffers off (the step's most expensive kernels and source lines)
+#                  buffers off (the step's most expensive kernels and source lines), with
+#                  the library's GEMM implementation and with GPU_IMPL="auto"
 #   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half, its folder kept in OUTDIR
 #                  (compare it with a CPU run here: exact_train_check.py --compare)
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
@@ -96,9 +97,11 @@ step torch_quantize 75 "$py" benchmarks/torch_quantize.py --device cuda
 step torch_cuda 90 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
   tests/torch/test_torch_ddp.py -k 'cuda and not match_the_spec'
 # the exact ResNet-18 step (60.4 ms against fp32's 19.5 on the H200) traced as one 52 ms
-# command buffer: with command buffers off, where its time goes
-step layers 120 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
-  --policies fp32,hbfp8_exact --trace-top 15 --no-command-buffers
+# command buffer: with command buffers off, where its time goes; each exact GEMM by the
+# kernel ("pallas", the default), then with the few-tile GEMMs (the weight gradients: 1-9
+# output tiles over 128 K-blocks) as batched XLA int8 dots ("auto", not measured yet)
+step layers 150 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
+  --policies fp32,hbfp8_exact --gpu-impl pallas,auto --trace-top 15 --no-command-buffers
 # the exact MLP run's GPU half (same bits as the CPU on the H200, 2026-11-27); its folder comes
 # back in OUTDIR: compare it here with
 #   python -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 --out /tmp/cpu_run   # the CPU

@@ -6,8 +6,8 @@ batch 128), every Dense/Conv quantized with ``jaxlp.flax.quantize_model``; one j
 step, all policies in the same run. ``--small`` shrinks the models for CI.
 
 Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies a,b] [--steps N]
-       [--block-route int8|auto] [--fp8-impl xla|pallas] [--gemm-census] [--json F]
-       [--trace-top N]
+       [--block-route int8|auto] [--fp8-impl xla|pallas] [--gpu-impl pallas,auto]
+       [--gemm-census] [--json F] [--trace-top N]
 
 ``--policies`` takes the names of :data:`POLICIES` (the exact and fp8 block modes,
 ``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
@@ -16,7 +16,10 @@ Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies
 (``jaxlp/pallas/_block_gemm.py``; default: the library's ``GPU_ROUTE``); the CPU runs the
 reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp8`` (the
 batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
-library's ``FP8_GPU_IMPL``).
+library's ``FP8_GPU_IMPL``). ``--gpu-impl pallas,auto`` times each exact policy with each GPU
+implementation of its GEMMs in the same run (rows ``policy [impl]``; "auto": GEMMs with few
+output tiles as one batched XLA int8 dot, ``jaxlp.ops._block_dot.splits_k_blocks``); the CPU
+runs the reference either way.
 
 ``--trace-top N`` also runs ``--steps`` more steps of each policy under ``jax.profiler`` and
 prints where the step's device time goes: its N most expensive XLA operations (kernels on a
@@ -280,6 +283,11 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--block-route", choices=("int8", "auto"), default=None,
                   help="GPU route of the exact block GEMM kernel (default: the library's)")
+  ap.add_argument("--gpu-impl", default=None,
+                  help="comma-separated GPU implementations of the exact block GEMM, each "
+                  "exact policy timed with each: pallas (the kernel everywhere), auto (few-tile "
+                  "GEMMs as one batched XLA int8 dot; jaxlp.ops._block_dot.SPLIT_TILES); "
+                  "default: the library's GPU_IMPL")
   ap.add_argument("--fp8-impl", choices=("xla", "pallas"), default=None,
                   help="GPU GEMM of the fp8 mode with MX scales (default: the library's)")
   ap.add_argument("--gemm-census", action="store_true",
@@ -307,6 +315,10 @@ def main(argv=None):
     _block_dot.GPU_ROUTE = args.block_route
   if args.fp8_impl is not None:
     _block_dot.FP8_GPU_IMPL = args.fp8_impl
+  impls = [None] if args.gpu_impl is None else args.gpu_impl.split(",")
+  if args.gpu_impl is not None and (any(i not in ("pallas", "auto") for i in impls)
+                                    or len(set(impls)) != len(impls)):
+    ap.error(f"--gpu-impl {args.gpu_impl!r}: each once, of pallas, auto")
   rows = []
   print(f"# jaxlp layers benchmark: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, jax {jax.__version__}, "
@@ -316,6 +328,10 @@ def main(argv=None):
     if pname not in POLICIES:
       ap.error(f"--policies: unknown policy {pname!r}; choose from {', '.join(POLICIES)}")
   if args.gemm_census:
+    if len(impls) > 1:
+      ap.error("--gemm-census: give one --gpu-impl (the census times the library's dispatch)")
+    if impls[0] is not None:
+      _block_dot.GPU_IMPL = impls[0]
     exact = [p for p in args.policies.split(",") if POLICIES[p][0].block_dot == "exact"]
     if not exact:
       ap.error("--gemm-census: --policies names no exact policy (block_dot='exact'); exact "
@@ -337,14 +353,19 @@ def main(argv=None):
     base = None
     for pname in args.policies.split(","):
       policy, precision = POLICIES[pname]
-      with jax.default_matmul_precision(precision):
-        t, c, loss = time_step(model, x, labels, policy, steps, args.trace_top)
-      base = t if pname == "fp32" else base
-      ratio = t / base if base else float("nan")
-      rows.append(dict(model=mname, policy=pname, step_ms=1e3 * t, compile_s=c,
-                       overhead=ratio, loss=loss, batch=int(x.shape[0])))
-      print(f"| {mname} (batch {x.shape[0]}) | {pname} | {1e3 * t:.1f} | {c:.1f} | "
-            f"{ratio:.2f}x |", flush=True)
+      for impl in impls if policy.block_dot == "exact" else [None]:
+        label = pname if impl is None or len(impls) == 1 else f"{pname} [{impl}]"
+        if impl is not None:
+          _block_dot.GPU_IMPL = impl
+          jax.clear_caches()  # the exact GEMM's dispatch is traced once per implementation
+        with jax.default_matmul_precision(precision):
+          t, c, loss = time_step(model, x, labels, policy, steps, args.trace_top)
+        base = t if pname == "fp32" else base
+        ratio = t / base if base else float("nan")
+        rows.append(dict(model=mname, policy=label, step_ms=1e3 * t, compile_s=c,
+                         overhead=ratio, loss=loss, batch=int(x.shape[0])))
+        print(f"| {mname} (batch {x.shape[0]}) | {label} | {1e3 * t:.1f} | {c:.1f} | "
+              f"{ratio:.2f}x |", flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

@@ -208,3 +208,22 @@ def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_aft
   jax.devices()
   with pytest.raises(RuntimeError, match="a JAX backend has started"):
     trace.command_buffers_off()
+
+
+def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(monkeypatch, capsys):
+  """--gpu-impl pallas,auto: one row per implementation for each exact policy (one for the
+  others); the library's GPU_IMPL is set for each; a bad or repeated name is refused."""
+  from jaxlp.ops import _block_dot
+
+  monkeypatch.setattr(_block_dot, "GPU_IMPL", _block_dot.GPU_IMPL)  # restored afterwards
+  mod = load_benchmark("layers")
+  rows = mod.main(["--small", "--models", "mlp", "--policies", "fp32,hbfp8_exact",
+                   "--gpu-impl", "pallas,auto", "--steps", "1"])
+  assert [r["policy"] for r in rows] == ["fp32", "hbfp8_exact [pallas]", "hbfp8_exact [auto]"]
+  assert _block_dot.GPU_IMPL == "auto"
+  # the CPU runs the reference with either: the same loss
+  assert rows[1]["loss"] == rows[2]["loss"]
+  for bad in ("pallas,pallas", "xla"):
+    with pytest.raises(SystemExit):
+      mod.main(["--small", "--gpu-impl", bad])
+    assert "--gpu-impl" in capsys.readouterr().err

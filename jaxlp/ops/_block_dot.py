@@ -75,6 +75,16 @@ IMPLS = ("reference", "xla_int8", "pallas")
 #: "xla_int8", the batched XLA int8 dot, needs a (K-blocks, M, N) int32 intermediate (8-86
 #: GiB there).
 GPU_IMPL = "pallas"
+#: ``GPU_IMPL = "auto"`` (opt-in; its GPU speed is not measured): GEMMs with few output tiles
+#: and many K-blocks take "xla_int8", the rest "pallas". The kernel's parallelism is its
+#: output tiles, each looping over every K-block in order: a weight gradient of ResNet-18
+#: (batch 128) such as (576, 131072) x (131072, 64) has 5 tiles of 128 x 128 for 128 K-blocks
+#: of 1024, a few programs on a GPU of 132 SMs. "xla_int8" computes every K-block's integer
+#: dot at once (one batched int8 GEMM into a (K-blocks, M, N) int32 array, 19 MB there) and
+#: then runs the declared accumulation. The rule: fewer than :data:`SPLIT_TILES` tiles of 128
+#: x 128, at least 2 K-blocks and an intermediate of at most :data:`SPLIT_MAX_BYTES`.
+SPLIT_TILES = 32
+SPLIT_MAX_BYTES = 256 << 20
 #: The Pallas kernel's route on a GPU (``jaxlp/pallas/_block_gemm.py``): "auto" (bf16 tensor
 #: cores, with one float32 add per output per K-block instead of an int -> float conversion
 #: and scaling, on the tiles whose block exponents allow it; int8 on the others) or "int8"
@@ -262,6 +272,11 @@ def _operands(a, b, g, bits_a, bits_b):
   return ka, qa, kb, qb
 
 
+#: K-blocks per step of :func:`_scan_blocks`' loop (the same operations in the same order
+#: unrolled: on a GPU each loop step also reads its predicate back to the host)
+SCAN_UNROLL = 16
+
+
 def _scan_blocks(n_blocks, qa, qb):
   """The declared accumulation over K-blocks of int32 partial dots n_blocks (nb, M, N)."""
   def partial(n, qa_b, qb_b):
@@ -271,7 +286,8 @@ def _scan_blocks(n_blocks, qa, qb):
     return accumulate(s, partial(*x)), None
 
   s0 = partial(n_blocks[0], qa[:, 0], qb[:, 0])
-  s, _ = lax.scan(body, s0, (n_blocks[1:], qa.T[1:], qb.T[1:]))
+  s, _ = lax.scan(body, s0, (n_blocks[1:], qa.T[1:], qb.T[1:]),
+                  unroll=max(1, min(SCAN_UNROLL, n_blocks.shape[0] - 1)))
   return s
 
 
@@ -333,8 +349,24 @@ def block_dot_pallas(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool 
                     route=GPU_ROUTE if route is None else route)
 
 
+def splits_k_blocks(M: int, N: int, K: int, g: int) -> bool:
+  """Whether ``GPU_IMPL = "auto"`` runs an (M, K) x (K, N) GEMM with K-blocks of ``g`` as
+  "xla_int8" (see :data:`SPLIT_TILES`) rather than "pallas"."""
+  nb = cdiv(K, g) if K else 0
+  return (cdiv(M, 128) * cdiv(N, 128) < SPLIT_TILES and nb >= 2
+          and 4 * nb * M * N <= SPLIT_MAX_BYTES)
+
+
+def block_dot_gpu_auto(a, b, g: int, bits_a: int, bits_b: int):
+  """``GPU_IMPL = "auto"``: "xla_int8" where :func:`splits_k_blocks`, else "pallas"."""
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  if splits_k_blocks(a.shape[0], b.shape[1], a.shape[1], g):
+    return block_dot_xla_int8(a, b, g, bits_a, bits_b)
+  return block_dot_pallas(a, b, g, bits_a, bits_b)
+
+
 _IMPL_FNS = {"reference": block_dot_reference, "xla_int8": block_dot_xla_int8,
-             "pallas": block_dot_pallas}
+             "pallas": block_dot_pallas, "auto": block_dot_gpu_auto}
 
 
 def block_dot(a, b, g: int, bits_a: int, bits_b: int, *, impl: str | None = None):

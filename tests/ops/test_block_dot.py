@@ -259,3 +259,41 @@ def test_fp8_mode_is_close_and_differentiable():
   y8, y = (jax.jit(jaxlp.dot_general(jaxlp.float_policy(F.E4M3, F.E5M2, block_dot=m)),
                    static_argnums=2)(x, w, DN) for m in ("fp8", None))
   np.testing.assert_allclose(y8, y, rtol=1e-5, atol=1e-5 * float(jnp.abs(y).max()))
+
+
+def test_xla_int8_unrolled_accumulation_keeps_the_bits():
+  """``_scan_blocks`` steps :data:`SCAN_UNROLL` K-blocks at a time: the same declared
+  accumulation for a block count that leaves a remainder (20: 1 + 16 + 3) and for 2 and 1."""
+  rng = np.random.default_rng(9)
+  assert BD.SCAN_UNROLL == 16
+  for nb in (20, 2, 1):
+    a = F.quantize(_wide(rng, (6, 8 * nb)), F.BlockFormat(7, axis=1, block_size=8))
+    b = F.quantize(_wide(rng, (8 * nb, 5)), F.BlockFormat(7, axis=0, block_size=8))
+    assert _same(BD.block_dot_xla_int8(a, b, 8, 7, 7), BD.block_dot_reference(a, b, 8, 7, 7))
+
+
+@pytest.mark.parametrize("M,K,N,g,split", [
+    (576, 131072, 64, 1024, True),  # ResNet-18 weight gradients (batch 128): 5 tiles
+    (27, 131072, 64, 1024, True),
+    (1152, 32768, 128, 256, True),
+    (131072, 1296, 64, 24, False),  # forward / input gradients: 1024 tiles
+    (4608, 2048, 512, 16, False),
+    (2304, 8192, 256, 64, False),  # 36 tiles
+    (128, 10, 512, 10, False),  # one K-block: nothing to split
+])
+def test_gpu_auto_splits_the_few_tile_gemms(M, K, N, g, split):
+  """``GPU_IMPL = "auto"``: the rule, and what the CUDA lowering then holds (one batched int8
+  dot and no Pallas kernel, or the kernel); the CPU lowering is the reference either way."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
+  import cuda_lowering as CL  # noqa: PLC0415
+
+  assert BD.splits_k_blocks(M, N, K, g) == split
+  if M * K > 2**24:  # the lowering of the largest shapes: the rule alone
+    return
+  a, b = jax.ShapeDtypeStruct((M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.float32)
+  text, triton = CL.lower_for_cuda(lambda a, b: BD.block_dot_gpu_auto(a, b, g, 7, 7), a, b)
+  int8_dot = "xi8>" in text and "stablehlo.dot_general" in text
+  assert (int8_dot, bool(triton)) == ((True, False) if split else (False, True))
