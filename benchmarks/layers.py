@@ -18,8 +18,9 @@ reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp
 batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
 library's ``FP8_GPU_IMPL``). ``--gpu-impl pallas,auto`` times each exact policy with each GPU
 implementation of its GEMMs in the same run (rows ``policy [impl]``; "auto": GEMMs with few
-output tiles as one batched XLA int8 dot, ``jaxlp.ops._block_dot.splits_k_blocks``); the CPU
-runs the reference either way.
+output tiles as one batched XLA int8 dot, ``jaxlp.ops._block_dot.splits_k_blocks``, the others
+by the kernel with its operand preparation as a Pallas kernel); the CPU runs the reference
+either way.
 
 ``--trace-top N`` also runs ``--steps`` more steps of each policy under ``jax.profiler`` and
 prints where the step's device time goes: its N most expensive XLA operations (kernels on a
@@ -218,7 +219,8 @@ def _kernel_operands(a, b, g, ba, bb):
 
   bf16 = _block_dot.GPU_ROUTE == "auto" and _block_gemm.bf16_route_ok(g, ba, bb)
   bm, bn = _block_gemm._tiles(a.shape[0], b.shape[1], None, None, bf16)
-  return _block_gemm.kernel_operands(a, b, g, ba, bb, bm, bn, bf16)
+  prep = "pallas" if _block_dot.GPU_IMPL == "auto" else None  # what block_dot_gpu_auto takes
+  return _block_gemm.kernel_operands(a, b, g, ba, bb, bm, bn, bf16, prep)
 
 
 def _median_ms(f, args, steps):
@@ -286,8 +288,9 @@ def main(argv=None):
   ap.add_argument("--gpu-impl", default=None,
                   help="comma-separated GPU implementations of the exact block GEMM, each "
                   "exact policy timed with each: pallas (the kernel everywhere), auto (few-tile "
-                  "GEMMs as one batched XLA int8 dot; jaxlp.ops._block_dot.SPLIT_TILES); "
-                  "default: the library's GPU_IMPL")
+                  "GEMMs as one batched XLA int8 dot, the others by the kernel with its Pallas "
+                  "operand preparation; jaxlp.ops._block_dot.SPLIT_TILES); default: the "
+                  "library's GPU_IMPL")
   ap.add_argument("--fp8-impl", choices=("xla", "pallas"), default=None,
                   help="GPU GEMM of the fp8 mode with MX scales (default: the library's)")
   ap.add_argument("--gemm-census", action="store_true",

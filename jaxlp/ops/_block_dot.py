@@ -76,7 +76,8 @@ IMPLS = ("reference", "xla_int8", "pallas")
 #: GiB there).
 GPU_IMPL = "pallas"
 #: ``GPU_IMPL = "auto"`` (opt-in; its GPU speed is not measured): GEMMs with few output tiles
-#: and many K-blocks take "xla_int8", the rest "pallas". The kernel's parallelism is its
+#: and many K-blocks take "xla_int8", the rest "pallas" with the Pallas operand preparation
+#: (``PREP`` in ``jaxlp/pallas/_block_gemm.py``). The kernel's parallelism is its
 #: output tiles, each looping over every K-block in order: a weight gradient of ResNet-18
 #: (batch 128) such as (576, 131072) x (131072, 64) has 5 tiles of 128 x 128 for 128 K-blocks
 #: of 1024, a few programs on a GPU of 132 SMs. "xla_int8" computes every K-block's integer
@@ -191,20 +192,30 @@ def split_significands(x, g: int, bits: int):
   R, K = x.shape
   nb = cdiv(K, g) if K else 0
   x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * g - K))).reshape(R, nb, g)
+  k, q, _ = split_blocks(x, bits)
+  return k, q
+
+
+def split_blocks(x, bits: int):
+  """:func:`split_significands` of blocks along the last axis of ``x`` (float32, zero
+  padding allowed): ``(k, q, nonzero)``, ``nonzero`` true where a block holds a nonzero
+  magnitude (-0.0 is zero). Also the body of the Pallas operand preparation
+  (``jaxlp/pallas/_block_gemm.py``): reductions as max only."""
   bits_ = B.to_bits(x)
   neg = (bits_ & B.u32(B.SIGN_MASK)) != 0
   mag = bits_ & B.u32(B.ABS_MASK)
   adj = jnp.where(neg & (mag != 0), mag - B.u32(1), mag)
   fl = B.floor_log2(jnp.minimum(adj, B.u32(0x7F7FFFFF)))
-  q = jnp.maximum(jnp.max(fl, axis=-1, initial=-150) - (bits - 1), -149)
-  bad = jnp.any(~B.is_finite_mag(mag), axis=-1)
+  q = jnp.maximum(jnp.maximum(jnp.max(fl, axis=-1), -150) - (bits - 1), -149)
+  top = jnp.max(mag, axis=-1)
   field = (mag >> 23).astype(jnp.int32)
   m = (mag & B.u32(B.FRAC_MASK)).astype(jnp.int32)
   m = jnp.where(field > 0, m | (1 << 23), m)
   e0 = jnp.where(field > 0, field - 150, -149)
   k = m >> jnp.clip(q[..., None] - e0, 0, 31)
   k = jnp.where(neg, -k, k)
-  return k, jnp.where(bad, NAN_Q, q).astype(jnp.int32)
+  q = jnp.where(top >= B.u32(B.INF_BITS), NAN_Q, q).astype(jnp.int32)
+  return k, q, top != 0
 
 
 def _f32_from_int_bits(bits):
@@ -340,13 +351,13 @@ def block_dot_xla_int8(a, b, g: int, bits_a: int, bits_b: int):
 
 
 def block_dot_pallas(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
-                     route: str | None = None):
+                     route: str | None = None, prep: str | None = None):
   """The same bits with the Pallas tensor-core kernel (``jaxlp/pallas/_block_gemm.py``);
-  ``route`` None: :data:`GPU_ROUTE`."""
+  ``route`` None: :data:`GPU_ROUTE`; ``prep`` None: that module's ``PREP``."""
   from jaxlp.pallas._block_gemm import block_gemm  # noqa: PLC0415  (import cycle)
 
   return block_gemm(a, b, g, bits_a, bits_b, interpret=interpret,
-                    route=GPU_ROUTE if route is None else route)
+                    route=GPU_ROUTE if route is None else route, prep=prep)
 
 
 def splits_k_blocks(M: int, N: int, K: int, g: int) -> bool:
@@ -357,12 +368,13 @@ def splits_k_blocks(M: int, N: int, K: int, g: int) -> bool:
           and 4 * nb * M * N <= SPLIT_MAX_BYTES)
 
 
-def block_dot_gpu_auto(a, b, g: int, bits_a: int, bits_b: int):
-  """``GPU_IMPL = "auto"``: "xla_int8" where :func:`splits_k_blocks`, else "pallas"."""
+def block_dot_gpu_auto(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False):
+  """``GPU_IMPL = "auto"``: "xla_int8" where :func:`splits_k_blocks`, else "pallas" with
+  the Pallas operand preparation (``prep="pallas"``)."""
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   if splits_k_blocks(a.shape[0], b.shape[1], a.shape[1], g):
     return block_dot_xla_int8(a, b, g, bits_a, bits_b)
-  return block_dot_pallas(a, b, g, bits_a, bits_b)
+  return block_dot_pallas(a, b, g, bits_a, bits_b, interpret=interpret, prep="pallas")
 
 
 _IMPL_FNS = {"reference": block_dot_reference, "xla_int8": block_dot_xla_int8,

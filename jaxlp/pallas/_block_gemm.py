@@ -236,16 +236,21 @@ def _prepare(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int):
   (Mp, nb), ``kb`` (Np, nb, g), ``qb`` (nb, Np) int32; all-zero (and padding) blocks get
   exponent 0 (their dots are +0.0 whatever q, a NaN partner block stays NaN, and 0 keeps
   their tiles on the fast routes)."""
-  M, N = a.shape[0], b.shape[1]
-  ka, qa, kb, qb = BD._operands(a, b, g, bits_a, bits_b)
+  ka, qa = _prepare_one(a, g, bits_a, round_up(a.shape[0], bm))
+  kb, qb = _prepare_one(b.T, g, bits_b, round_up(b.shape[1], bn))
+  return ka, qa, kb, qb.T
+
+
+def _prepare_one(x, g: int, bits: int, rows: int):
+  """:func:`_prepare` of one operand ``x`` (R, K), K-major: ``k`` (rows, nb, g), ``q``
+  (rows, nb)."""
+  R = x.shape[0]
+  k, q = BD.split_significands(x, g, bits)
   # a block's significands are all zero exactly when its magnitudes are (the largest one's
   # significand has its top bit set); testing the input lets XLA fuse this reduction with
   # the exponents' instead of reading the significands again
-  qa = jnp.where(_nonzero_blocks(a, g), qa, 0)
-  qb = jnp.where(_nonzero_blocks(b.T, g), qb, 0)
-  Mp, Np = round_up(M, bm), round_up(N, bn)
-  return (jnp.pad(ka, ((0, Mp - M), (0, 0), (0, 0))), jnp.pad(qa, ((0, Mp - M), (0, 0))),
-          jnp.pad(kb, ((0, Np - N), (0, 0), (0, 0))), jnp.pad(qb, ((0, Np - N), (0, 0))).T)
+  q = jnp.where(_nonzero_blocks(x, g), q, 0)
+  return jnp.pad(k, ((0, rows - R), (0, 0), (0, 0))), jnp.pad(q, ((0, rows - R), (0, 0)))
 
 
 def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None = None,
@@ -261,21 +266,95 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
   return routes if bf16 else jnp.zeros_like(routes)
 
 
+#: Where the bf16 route's operand ``va`` (and ``qa``) is computed: "jnp" (XLA fusions:
+#: significands, block exponents, bf16 values) or "pallas" (:func:`prep_bf16_rows`: one
+#: kernel reads each K-block of ``a`` once and writes its bf16 values and exponent; the same
+#: bits, tested in the interpreter). The H200 census of 2026-11-26 put 11.9 of the 13.2 ms of
+#: the 14 largest GEMMs of an exact ResNet-18 step in the jnp preparation. "pallas" is taken
+#: by ``GPU_IMPL = "auto"`` (``jaxlp/ops/_block_dot.py``); its GPU speed is not measured.
+PREP = "jnp"
+PREPS = ("jnp", "pallas")
+
+
+def _prep_rows(R: int, W: int) -> int:
+  """Rows per program of :func:`prep_bf16_rows`: about 8K elements of a K-block window."""
+  return max(16, min(64, next_pow2(R), 8192 // W))
+
+
+def prep_bf16_rows(a, g: int, bits: int, shift: int, rows: int, *, interpret: bool = False):
+  """``(v, q)`` of the (R, K) operand ``a``: ``v`` (rows, nb * gpb) bfloat16, each K-block's
+  values ``k * 2**bf16_scale(q, shift)`` zero-padded to ``gpb = round_up(g, 16)``, and ``q``
+  (rows, nb) int32 with all-zero blocks at 0; rows ``>= R`` are zero blocks. The bits of
+  :func:`_prepare` and :func:`_bf16_values` (jnp), in one Pallas kernel: each program takes
+  a band of rows and walks the K-blocks, loading each block once (a power-of-two window,
+  masked) and storing its values and exponents."""
+  R, K = a.shape
+  nb = cdiv(K, g)
+  gpb = round_up(g, 16)
+  W = next_pow2(gpb)
+  br = math.gcd(_prep_rows(R, W), rows)  # divides rows (a multiple of a power of two >= 16)
+  from jax.experimental.pallas import triton as plt  # masked loads and stores
+
+  def kernel(a_ref, v_ref, q_ref):
+    r0 = pl.program_id(0) * br
+    row_ok = (r0 + lax.broadcasted_iota(jnp.int32, (br, W), 0)) < R
+    col = lax.broadcasted_iota(jnp.int32, (br, W), 1)
+
+    def block(t, carry):
+      ok = row_ok & (col < g) & (t * g + col < K)
+      x = plt.load(a_ref.at[:, pl.ds(t * g, W)], mask=ok, other=0.0)
+      k, q, nonzero = BD.split_blocks(x, bits)
+      q = jnp.where(nonzero, q, 0)
+      scale = B.from_bits(B.pow2_bits(bf16_scale(q, shift)))[:, None]
+      v = (k.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+      plt.store(v_ref.at[:, pl.ds(t * gpb, W)], v, mask=col < gpb)
+      q_ref[:, pl.ds(t, 1)] = q[:, None]
+      return carry
+
+    lax.fori_loop(0, nb, block, 0)
+
+  v, q = pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((rows, nb * gpb), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((rows, nb), jnp.int32)),
+      grid=(rows // br,),
+      in_specs=[pl.BlockSpec((br, K), lambda i: (i, 0))],
+      out_specs=(pl.BlockSpec((br, nb * gpb), lambda i: (i, 0)),
+                 pl.BlockSpec((br, nb), lambda i: (i, 0))),
+      interpret=interpret,
+      compiler_params=None if interpret else plt.CompilerParams(num_warps=4, num_stages=3),
+      name="jaxlp_block_gemm_prep",
+  )(a)
+  return v, q
+
+
 def int8_reads_bf16(g: int, bf16: bool) -> bool:
   """Whether the int8 route reads the bf16 route's operands (their K-blocks, padded to a
   multiple of 16, are a multiple of 32, the int8 MMA depth) instead of int8 copies."""
   return bf16 and round_up(g, 16) % 32 == 0
 
 
-def kernel_operands(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int, bf16: bool):
-  """What :func:`block_gemm`'s kernels read, computed in jnp before them: ``(routes, va,
+def kernel_operands(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int, bf16: bool,
+                    prep: str | None = None, interpret: bool = False):
+  """What :func:`block_gemm`'s kernels read, computed before them: ``(routes, va,
   vb, qa, qb, ka8, kb8)``: the per-tile routes (all 0 without ``bf16``), the bf16 route's
   operands (None without it), the block exponents and the int8 significands, each K-block
   zero-padded; ``ka8``, ``kb8`` are None where the int8 route reads ``va``, ``vb``
-  (:func:`int8_reads_bf16`: one copy of each operand instead of two). Separate so that its
-  cost can be timed alone (``benchmarks/layers.py --gemm-census``)."""
+  (:func:`int8_reads_bf16`: one copy of each operand instead of two). ``prep`` (None:
+  :data:`PREP`): "pallas" computes ``va`` and ``qa`` with :func:`prep_bf16_rows` where the
+  int8 route reads them, else everything is jnp. Separate so that its cost can be timed alone
+  (``benchmarks/layers.py --gemm-census``)."""
+  prep = PREP if prep is None else prep
+  if prep not in PREPS:
+    raise ValueError(f"block_gemm: prep={prep!r} not in {PREPS}")
   nb = cdiv(a.shape[1], g)
   gp = round_up(g, _chunk(g))
+  if prep == "pallas" and int8_reads_bf16(g, bf16):
+    gpb = round_up(g, 16)
+    va, qa = prep_bf16_rows(a, g, bits_a, 1, round_up(a.shape[0], bm), interpret=interpret)
+    kb, qb = _prepare_one(b.T, g, bits_b, round_up(b.shape[1], bn))
+    routes = _tile_routes(qa, qb.T, bm, bn)
+    return routes, va, _bf16_values(kb, qb, gpb, 0), qa, qb.T, None, None
   ka, qa, kb, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
   Mp, Np = ka.shape[0], kb.shape[0]
   routes = jnp.zeros((Mp // bm, Np // bn), jnp.int32)
@@ -293,11 +372,11 @@ def kernel_operands(a, b, g: int, bits_a: int, bits_b: int, bm: int, bn: int, bf
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4),
                    static_argnames=("interpret", "block_m", "block_n", "num_warps", "num_stages",
-                                    "route"))
+                                    "route", "prep"))
 def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
                block_m: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               route: str = "auto"):
+               route: str = "auto", prep: str | None = None):
   """``a`` (M, K) . ``b`` (K, N) with the exact block bits (``jaxlp/ops/_block_dot.py``).
 
   Args:
@@ -313,6 +392,8 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
       kernel; 1 for the int8 kernel, the setting its bits were checked with on an H100).
     route: ``"auto"`` (bf16 tensor cores on the tiles whose exponents allow it, int8
       elsewhere: module docstring) or ``"int8"`` (int8 everywhere). Same bits.
+    prep: how ``a``'s bf16 operand is computed: ``"jnp"`` or ``"pallas"`` (None:
+      :data:`PREP`; see :func:`kernel_operands`). Same bits.
 
   Returns:
     (M, N) float32.
@@ -339,7 +420,8 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
   # registers of 32 outputs per thread
   im, in_ = min(bm, 64), min(bn, 64)
   Mp, Np = round_up(M, bm), round_up(N, bn)
-  routes, va, vb, qa, qb, ka8, kb8 = kernel_operands(a, b, g, bits_a, bits_b, bm, bn, bf16)
+  routes, va, vb, qa, qb, ka8, kb8 = kernel_operands(a, b, g, bits_a, bits_b, bm, bn, bf16,
+                                                     prep, interpret)
 
   def params(warps, stages):
     if interpret:

@@ -49,6 +49,44 @@ def test_interpret_matches_reference(fa, fb, g, shape, route):
     assert tiled or np.isnan(np.asarray(out)[1]).all()
 
 
+@pytest.mark.parametrize("R,K,g", [(37, 50, 24), (16, 64, 32), (33, 256, 64), (40, 100, 8),
+                                   (17, 2048, 1024)],
+                         ids=["hbfp8-ragged", "mxint8", "g64", "g8", "g1024"])
+def test_pallas_operand_preparation_has_the_jnp_bits(R, K, g):
+  """prep_bf16_rows (one Pallas kernel, interpreted) writes the bf16 values and block exponents
+  that _prepare and _bf16_values compute in jnp: ragged rows and K-blocks, inf, NaN, all-zero
+  and -0.0 blocks, subnormals, exponents from 2**-150 to 2**120."""
+  rng = np.random.default_rng(R)
+  x = rng.normal(size=(R, K)) * np.exp2(rng.integers(-150, 120, size=(R, 1)))
+  x[0, :3] = [np.inf, np.nan, 1.0]
+  x[1, :] = 0.0
+  x[2, :g] = -0.0
+  x[3, :5] = 2.0**-149
+  a = F.quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
+  rows = -(-R // 16) * 16
+  k, q = PB._prepare_one(a, g, 7, rows)
+  want_v = PB._bf16_values(k, q, -(-g // 16) * 16, 1)
+  v, got_q = PB.prep_bf16_rows(a, g, 7, 1, rows, interpret=True)
+  assert np.array_equal(np.asarray(got_q), np.asarray(q))
+  assert np.array_equal(np.asarray(v).view(np.uint16), np.asarray(want_v).view(np.uint16))
+
+
+@pytest.mark.parametrize("M,K,N,g", [(40, 96, 24, 24), (20, 64, 33, 32)])
+def test_pallas_preparation_and_gpu_auto_keep_the_gemm_bits(M, K, N, g):
+  """block_gemm(prep="pallas") and GPU_IMPL="auto"'s implementation give the reference's
+  bits (a NaN block, an all-zero row, exponents 2**-60 to 2**60); a bad prep is refused."""
+  rng = np.random.default_rng(M)
+  x = rng.normal(size=(M, K)) * np.exp2(rng.integers(-60, 60, size=(M, 1)))
+  x[0, 1], x[2, :] = np.nan, 0.0
+  a = F.quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
+  b = F.quantize(_wide(rng, (K, N)), F.BlockFormat(7, axis=0, block_size=g))
+  ref = BD.block_dot_reference(a, b, g, 7, 7)
+  assert _same(block_gemm(a, b, g, 7, 7, interpret=True, prep="pallas"), ref)
+  assert _same(BD.block_dot_gpu_auto(a, b, g, 7, 7, interpret=True), ref)
+  with pytest.raises(ValueError, match="prep='xla' not in"):
+    block_gemm(a, b, g, 7, 7, interpret=True, prep="xla")
+
+
 def test_rejects_wide_significands():
   with pytest.raises(ValueError, match="<= 7 bits"):
     block_gemm(jnp.ones((4, 8)), jnp.ones((8, 4)), 8, 11, 7, interpret=True)

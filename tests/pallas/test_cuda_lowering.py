@@ -129,6 +129,17 @@ def test_block_gemm_kernel_lowers_for_cuda(g, bits):
   assert "tt.dot" in mods[0]
 
 
+@pytest.mark.parametrize("g", [24, 32, 96])
+def test_block_gemm_with_the_pallas_operand_preparation_lowers_for_cuda(g):
+  """prep="pallas" (GPU_IMPL="auto"): the preparation kernel, then the GEMM kernels, on
+  (100, 96) x (96, 70); K-blocks of 24 and 96 in masked power-of-two windows."""
+  a = jax.ShapeDtypeStruct((100, 96), jnp.float32)
+  b = jax.ShapeDtypeStruct((96, 70), jnp.float32)
+  _, mods = lower_for_cuda(lambda a, b: block_gemm(a, b, g, 7, 7, prep="pallas"), a, b)
+  _assert_clean(mods, f"block_gemm g={g} prep=pallas")
+  assert kernel_names(mods)[0] == "jaxlp_block_gemm_prep"
+
+
 def _fp8_operands(M, N, nb, g, dtype):
   return (jax.ShapeDtypeStruct((M, nb, g), dtype), jax.ShapeDtypeStruct((M, nb), jnp.int32),
           jax.ShapeDtypeStruct((N, nb, g), dtype), jax.ShapeDtypeStruct((N, nb), jnp.int32))
@@ -199,8 +210,10 @@ def test_every_pallas_call_site_is_lowered():
                           chunk=32 if alg == "chunked" else None)
     lowered |= set(kernel_names(lower_for_cuda(f, x, jax.ShapeDtypeStruct(SHAPE[::-1],
                                                                          jnp.float32))[1]))
-  lowered |= set(kernel_names(lower_for_cuda(lambda a, b: block_gemm(a, b, 24, 7, 7), x,
-                                             jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
+  for prep in ("jnp", "pallas"):
+    lowered |= set(kernel_names(lower_for_cuda(
+        lambda a, b, prep=prep: block_gemm(a, b, 24, 7, 7, prep=prep), x,
+        jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
   lowered |= set(kernel_names(lower_for_cuda(
       fp8_block_gemm, *_fp8_operands(64, 64, 2, 32, jnp.float8_e4m3fn))[1]))
   assert sites
