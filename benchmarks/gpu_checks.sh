@@ -15,14 +15,15 @@
 #                  bucketed yet
 #   compression_nocb  issue 14: top-k and DGC again with XLA:GPU's command buffers off, traced
 #                  (their wall time was 2-3x their device time, 5-6x under the profiler)
-#   torch_launch   issue 17: the bridge's direct Triton launches (jaxlp/torch/_triton.py,
-#                  Launcher) give the spec's bits and stay on (a CUDA test)
 #   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), each
 #                  jaxlp row also timed through JITFunction.run, OptimLP next to the plain
 #                  SGD step it wraps
 #   torch_cuda     issue 17: the CUDA tests of the bridge and its DDP hooks, direct launches on
-#                  (not the all-formats spec check: it compiles every kernel variant, and
-#                  passed on 4M patterns on the H100, 2026-11-26)
+#                  (they passed on the H200, 2026-11-27, after the launcher fix; not the
+#                  all-formats spec check: it compiles every kernel variant, and passed on 4M
+#                  patterns on the H100, 2026-11-26)
+#   block_gpu_bits issue 18: the exact GEMM's GPU implementations (the kernel, GPU_IMPL="auto",
+#                  "xla_int8") give the CPU reference's bits, before they are timed
 #   layers         issue 18: the exact ResNet-18 step against fp32, traced with command
 #                  buffers off (the step's most expensive kernels and source lines), with
 #                  the library's GEMM implementation and with GPU_IMPL="auto"
@@ -81,21 +82,21 @@ fi
 # the sparsifiers again (the GPU schedule gave topk1% 0.44x and dgc1% 0.31x of the copy on
 # the H200, 2026-11-27; goal 0.5x), each next to the same selection on the "radix" schedule
 # (no conditional; not measured on a GPU yet), then the compressors not measured bucketed yet
-step compression_buckets 110 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression_buckets 100 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%,dgc1%_radix,randomk1%,graddrop99%,powersgd2,terngrad_hp2,terngrad,tbq,bf16'
 # the sparsifiers' wall time was 2-3x their device time (5-6x under the profiler): the same
 # rows with XLA:GPU's command buffers off, traced (what the CUDA graphs and conditionals cost)
-step compression_nocb 60 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%,dgc1%_radix' --trace-top 8 --no-command-buffers
+step compression_nocb 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%' --trace-top 8 --no-command-buffers
 # torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# the direct launches failed on the H200 (grid passed as a 1-tuple; fixed 2026-11-27 and
-# passed there): every kernel path, then every CUDA test of the bridge with them on
-step torch_launch 30 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
-  -k direct_triton_launches
 step torch_quantize 75 "$py" benchmarks/torch_quantize.py --device cuda
-step torch_cuda 90 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
+step torch_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
   tests/torch/test_torch_ddp.py -k 'cuda and not match_the_spec'
+# the exact GEMM's GPU implementations against the CPU reference, bit for bit: the kernel, the
+# new GPU_IMPL="auto" (few-tile GEMMs as batched XLA int8 dots, the Pallas operand
+# preparation for the others) and "xla_int8" alone; before the layers step times them
+step block_gpu_bits 60 "$py" -m pytest -q -p no:cacheprovider tests/ops/test_block_dot_gpu.py
 # the exact ResNet-18 step (60.4 ms against fp32's 19.5 on the H200) traced as one 52 ms
 # command buffer: with command buffers off, where its time goes; each exact GEMM by the
 # kernel ("pallas", the default), then with the few-tile GEMMs (the weight gradients: 1-9

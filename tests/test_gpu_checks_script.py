@@ -16,8 +16,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
                      capture_output=True, text=True, cwd=ROOT, timeout=60)
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
-  assert [s[0] for s in steps] == ["compression_buckets", "compression_nocb", "torch_launch",
-                                   "torch_quantize", "torch_cuda", "layers", "train_exact_gpu"]
+  assert [s[0] for s in steps] == ["compression_buckets", "compression_nocb", "torch_quantize",
+                                   "torch_cuda", "block_gpu_bits", "layers", "train_exact_gpu"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
