@@ -87,7 +87,7 @@ KERNELS = [
         a, b, g, 7, 7, prep="pallas"), (SQUARE, SQUARE),
        {"jaxlp_block_gemm_prep": 4, "jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4},
        {"jaxlp_block_gemm_prep": 3, "jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
-      for g in (24, 64)],
+      for g in (24, 64, 1024)],
     # the fp8 fast mode's per-K-block-scaled GEMM (block_dot="fp8", FP8_GPU_IMPL="pallas")
     *[(f"fp8_block_gemm-{dt.__name__}", PB.fp8_block_gemm,
        (jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32),
