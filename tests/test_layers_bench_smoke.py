@@ -224,6 +224,10 @@ def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(monkeypatch
   assert _block_dot.GPU_IMPL == "auto"
   # the CPU runs the reference with either: the same loss
   assert rows[1]["loss"] == rows[2]["loss"]
+  # the census with "auto" times its operand preparation (the Pallas kernel, interpreted here)
+  (census,) = mod.main(["--small", "--models", "mlp", "--policies", "hbfp8_exact",
+                        "--gemm-census", "--gpu-impl", "auto", "--steps", "1"])
+  assert census["gemms"] == 9 and census["prep_ms"] > 0
   for bad in ("pallas,pallas", "xla"):
     with pytest.raises(SystemExit):
       mod.main(["--small", "--gpu-impl", bad])
