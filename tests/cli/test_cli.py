@@ -74,6 +74,7 @@ def _assert_same_state(a, b):
     ["train", "--data", "cifar10"],
     ["train", "--compress", "nosuch:bits=4"],
     ["train", "--compress", "cgx:algorithm=tree"],
+    ["train", "--compress", "topk:schedule=tpu"],
     ["train", "--grad-format", "E9M9"],
     ["plot", "/nonexistent-dir"],
     ["frobnicate"],
