@@ -269,9 +269,10 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
 #: Where the bf16 route's operand ``va`` (and ``qa``) is computed: "jnp" (XLA fusions:
 #: significands, block exponents, bf16 values) or "pallas" (:func:`prep_bf16_rows`: one
 #: kernel reads each K-block of ``a`` once and writes its bf16 values and exponent; the same
-#: bits, tested in the interpreter). The H200 census of 2026-11-26 put 11.9 of the 13.2 ms of
-#: the 14 largest GEMMs of an exact ResNet-18 step in the jnp preparation. "pallas" is taken
-#: by ``GPU_IMPL = "auto"`` (``jaxlp/ops/_block_dot.py``); its GPU speed is not measured.
+#: bits, tested in the interpreter). The H200 census of 2026-11-26 put 29.6 of the 32.7 ms of
+#: 14 GEMM shapes of an exact ResNet-18 step (each times its calls per step) in the jnp
+#: preparation, timed alone. "pallas" is taken by ``GPU_IMPL = "auto"``
+#: (``jaxlp/ops/_block_dot.py``); its GPU speed is not measured.
 PREP = "jnp"
 PREPS = ("jnp", "pallas")
 
