@@ -7,33 +7,28 @@
 # Each step has its own time limit, and a step that fails or times out does not stop the
 # others. Every log ends with the step's exit status. The checks (what the H200 runs of
 # 2026-11-27 left open; benchmarks/RESULTS.md, top). Settled there and not repeated: the
-# exact MLP and CNN runs' checkpoints (GPU = CPU, bit for bit) and the sparsifiers' GPU
-# selection schedule (2.0-3.3x the CPU schedule on one bucket).
-#   compression_buckets  issue 14: encode+decode on the engine's fused 25 MB buckets against
-#                  the copy row (GPU goal: >= 0.5x): the sparsifiers (below the goal), each
-#                  also on the "radix" selection schedule, and the compressors not measured
-#                  bucketed yet
-#   compression_nocb  issue 14: top-k and DGC again with XLA:GPU's command buffers off, traced
-#                  (their wall time was 2-3x their device time, 5-6x under the profiler)
-#   torch_quantize issue 17: the bridge against QPyTorch on CUDA (needs qtorch installed), each
-#                  jaxlp row also timed through JITFunction.run, OptimLP next to the plain
-#                  SGD step it wraps
-#   torch_cuda     issue 17: the CUDA tests of the bridge and its DDP hooks, direct launches on
-#                  (they passed on the H200, 2026-11-27, after the launcher fix; not the
-#                  all-formats spec check: it compiles every kernel variant, and passed on 4M
-#                  patterns on the H100, 2026-11-26)
+# compressors' bucketed rows and the "radix" selection schedule (not adopted), the torch
+# bridge's speed table, and GPU_IMPL="auto" against "pallas" (auto adopted: 37.8 against
+# 53.2 ms per exact ResNet-18 step, same bits).
 #   block_gpu_bits issue 18: the exact GEMM's GPU implementations (the kernel, GPU_IMPL="auto",
-#                  "xla_int8") give the CPU reference's bits, before they are timed
-#   layers         issue 18: the exact ResNet-18 step against fp32, traced with command
-#                  buffers off (the step's most expensive kernels and source lines), with
-#                  the library's GEMM implementation and with GPU_IMPL="auto"
-#   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half, its folder kept in OUTDIR
+#                  now the default, "xla_int8") give the CPU reference's bits
+#   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half with the default "auto"
+#                  (its small GEMMs are now batched int8 dots), its folder kept in OUTDIR
 #                  (compare it with a CPU run here: exact_train_check.py --compare)
+#   layers         issue 18: the exact ResNet-18 step (default "auto") against fp32, traced
+#                  with command buffers off: where its 37.8 ms go now (its compile took 131 s)
+#   census         issue 18: each exact GEMM shape of that step timed alone with its count per
+#                  step (63 GEMMs), split ones as "xla_int8", the others kernel + preparation
+#   optimlp_profile  issue 17: where OptimLP's 4K step spends its +178 us over the SGD step
+#                  it wraps on CUDA (cProfile; goal <= 50 us)
+#   torch_ddp_cuda issue 17: the bridge's DDP hooks on CUDA buckets (12 of them did not run
+#                  within the last call's limit: the step ran them after the bridge's tests)
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
-# installed; the repository is put on PYTHONPATH. QPyTorch (for torch_quantize) is installed
-# from wheels in .whl/ when that folder exists (it JIT-builds its CUDA kernels with ninja):
-#   pip wheel qtorch==0.3.0 --no-deps -w .whl   # here, with .whl/ in .git/info/exclude
-# and name .whl in the device call's carry list.
+# installed; the repository is put on PYTHONPATH. QPyTorch (for benchmarks/torch_quantize.py's
+# comparison, not run here) is installed from wheels in .whl/ when that folder exists (it
+# JIT-builds its CUDA kernels with ninja, in the background):
+#   pip wheel qtorch==0.3.0 --no-deps -w .whl   # here (.whl/ is git-ignored)
+# and name .whl in the device call's carry list. These steps do not need it.
 set -u
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then
@@ -78,36 +73,29 @@ if [ "$dry" = 0 ]; then
       >> "$out/device.txt" 2>&1 &)
   fi
 fi
-# the engine's fused 25 MB buckets (reduce_gradients(bucket_mb=25)), the GPU configuration:
-# the sparsifiers again (the GPU schedule gave topk1% 0.44x and dgc1% 0.31x of the copy on
-# the H200, 2026-11-27; goal 0.5x), each next to the same selection on the "radix" schedule
-# (no conditional; not measured on a GPU yet), then the compressors not measured bucketed yet
-step compression_buckets 100 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%,dgc1%_radix,randomk1%,graddrop99%,powersgd2,terngrad_hp2,terngrad,tbq,bf16'
-# the sparsifiers' wall time was 2-3x their device time (5-6x under the profiler): the same
-# rows with XLA:GPU's command buffers off, traced (what the CUDA graphs and conditionals cost)
-step compression_nocb 50 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
-  --bucket-mb 25 --only 'topk1%,topk1%_radix,dgc1%' --trace-top 8 --no-command-buffers
-# torch and JAX share the GPU from here on: JAX takes memory as it needs it, not 75% up front
+# torch and JAX share the GPU: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-step torch_quantize 75 "$py" benchmarks/torch_quantize.py --device cuda
-step torch_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_cuda.py \
-  tests/torch/test_torch_ddp.py -k 'cuda and not match_the_spec'
-# the exact GEMM's GPU implementations against the CPU reference, bit for bit: the kernel, the
-# new GPU_IMPL="auto" (few-tile GEMMs as batched XLA int8 dots, the Pallas operand
-# preparation for the others) and "xla_int8" alone; before the layers step times them
+# the exact GEMM's GPU implementations against the CPU reference, bit for bit: the kernel,
+# GPU_IMPL="auto" (the default since 2026-11-27) and "xla_int8" alone
 step block_gpu_bits 60 "$py" -m pytest -q -p no:cacheprovider tests/ops/test_block_dot_gpu.py
-# the exact ResNet-18 step (60.4 ms against fp32's 19.5 on the H200) traced as one 52 ms
-# command buffer: with command buffers off, where its time goes; each exact GEMM by the
-# kernel ("pallas", the default), then with the few-tile GEMMs (the weight gradients: 1-9
-# output tiles over 128 K-blocks) as batched XLA int8 dots ("auto", not measured yet)
-step layers 150 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
-  --policies fp32,hbfp8_exact --gpu-impl pallas,auto --trace-top 15 --no-command-buffers
-# the exact MLP run's GPU half (same bits as the CPU on the H200, 2026-11-27); its folder comes
-# back in OUTDIR: compare it here with
+# the exact MLP run's GPU half (same bits as the CPU with "pallas" on the H200, 2026-11-27;
+# now "auto"); its folder comes back in OUTDIR: compare it here with
 #   python -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 --out /tmp/cpu_run   # the CPU
 #   python benchmarks/exact_train_check.py --compare OUTDIR/exact_mlp /tmp/cpu_run
-# (the CPU half on the device host ran past its limits: jax 0.11's CPU backend compiled the
-# exact step for > 10 minutes, fixed the same day; jaxlp.training._portable.materialize)
 step train_exact_gpu 45 "$py" -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 \
   --out "$out/exact_mlp"
+# the exact ResNet-18 step with the default "auto" (37.8 ms against fp32's 18.5-19.5 on the
+# H200; compile 131 s), traced with command buffers off: its most expensive kernels and lines
+step layers 200 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
+  --policies fp32,hbfp8_exact --trace-top 15 --no-command-buffers
+# the step's exact GEMMs one shape at a time, with their counts per step (63 GEMMs, 489.7
+# GFLOP): the 16 largest, each by "auto"'s pick (xla_int8 or kernel + Pallas preparation)
+step census 80 "$py" benchmarks/layers.py --models resnet18 --policies hbfp8_exact \
+  --gemm-census --census-top 16
+# OptimLP's 4K step: +178 us (nearest) and +202 us (stochastic) over the plain SGD step on
+# the H200 (2026-11-27; goal <= 50 us): where the host time goes
+step optimlp_profile 40 "$py" benchmarks/torch_quantize.py --device cuda --small \
+  --only "OptimLP step,quantizer" --profile
+# the DDP hooks on CUDA buckets (12 of 22 did not run within the last call's 80 s)
+step torch_ddp_cuda 130 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
+  -k cuda

@@ -372,9 +372,11 @@ def main(argv=None):
         base = t if pname == "fp32" else base
         ratio = t / base if base else float("nan")
         rows.append(dict(model=mname, policy=label, step_ms=1e3 * t, compile_s=c,
-                         overhead=ratio, loss=loss, batch=int(x.shape[0])))
+                         overhead=ratio if base else None, loss=loss,
+                         batch=int(x.shape[0])))
+        shown = f"{ratio:.2f}x" if base else "- (no fp32 row)"
         print(f"| {mname} (batch {x.shape[0]}) | {label} | {1e3 * t:.1f} | {c:.1f} | "
-              f"{ratio:.2f}x |", flush=True)
+              f"{shown} |", flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

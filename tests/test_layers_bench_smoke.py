@@ -219,11 +219,15 @@ def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(monkeypatch
   monkeypatch.setattr(_block_dot, "GPU_IMPL", _block_dot.GPU_IMPL)  # restored afterwards
   mod = load_benchmark("layers")
   rows = mod.main(["--small", "--models", "mlp", "--policies", "fp32,hbfp8_exact",
-                   "--gpu-impl", "pallas,auto", "--steps", "1"])
-  assert [r["policy"] for r in rows] == ["fp32", "hbfp8_exact [pallas]", "hbfp8_exact [auto]"]
-  assert _block_dot.GPU_IMPL == "auto"
+                   "--gpu-impl", "auto,pallas", "--steps", "1"])
+  assert [r["policy"] for r in rows] == ["fp32", "hbfp8_exact [auto]", "hbfp8_exact [pallas]"]
+  assert _block_dot.GPU_IMPL == "pallas"  # the last one set (the default is "auto")
   # the CPU runs the reference with either: the same loss
   assert rows[1]["loss"] == rows[2]["loss"]
+  # without an fp32 row there is no ratio: "-" in the table, None in the JSON rows
+  capsys.readouterr()
+  (row,) = mod.main(["--small", "--models", "mlp", "--policies", "hbfp8", "--steps", "1"])
+  assert row["overhead"] is None and "| - (no fp32 row) |" in capsys.readouterr().out
   # the census with "auto" times its operand preparation (the Pallas kernel, interpreted here)
   (census,) = mod.main(["--small", "--models", "mlp", "--policies", "hbfp8_exact",
                         "--gemm-census", "--gpu-impl", "auto", "--steps", "1"])

@@ -181,9 +181,11 @@ class DotPolicy:
         results are summed in float32 sequentially, ascending K-block index. The same
         bits on every backend (a pure-jnp reference on CPU; on a GPU a Pallas kernel on
         bf16 tensor cores where the block exponents keep every partial exact, int8 tensor
-        cores elsewhere). Relative to None only the rounding of sums that cross K-blocks differs
-        (within a block both are exact for HBFP8-sized blocks); measured in the README
-        ("Block formats on tensor cores"). Supported for 2-D ``dot_general``
+        cores elsewhere, and GEMMs with few output tiles and many K-blocks as one batched
+        int8 dot: ``jaxlp.ops._block_dot.GPU_IMPL``). Relative to None only the rounding
+        of sums that cross K-blocks differs (within a block both are exact for
+        HBFP8-sized blocks); measured in the README ("Block formats on tensor cores").
+        Supported for 2-D ``dot_general``
         with one contracting dimension and no batch dimensions, and for ungrouped
         convolutions (GEMMs on im2col matrices, K-blocks = the quantization blocks: see
         :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run across the

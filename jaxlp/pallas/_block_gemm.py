@@ -271,8 +271,8 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
 #: kernel reads each K-block of ``a`` once and writes its bf16 values and exponent; the same
 #: bits, tested in the interpreter). The H200 census of 2026-11-26 put 29.6 of the 32.7 ms of
 #: 14 GEMM shapes of an exact ResNet-18 step (each times its calls per step) in the jnp
-#: preparation, timed alone. "pallas" is taken by ``GPU_IMPL = "auto"``
-#: (``jaxlp/ops/_block_dot.py``); its GPU speed is not measured.
+#: preparation, timed alone. "pallas" is taken by ``GPU_IMPL = "auto"``, the default
+#: (``jaxlp/ops/_block_dot.py``; measured there with the split weight gradients, not alone).
 PREP = "jnp"
 PREPS = ("jnp", "pallas")
 

@@ -20,6 +20,7 @@ from cuda_lowering import illegal_ops, kernel_names, lower_for_cuda
 import jaxlp
 from jaxlp import formats as F
 from jaxlp.formats._quantize import FORMAT_TYPES
+from jaxlp.ops import _block_dot as BD
 from jaxlp.pallas import _gemm as G
 from jaxlp.pallas._block_gemm import block_gemm, fp8_block_gemm
 from jaxlp.pallas._matmul import matmul as kernel_matmul
@@ -157,8 +158,6 @@ def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
   """``block_dot="fp8"`` with MX operands lowers to the fp8 kernel on CUDA where
   ``FP8_GPU_IMPL = "pallas"`` (the default), and to no kernel (XLA's batched fp8 dot) with
   ``"xla"``."""
-  from jaxlp.ops import _block_dot as BD
-
   dot = jaxlp.dot_general(jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"))
 
   def loss(x, w):
@@ -175,19 +174,31 @@ def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
   assert not lower_for_cuda(lambda x, w: f(x, w), x, w)[1]  # a new function: a new trace
 
 
-def test_exact_block_dot_policy_dispatches_to_the_kernel_for_cuda():
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_exact_block_dot_policy_dispatches_to_the_gpu_impl_for_cuda(impl, monkeypatch):
   """``DotPolicy(block_dot="exact")`` under value_and_grad: fwd, dlhs and drhs GEMMs all
-  lower to the block GEMM kernel on CUDA."""
-  dot = jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact"))
+  lower to ``GPU_IMPL`` on CUDA: three block GEMM kernels with "pallas"; with "auto" (the
+  default) these one-tile GEMMs of four K-blocks are batched int8 dots, no kernel."""
+  assert BD.GPU_IMPL == "auto"  # the default
+  monkeypatch.setattr(BD, "GPU_IMPL", impl)
+  jax.clear_caches()  # the dispatch reads GPU_IMPL when it is traced
+  try:
+    dot = jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact"))
 
-  def loss(x, w):
-    return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
+    def loss(x, w):
+      return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
 
-  x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
-  w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
-  _, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
-  _assert_clean(mods, "dot_general block_dot='exact'")
-  assert kernel_names(mods).count("jaxlp_block_gemm") == 3
+    x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
+    w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
+    text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  finally:
+    jax.clear_caches()
+  if impl == "pallas":
+    _assert_clean(mods, "dot_general block_dot='exact'")
+    assert kernel_names(mods).count("jaxlp_block_gemm") == 3
+  else:
+    assert not mods
+    assert len(re.findall(r"stablehlo.dot_general[^\n]*xi8>", text)) == 3
 
 
 def test_every_pallas_call_site_is_lowered():
@@ -247,16 +258,30 @@ def test_the_guard_catches_both_gpu_failure_classes():
         lower_for_cuda(f, spec)
 
 
-def test_exact_block_conv_lowers_for_cuda():
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_exact_block_conv_lowers_for_cuda(impl, monkeypatch):
   """``block_dot="exact"`` convolutions (im2col + the exact block GEMM) under value_and_grad
-  lower for CUDA with no op Triton cannot compile, every GEMM through the block GEMM kernel."""
-  conv = jaxlp.conv_general_dilated(jaxlp.mx_policy("int8", block_dot="exact"))
+  lower for CUDA with no op Triton cannot compile: every GEMM through the block GEMM kernel
+  with "pallas"; with "auto" (the default) at batch 64 the forward and input-gradient GEMMs
+  (32 tiles; 1 K-block) through the kernel with the Pallas operand preparation, and the
+  weight gradient (5 tiles, 128 K-blocks) as one batched int8 dot."""
+  monkeypatch.setattr(BD, "GPU_IMPL", impl)
+  jax.clear_caches()  # the dispatch reads GPU_IMPL when it is traced
+  try:
+    conv = jaxlp.conv_general_dilated(jaxlp.mx_policy("int8", block_dot="exact"))
 
-  def loss(x, w):
-    return jnp.sum(conv(x, w, (1, 1), "SAME"))
+    def loss(x, w):
+      return jnp.sum(conv(x, w, (1, 1), "SAME"))
 
-  x = jax.ShapeDtypeStruct((2, 64, 8, 8), jnp.float32)
-  w = jax.ShapeDtypeStruct((32, 64, 3, 3), jnp.float32)
-  _, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+    x = jax.ShapeDtypeStruct((2 if impl == "pallas" else 64, 64, 8, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 64, 3, 3), jnp.float32)
+    text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  finally:
+    jax.clear_caches()
   _assert_clean(mods, "conv_general_dilated block_dot='exact'")
-  assert kernel_names(mods).count("jaxlp_block_gemm") == 3
+  names = kernel_names(mods)
+  if impl == "pallas":
+    assert names.count("jaxlp_block_gemm") == 3
+  else:
+    assert names.count("jaxlp_block_gemm") == names.count("jaxlp_block_gemm_prep") == 2
+    assert len(re.findall(r"stablehlo.dot_general[^\n]*xi8>", text)) == 1
