@@ -18,7 +18,8 @@
 #   layers         issue 18: the exact ResNet-18 step (default "auto") against fp32, traced
 #                  with command buffers off: where its 37.8 ms go now (its compile took 131 s)
 #   census         issue 18: each exact GEMM shape of that step timed alone with its count per
-#                  step (63 GEMMs), split ones as "xla_int8", the others kernel + preparation
+#                  step (63 GEMMs), split ones as "xla_int8", the others kernel + preparation,
+#                  with each shape's first call (which half makes the compile 131 s)
 #   optimlp_profile  issue 17: where OptimLP's 4K step spends its +178 us over the SGD step
 #                  it wraps on CUDA (cProfile; goal <= 50 us)
 #   torch_ddp_cuda issue 17: the bridge's DDP hooks on CUDA buckets (12 of them did not run
@@ -89,13 +90,14 @@ step train_exact_gpu 45 "$py" -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 
 step layers 200 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
   --policies fp32,hbfp8_exact --trace-top 15 --no-command-buffers
 # the step's exact GEMMs one shape at a time, with their counts per step (63 GEMMs, 489.7
-# GFLOP): the 16 largest, each by "auto"'s pick (xla_int8 or kernel + Pallas preparation)
-step census 80 "$py" benchmarks/layers.py --models resnet18 --policies hbfp8_exact \
+# GFLOP) and each one's first call (what it adds to the compile): the 16 largest, each by
+# "auto"'s pick (xla_int8 or kernel + Pallas preparation)
+step census 110 "$py" benchmarks/layers.py --models resnet18 --policies hbfp8_exact \
   --gemm-census --census-top 16
 # OptimLP's 4K step: +178 us (nearest) and +202 us (stochastic) over the plain SGD step on
 # the H200 (2026-11-27; goal <= 50 us): where the host time goes
 step optimlp_profile 40 "$py" benchmarks/torch_quantize.py --device cuda --small \
   --only "OptimLP step,quantizer" --profile
 # the DDP hooks on CUDA buckets (12 of 22 did not run within the last call's 80 s)
-step torch_ddp_cuda 130 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
+step torch_ddp_cuda 110 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
   -k cuda

@@ -39,8 +39,9 @@ tracing the step without running it: shape, K-block, count and GFLOP. On a GPU e
 GEMM is also timed alone (``block_dot`` on random block-format operands of that shape,
 median of ``--steps``), with the time of its jnp operand preparation alone (what the
 kernel's call computes before its ``pallas_call``s), next to the plain float32 dot of the
-same shape at JAX's default precision; the sums say how much of the step the exact GEMMs
-take. Elsewhere the times read "not measured" (the CPU runs the jnp reference), except with
+same shape at JAX's default precision, and the seconds of its first call (its compile: what
+the step's compile pays for that shape, about); the sums say how much of the step the exact
+GEMMs take. Elsewhere the times read "not measured" (the CPU runs the jnp reference), except with
 ``--small`` (the CI smoke run; its operand preparation is the GPU's, timed on the CPU).
 """
 
@@ -227,8 +228,13 @@ def _kernel_operands(a, b, g, ba, bb):
                                      interpret=jax.default_backend() != "gpu")
 
 
-def _median_ms(f, args, steps):
+def _median_ms(f, args, steps, first=None):
+  """Median ms of ``steps`` calls of ``f`` after a first call (the compile); ``first``: a list
+  that gets that first call's seconds."""
+  t0 = time.perf_counter()
   jax.block_until_ready(f(*args))  # compile
+  if first is not None:
+    first.append(time.perf_counter() - t0)
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
@@ -243,15 +249,15 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed, top=0):
   counts = collections.Counter(exact_gemms(model, x, labels, policy))
   print(f"\n### exact GEMMs of one {mname} step (batch {x.shape[0]}), {pname}\n")
   print("| M | K | N | K-block | K-blocks | bits | calls | GFLOP | exact ms | of which operand "
-        "prep ms | f32 dot ms | exact TFLOP/s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-  tot_fl = tot_ex = tot_f32 = tot_prep = timed_fl = 0.0
+        "prep ms | f32 dot ms | exact TFLOP/s | exact first call s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  tot_fl = tot_ex = tot_f32 = tot_prep = timed_fl = tot_first = 0.0
   key = jax.random.key(0)
   for i, ((M, K, N, g, ba, bb), c) in enumerate(sorted(
       counts.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1])):
     fl = 2.0 * M * K * N * c
     tot_fl += fl
-    ex = f32 = prep = "not measured"
+    ex = f32 = prep = first_s = "not measured"
     tf = "-"
     if timed and (top <= 0 or i < top):
       timed_fl += fl
@@ -259,8 +265,11 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed, top=0):
       ka, kb = jax.random.split(jax.random.fold_in(key, (M * K * N + g) % 2**32))
       a = jax.random.randint(ka, (M, K), -127, 128).astype(jnp.float32)
       b = jax.random.randint(kb, (K, N), -127, 128).astype(jnp.float32)
+      first = []  # the first call: its compile (what a step's compile pays per shape)
       t_ex = _median_ms(jax.jit(lambda a, b, g=g, ba=ba, bb=bb: _block_dot.block_dot(
-          a, b, g, ba, bb)), (a, b), steps)
+          a, b, g, ba, bb)), (a, b), steps, first)
+      tot_first += first[0]
+      first_s = f"{first[0]:.2f}"
       split = _block_dot.GPU_IMPL == "auto" and _block_dot.splits_k_blocks(M, N, K, g)
       # a GEMM that "auto" runs as a batched XLA int8 dot has no kernel operands to prepare
       t_prep = 0.0 if split else _median_ms(
@@ -272,13 +281,15 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed, top=0):
       ex, prep, f32 = f"{t_ex:.3f}", "- (xla_int8)" if split else f"{t_prep:.3f}", f"{t_f32:.3f}"
       tf = f"{fl / c / t_ex / 1e9:.1f}"
     print(f"| {M} | {K} | {N} | {g} | {-(-K // g)} | {ba}/{bb} | {c} | {fl / 1e9:.2f} | {ex} | "
-          f"{prep} | {f32} | {tf} |", flush=True)
+          f"{prep} | {f32} | {tf} | {first_s} |", flush=True)
   sums = (f"{tot_ex:.1f} ms exact (operand prep {tot_prep:.1f} ms), {tot_f32:.1f} ms f32 dot"
-          f" for the {timed_fl / 1e9:.1f} GFLOP timed" if timed
+          f" for the {timed_fl / 1e9:.1f} GFLOP timed; first calls (compiles) of the exact "
+          f"GEMMs {tot_first:.1f} s" if timed
           else "times not measured (no GPU; --small times them)")
   print(f"\n{sum(counts.values())} exact GEMMs, {tot_fl / 1e9:.1f} GFLOP per step; {sums}")
   return dict(model=mname, policy=pname, gemms=sum(counts.values()), gflop=tot_fl / 1e9,
               exact_ms=tot_ex if timed else None, prep_ms=tot_prep if timed else None,
+              first_call_s=tot_first if timed else None,
               f32_ms=tot_f32 if timed else None)
 
 

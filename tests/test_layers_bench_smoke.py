@@ -74,6 +74,7 @@ def test_layers_benchmark_gemm_census(tmp_path):
   flop = sum(2 * b * i * o for b, i, o in dims) * 3  # forward, dlhs, drhs: the same MACs
   assert abs(row["gflop"] * 1e9 - flop) < 1
   assert row["exact_ms"] > 0 and row["f32_ms"] > 0 and row["prep_ms"] > 0
+  assert row["first_call_s"] > 0
   assert "| 32 | 784 | 128 | 24 | 33 | 7/7 | 1 |" in r.stdout  # the first forward GEMM
   r = subprocess.run(base + ["--policies", "fp32,hbfp8"], capture_output=True, text=True,
                      env=env, timeout=120)
