@@ -500,8 +500,11 @@ def sample_threshold(mag, key, keep, sample_rate):
 #   step is a few kernel launches and a conditional reads its predicate back to the host; the
 #   H200 run of 2026-11-26 put the sparsifiers' bucketed round trips at 0.16-0.35x of the copy.
 #   One lax.cond (the rare fallback) is left.
-# A third, "radix" (``select_sparse`` only; no platform's default until it is measured faster
-# on a GPU), has no candidate buffer and so no fallback and no conditional: see _select_radix.
+# A third, "radix" (``select_sparse`` only; no platform's default), has no candidate buffer and
+# so no fallback and no conditional: see _select_radix. On one H200 (2026-11-27, ResNet-18's
+# gradients in 25 MB buckets) it was slower than "gpu" for top-k (25.7 against 33.9 GB/s; its
+# eight counting passes took 0.52 of its 1.00 ms of kernels per round trip) and about even for
+# DGC (23.2 against 20.7 GB/s, one run): benchmarks/RESULTS.md.
 
 _FAST_MIN = 1 << 15  # below this many elements the full top_k is as fast
 _INF_BITS = 0x7F800000
