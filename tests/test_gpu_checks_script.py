@@ -15,7 +15,7 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
   assert [s[0] for s in steps] == ["block_gpu_bits", "train_exact_gpu", "layers", "census",
-                                   "optimlp_profile", "torch_ddp_cuda"]
+                                   "optimlp_profile", "torch_ddp_example", "torch_ddp_cuda"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
