@@ -69,6 +69,9 @@ COMPRESSORS = {
     # A/B against the platform's schedule in one run, before it becomes a platform's default
     "topk1%_radix": C.topk(0.01, schedule="radix"),
     "dgc1%_radix": C.dgc(0.01, sample_rate=0.01, schedule="radix"),
+    # PowerSGD as the engine runs it with bucket_mb (one square matrix per bucket, as
+    # PyTorch's batched_powerSGD_hook); "powersgd2" is always per leaf
+    "powersgd2_batched": C.powersgd(2, batched=True),
 }
 
 
@@ -117,8 +120,10 @@ def _trace_module():
 def bench(comp, shapes, repeats, bucket_mb=None, trace_top=0):
   key = jax.random.key(0)
   grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
-  # PowerSGD fuses its buckets differently (one square matrix per bucket): per leaf only
-  groups = buckets(shapes, None if comp.kind == "lowrank" else bucket_mb)
+  # PowerSGD's buckets are square matrices: "powersgd2_batched" (batched=True, as the engine
+  # fuses them); the per-leaf PowerSGD stays per leaf
+  per_leaf = comp.kind == "lowrank" and not comp.batched
+  groups = buckets(shapes, None if per_leaf else bucket_mb)
   units = [shapes[g[0]] if len(g) == 1 else (sum(int(np.prod(shapes[i])) for i in g),)
            for g in groups]
   states = [comp.init(s, key=key) for s in units]
@@ -193,8 +198,8 @@ def main(argv=None):
                   help="timed runs per compressor (best of; default 3, 1 with --small)")
   ap.add_argument("--bucket-mb", type=float, default=None,
                   help="encode and decode consecutive leaves fused into buckets of at most this "
-                       "many MB (the engine's bucket_mb; PowerSGD stays per leaf), the copy "
-                       "row likewise")
+                       "many MB (the engine's bucket_mb; PowerSGD stays per leaf unless "
+                       "batched: powersgd2_batched), the copy row likewise")
   ap.add_argument("--trace-top", type=int, default=0,
                   help="also trace each compressor's timed runs: its N most expensive XLA ops "
                        "and source lines (0: no trace)")

@@ -23,6 +23,7 @@
 #   optimlp_profile  issue 17: where OptimLP's 4K step spends its +178 us over the SGD step
 #                  it wraps on CUDA (cProfile; goal <= 50 us)
 #   torch_ddp_example  issue 17, item 2: examples/torch_mnist_ddp.py --smoke on a GPU host
+#   compression_powersgd  issue 14: PowerSGD r2 bucketed as the engine runs it (batched)
 #   torch_ddp_cuda issue 17: the bridge's DDP hooks on CUDA buckets (12 of them did not run
 #                  within the last call's limit: the step ran them after the bridge's tests)
 # Run from the repository root, with jax (CUDA), torch (CUDA), triton, flax and optax
@@ -88,7 +89,7 @@ step train_exact_gpu 45 "$py" -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 
   --out "$out/exact_mlp"
 # the exact ResNet-18 step with the default "auto" (37.8 ms against fp32's 18.5-19.5 on the
 # H200; compile 131 s), traced with command buffers off: its most expensive kernels and lines
-step layers 190 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
+step layers 185 "$py" benchmarks/layers.py --models resnet18 --steps 5 \
   --policies fp32,hbfp8_exact --trace-top 15 --no-command-buffers
 # the step's exact GEMMs one shape at a time, with their counts per step (63 GEMMs, 489.7
 # GFLOP) and each one's first call (what it adds to the compile): the 16 largest, each by
@@ -103,6 +104,10 @@ step optimlp_profile 40 "$py" benchmarks/torch_quantize.py --device cuda --small
 # PyTorch's PowerSGD hook synchronizes CUDA on CPU buckets where a GPU exists (fixed in the
 # example, tested with a simulated GPU host; not yet run on one)
 step torch_ddp_example 45 "$py" examples/torch_mnist_ddp.py --smoke
+# PowerSGD r2 as the engine runs it with bucket_mb (batched=True: one square matrix per
+# bucket) next to the per-leaf row that reached 0.17x of the copy (62 leaves: launch-bound)
+step compression_powersgd 35 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+  --bucket-mb 25 --only powersgd2,powersgd2_batched
 # the DDP hooks on CUDA buckets (12 of 22 did not run within the last call's 80 s)
-step torch_ddp_cuda 100 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
+step torch_ddp_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
   -k cuda

@@ -41,9 +41,20 @@ def test_compression_bench_buckets_decode_every_leaf(capsys):
   back = mod["_split"](mod["_fuse"](gs, big), big, shapes)
   for a, b in zip(back, gs, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "25"])
+  mod["main"](["--small", "--model", "resnet18", "--only", "bf16,powersgd2_batched",
+               "--bucket-mb", "25"])
   out = capsys.readouterr().out
   assert "| resnet18 | copy (per bucket of <= 25 MB) |" in out and "| resnet18 | bf16 |" in out
+  # batched PowerSGD fuses its buckets as the engine does: one square matrix per bucket, so
+  # its wire bytes are those of the buckets' matrices, not of the leaves'
+  comp = mod["COMPRESSORS"]["powersgd2_batched"]
+  small = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s))
+           for s in mod["resnet18_shapes"]()]  # as --small scales them
+  units = [(sum(int(np.prod(small[i])) for i in g),) for g in mod["buckets"](small, 25)]
+  row = next(line for line in out.splitlines()
+             if line.startswith("| resnet18 | powersgd2_batched |"))
+  assert float(row.split("|")[8]) == pytest.approx(
+      sum(comp.wire_bytes(u) for u in units) / 1e6, abs=1e-3)
   with pytest.raises(SystemExit):
     mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "0"])
 

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+from _bench import load_benchmark
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -15,7 +17,8 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
   assert r.returncode == 0, r.stderr
   steps = re.findall(r"^== (\w+) \(limit (\d+) s\): (.*)$", r.stdout, re.M)
   assert [s[0] for s in steps] == ["block_gpu_bits", "train_exact_gpu", "layers", "census",
-                                   "optimlp_profile", "torch_ddp_example", "torch_ddp_cuda"]
+                                   "optimlp_profile", "torch_ddp_example", "compression_powersgd",
+                                   "torch_ddp_cuda"]
   assert sum(int(s[1]) for s in steps) <= 600  # fits one device call
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   for name, _, cmd in steps:
@@ -32,6 +35,10 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
     own = args[2:args.index("--")] if "--" in args else args[2:]  # after "--": passed on
     for flag in (a for a in own if a.startswith("--")):
       assert flag in helptext, (name, flag)
+    if args[1] == "benchmarks/compression.py":  # known compressors
+      names = args[args.index("--only") + 1].split(",")
+      known = load_benchmark("compression").COMPRESSORS
+      assert len(set(names)) == len(names) and set(names) <= set(known), names
     if args[1] == "benchmarks/torch_quantize.py" and "--only" in args:  # known entry points
       only = cmd.split("--only ")[1].split(" --")[0].split(",")
       known = re.findall(r"\(\"([\w. ]+)\", r", load_benchmark_source("torch_quantize"))
