@@ -381,11 +381,10 @@ def main(argv=None):
         with jax.default_matmul_precision(precision):
           t, c, loss = time_step(model, x, labels, policy, steps, args.trace_top)
         base = t if pname == "fp32" else base
-        ratio = t / base if base else float("nan")
+        ratio = t / base if base else None  # no fp32 row: no ratio
         rows.append(dict(model=mname, policy=label, step_ms=1e3 * t, compile_s=c,
-                         overhead=ratio if base else None, loss=loss,
-                         batch=int(x.shape[0])))
-        shown = f"{ratio:.2f}x" if base else "- (no fp32 row)"
+                         overhead=ratio, loss=loss, batch=int(x.shape[0])))
+        shown = "- (no fp32 row)" if ratio is None else f"{ratio:.2f}x"
         print(f"| {mname} (batch {x.shape[0]}) | {label} | {1e3 * t:.1f} | {c:.1f} | "
               f"{shown} |", flush=True)
   if args.json:
