@@ -6,11 +6,24 @@ On a GPU machine (``JAX_PLATFORMS=cuda,cpu``) the default backend is the GPU and
 ``cpu_devices`` fixture) instead of from ``jax.devices()``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, shared by the pytest-xdist workers and
+# the subprocesses the tests start (jaxlp train, examples, benchmarks, multi-process jobs): a
+# program that several processes compile is compiled once. Created by the first process that
+# loads this file (the xdist controller, before it starts the workers) and removed when that
+# process exits; a cache directory given in the environment is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache = tempfile.mkdtemp(prefix="jaxlp-tests-jit-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

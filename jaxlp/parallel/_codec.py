@@ -11,9 +11,11 @@ NaN payloads are canonicalised (any NaN decodes to the quiet NaN ``0x7FC00000``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlp.formats import _bits as B
 from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
@@ -44,16 +46,13 @@ class Codec:
 
   def decode(self, code):
     """float32 value of each code (a table lookup)."""
-    with jax.ensure_compile_time_eval():
-      table = self._decode_arith(jnp.arange(1 << self.nbits, dtype=jnp.uint32))
+    table = jnp.asarray(_decode_table(self))
     return jnp.take(table, code.astype(jnp.int32), mode="clip")
 
   def _encode_lut(self, x):
     # A grid value has at most m significant fraction bits, so bits >> (23 - m) indexes it.
     sh = 23 - self.m
-    with jax.ensure_compile_time_eval():
-      rep = jnp.arange(1 << (9 + self.m), dtype=jnp.uint32) << sh
-      table = self._encode_arith(B.from_bits(rep))
+    table = jnp.asarray(_encode_table(self))
     bits = B.to_bits(x)
     code = jnp.take(table, (bits >> sh).astype(jnp.int32), mode="clip")
     nan = [c for c, sb in self.specials if sb == B.QNAN_BITS]
@@ -101,6 +100,22 @@ class Codec:
     for c, sbits in self.specials:
       out = jnp.where(code == B.u32(c), B.u32(sbits), out)
     return B.from_bits(out)
+
+
+# The lookup tables are built once per codec by one compiled call each (built op by op at
+# trace time they cost one small XLA compile per op, seconds per traced reduction on CPU).
+@functools.cache
+def _decode_table(codec: Codec) -> np.ndarray:
+  with jax.ensure_compile_time_eval():
+    return np.asarray(jax.jit(codec._decode_arith)(np.arange(1 << codec.nbits, dtype=np.uint32)))
+
+
+@functools.cache
+def _encode_table(codec: Codec) -> np.ndarray:
+  """Code of each float32 grid value, indexed by its bits >> (23 - m) (m <= 10)."""
+  rep = np.arange(1 << (9 + codec.m), dtype=np.uint32) << np.uint32(23 - codec.m)
+  with jax.ensure_compile_time_eval():
+    return np.asarray(jax.jit(lambda r: codec._encode_arith(B.from_bits(r)))(rep))
 
 
 def _layout(fmt):

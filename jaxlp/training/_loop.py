@@ -548,6 +548,11 @@ class Trainer:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
 
+    mesh = None
+    if self.ndev > 1:
+      mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
+    self._mesh = mesh
+
     def make_train_step(comp):
       def node_step(params, batch_stats, x, y, key, comp_state):
         (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x,
@@ -559,11 +564,10 @@ class Trainer:
         return g, loss, new_bs, comp_state
 
       vstep = jax.vmap(node_step, in_axes=(None, None, 0, 0, None, 0), axis_name="nodes")
-      if self.ndev > 1:
+      if mesh is not None:
         # Real devices x emulated nodes: shard the worker axis over a device mesh and vmap the
         # workers of each device; reductions run over ("dev", "nodes"), worker-major.
 
-        mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
         vstep = jax.shard_map(vstep, mesh=mesh,
                               in_specs=(P(), P(), P("dev"), P("dev"), P(), P("dev")),
                               out_specs=P("dev"), check_vma=False)
@@ -624,6 +628,8 @@ class Trainer:
       if stage not in self._train_steps:
         self._train_steps[stage] = self._make_train_step(self._compressor_at(self.step))
       wire += self.wire_bytes_at(self.step)
+      if s == 0:
+        self._place_state()
       (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
        finite) = self._train_steps[stage](self.params, self.batch_stats, self.opt_state,
                                          self.comp_state, jnp.asarray(ds.x_train[idx]),
@@ -657,6 +663,19 @@ class Trainer:
     self.opt_state = as_jnp(st["opt_state"])
     self.comp_state = None if st["comp_state"] is None else as_jnp(st["comp_state"])
     self.epoch, self.step = int(st["epoch"]), int(st["step"])
+
+  def _place_state(self):
+    """Put the state where the compiled step leaves it (replicated over the mesh; the workers'
+    compression state split over it), so that the first step and the later ones share one
+    executable instead of compiling twice. A no-op on one device or for placed arrays."""
+    if self._mesh is None:
+      return
+    rep = jax.sharding.NamedSharding(self._mesh, P())
+    self.params, self.batch_stats, self.opt_state = jax.device_put(
+        (self.params, self.batch_stats, self.opt_state), rep)
+    if self.comp_state is not None:
+      self.comp_state = jax.device_put(
+          self.comp_state, jax.sharding.NamedSharding(self._mesh, P("dev")))
 
   def _state_tree(self):
     return {"params": self.params, "batch_stats": self.batch_stats,

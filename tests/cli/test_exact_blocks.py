@@ -50,8 +50,8 @@ def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run(policy):
                   jax.tree_util.tree_leaves(t_emu.params)):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # the same init
   x = t_emu.ds.x_train[:128]
-  lx = np.asarray(t_exact.model.apply({"params": t_exact.params}, x))
-  le = np.asarray(t_emu.model.apply({"params": t_emu.params}, x))
+  lx = np.asarray(jax.jit(t_exact.model.apply)({"params": t_exact.params}, x))
+  le = np.asarray(jax.jit(t_emu.model.apply)({"params": t_emu.params}, x))
   assert lx.tobytes() == le.tobytes()
   m_exact, m_emu = t_exact.run_epoch(), t_emu.run_epoch()
   np.testing.assert_allclose(m_exact["train_loss"], m_emu["train_loss"], rtol=2e-6)

@@ -315,11 +315,11 @@ def test_portable_cnn_has_flax_params_and_the_exact_logits():
   a = build_model("cnn", 10, width=2, **kw)
   b = build_model("cnn", 10, width=2, portable=True, **kw)
   x = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (4, 8, 8, 1)).astype(f32))
-  pa, pb = a.init(jax.random.key(0), x), b.init(jax.random.key(0), x)
+  pa, pb = jax.jit(a.init)(jax.random.key(0), x), jax.jit(b.init)(jax.random.key(0), x)
   assert jax.tree_util.tree_structure(pa) == jax.tree_util.tree_structure(pb)
   for u, v in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
     _same_bits(u, v)
-  _same_bits(b.apply(pb, x), a.apply(pa, x))
+  _same_bits(jax.jit(b.apply)(pb, x), jax.jit(a.apply)(pa, x))
 
 
 def test_portable_run_with_workers_schedule_and_decay_agrees_with_optax_closely():
