@@ -50,6 +50,12 @@ def resnet18_shapes():
   return s + [(1000, 512), (1000,)]
 
 
+def small_shapes(shapes):
+  """--small: the first two dimensions of each leaf divided by 8, one leaf of each shape."""
+  return list(dict.fromkeys(tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s))
+                            for s in shapes))
+
+
 def vgg19_shapes():
   cfg = [64, 64, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 512, 512, 512, 512]
   s, cin = [], 3
@@ -117,9 +123,16 @@ def _trace_module():
   return mod
 
 
+def _gradients(shapes):
+  """Standard normal float32 gradients, one leaf per shape (numpy's generator: on the CPU,
+  jax.random.normal compiled once per shape, about a second each)."""
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+
+
 def bench(comp, shapes, repeats, bucket_mb=None, trace_top=0):
   key = jax.random.key(0)
-  grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
+  grads = _gradients(shapes)
   # PowerSGD's buckets are square matrices: "powersgd2_batched" (batched=True, as the engine
   # fuses them); the per-leaf PowerSGD stays per leaf
   per_leaf = comp.kind == "lowrank" and not comp.batched
@@ -169,8 +182,7 @@ def bench_copy(shapes, repeats, bucket_mb=None):
   negation (read 4 bytes, write 4 bytes per element: a copy's traffic, which XLA cannot
   elide): the copy bandwidth the GPU goal compares with, counted as the compressors are (4
   bytes of gradient per element)."""
-  key = jax.random.key(0)
-  grads = [jax.random.normal(jax.random.fold_in(key, i), s) for i, s in enumerate(shapes)]
+  grads = _gradients(shapes)
   groups = buckets(shapes, bucket_mb)
   neg = jax.jit(lambda gs: _split([-g for g in _fuse(gs, groups)], groups, shapes))
   jax.block_until_ready(neg(grads))
@@ -188,7 +200,8 @@ GPU_GOAL_VS_COPY = 0.5
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__)
-  ap.add_argument("--small", action="store_true", help="scaled-down layers, 1 repeat")
+  ap.add_argument("--small", action="store_true",
+                  help="scaled-down layers, one of each shape, 1 repeat")
   ap.add_argument("--model", default="both", choices=["resnet18", "vgg19", "both"])
   ap.add_argument("--only", default=None, help="comma-separated compressor names")
   ap.add_argument("--bandwidth-gbps", type=float, default=10.0)
@@ -237,7 +250,7 @@ def main(argv=None):
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   for mname, shapes in models.items():
     if a.small:
-      shapes = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s)) for s in shapes]
+      shapes = small_shapes(shapes)
     n = sum(int(np.prod(s)) for s in shapes)
     bw = a.bandwidth_gbps * 1e9 / 8
     ring = 2 * (a.workers - 1) / a.workers

@@ -48,8 +48,7 @@ def test_compression_bench_buckets_decode_every_leaf(capsys):
   # batched PowerSGD fuses its buckets as the engine does: one square matrix per bucket, so
   # its wire bytes are those of the buckets' matrices, not of the leaves'
   comp = mod["COMPRESSORS"]["powersgd2_batched"]
-  small = [tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(s))
-           for s in mod["resnet18_shapes"]()]  # as --small scales them
+  small = mod["small_shapes"](mod["resnet18_shapes"]())  # as --small scales them
   units = [(sum(int(np.prod(small[i])) for i in g),) for g in mod["buckets"](small, 25)]
   row = next(line for line in out.splitlines()
              if line.startswith("| resnet18 | powersgd2_batched |"))

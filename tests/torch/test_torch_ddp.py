@@ -19,6 +19,9 @@ import sys
 import numpy as np
 import pytest
 
+# one worker runs the whole module: its module fixture starts the processes once
+pytestmark = pytest.mark.xdist_group("torch_ddp")
+
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

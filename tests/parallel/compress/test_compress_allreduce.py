@@ -191,8 +191,10 @@ def _run_mixed(comp, **kw):
     return jax.tree_util.tree_map(lambda a: a[None], o)
   sm = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("dev"), P("dev")), out_specs=P("dev"),
                              check_vma=False))
+  # inputs placed as the outputs come back, so that a second step reuses the executable
+  shard = jax.sharding.NamedSharding(mesh, P("dev"))
   def run(g, st):
-    out = sm(split(g), split(st))
+    out = sm(*jax.device_put((split(g), split(st)), shard))
     return jax.tree_util.tree_map(lambda a: a.reshape((W,) + a.shape[2:]), out)
   return run
 

@@ -15,6 +15,9 @@ import jax
 import numpy as np
 import pytest
 
+# one worker runs the whole module: its module fixture starts the processes once
+pytestmark = pytest.mark.xdist_group("mp_compress")
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import _mp_compress_worker as mpw  # noqa: E402
