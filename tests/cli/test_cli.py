@@ -178,3 +178,21 @@ def test_real_devices_equal_emulation(tmp_path, flags):
 def test_bad_devices_is_a_clear_error(capsys):
   assert main(["train", "--nodes", "8", "--devices", "3"] + FAST) == 2
   assert "--devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [{}, {"compress": "cgx:bits=4,min_size=64"}])
+def test_several_devices_compile_the_step_once(flags):
+  """On several devices the state is placed where the compiled step leaves it before the
+  first step: the step compiles once, not again on the second step (it did, for every run
+  with more than one device). Also with the workers' compression state, split over them."""
+  from jaxlp.training import Trainer
+
+  if jax.device_count() < 2:
+    pytest.skip("needs 2 devices of the default backend (a one-GPU machine has one)")
+  t = Trainer(TrainConfig(nodes=2, width=1, batch_size=16, max_steps_per_epoch=2, quiet=True,
+                          **flags))
+  assert t.ndev == 2
+  t.run_epoch()
+  t.run_epoch()
+  (step,) = t._train_steps.values()
+  assert step._cache_size() == 1
