@@ -21,6 +21,16 @@ def _bytes(a):
   return a.dtype, a.shape, a.tobytes()
 
 
+# the library's entry points under jit: one compile per shape, not one per op and shape
+_pack = jax.jit(C.pack_bits, static_argnums=(1, 2))
+_unpack = jax.jit(C.unpack_bits, static_argnums=(1, 2))
+_uniform01 = jax.jit(uniform01, static_argnums=1)
+
+
+def _decode(comp, payload, shape):
+  return jax.jit(comp.decode, static_argnums=1)(payload, shape)
+
+
 def np_pack(codes, bits):
   stream = np.array([(int(c) >> k) & 1 for c in codes for k in range(bits)] + [0] * 7, np.uint32)
   nbytes = (len(codes) * bits + 7) // 8
@@ -81,10 +91,10 @@ def test_cgx_stochastic_noise_is_uniform01_over_the_quantized_elements():
   x = np.random.default_rng(3).standard_normal(333).astype(np.float32)
   key = jax.random.key(4)
   c = C.cgx(3, 50, stochastic=True)
-  p = c.encode(jnp.asarray(x), (), key)[0]
-  out, packed, _ = np_cgx(x, 3, 50, r=np.asarray(uniform01(key, (333,))))
+  p = jax.jit(lambda x: c.encode(x, (), key)[0])(jnp.asarray(x))
+  out, packed, _ = np_cgx(x, 3, 50, r=np.asarray(_uniform01(key, (333,))))
   assert _bytes(p["levels"]) == _bytes(packed)
-  assert _bytes(c.decode(p, (333,))) == _bytes(out)
+  assert _bytes(_decode(c, p, (333,))) == _bytes(out)
 
 
 def _tie_leaf(rng, ties):
@@ -130,10 +140,10 @@ def test_qsgd_decode_every_code_equals_division(levels):
   n = 2 ** c.bits * 3
   codes = np.arange(n, dtype=np.uint32) % (2 ** c.bits)
   norm = np.array([1.5, 3e-3, 7.0] * (n // 24 + 1), np.float32)[:-(-n // 8)]
-  payload = {"norm": jnp.asarray(norm), "codes": C.pack_bits(jnp.asarray(codes), c.bits)}
+  payload = {"norm": jnp.asarray(norm), "codes": _pack(jnp.asarray(codes), c.bits)}
   mag = (codes >> 1).astype(np.float32) / np.float32(levels)
   want = np.repeat(norm, 8)[:n] * np.where(codes & 1, -mag, mag)
-  assert _bytes(c.decode(payload, (n,))) == _bytes(want)
+  assert _bytes(_decode(c, payload, (n,))) == _bytes(want)
 
 
 def np_qsgd_levels(x, norm, u, levels, bucket):
@@ -158,7 +168,7 @@ def test_qsgd_encode_equals_the_numpy_definition(levels, bucket):
     norm = np.asarray(p["norm"])
     xb = np.pad(x, (0, norm.size * bucket - x.size)).reshape(norm.size, bucket)
     np.testing.assert_allclose(norm, np.sqrt((xb.astype(np.float64) ** 2).sum(1)), rtol=1e-6)
-    want = np_qsgd_levels(x, norm, np.asarray(uniform01(key, (x.size,))), levels, bucket)
+    want = np_qsgd_levels(x, norm, np.asarray(_uniform01(key, (x.size,))), levels, bucket)
     assert _bytes(p["codes"]) == _bytes(np_pack(want, c.bits)), name
 
 
@@ -172,8 +182,8 @@ def test_conv_shaped_leaf_equals_its_flat_vector(comp):
   p4 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x))
   p1 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x.ravel()))
   assert jax.tree_util.tree_map(_bytes, p4) == jax.tree_util.tree_map(_bytes, p1)
-  assert _bytes(comp.decode(p4, x.shape)) == _bytes(
-    np.asarray(comp.decode(p1, (x.size,))).reshape(x.shape))
+  assert _bytes(_decode(comp, p4, x.shape)) == _bytes(
+    np.asarray(_decode(comp, p1, (x.size,))).reshape(x.shape))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
@@ -183,10 +193,10 @@ def test_pack_bits_vectorized_gives_the_pack_bits_stream(bits):
   for n in (0, 1, 5, 31, 32, 33, 1000, 4099):
     codes = rng.integers(0, 2 ** bits, n).astype(np.uint32)
     for pad in {0, 2 ** bits - 1} if 8 % bits == 0 else {0}:
-      want = np_pack(codes, bits) if pad == 0 else C.pack_bits(jnp.asarray(codes), bits, pad)
+      want = np_pack(codes, bits) if pad == 0 else _pack(jnp.asarray(codes), bits, pad)
       got = jax.jit(lambda c, pad=pad: pack_bits_vectorized(c, bits, pad))(jnp.asarray(codes))
       assert _bytes(got) == _bytes(want), (n, pad)
-      assert _bytes(C.unpack_bits(got, bits, n)) == _bytes(codes), (n, pad)
+      assert _bytes(_unpack(got, bits, n)) == _bytes(codes), (n, pad)
   # under vmap (the engine's emulated workers): per worker the same bytes
   codes = rng.integers(0, 2 ** bits, (3, 77)).astype(np.uint32)
   got = jax.vmap(lambda c: pack_bits_vectorized(c, bits))(jnp.asarray(codes))
@@ -210,7 +220,7 @@ def test_terngrad_scale_is_max_abs_on_signed_zeros_and_nan():
   key = jax.random.key(0)
   for x in ([-0.0, -0.0], [0.0, -0.0, -3.0], [np.nan, 1.0], [-np.inf, 2.0], [1.0, -1.0]):
     x = np.array(x, np.float32)
-    s = C.terngrad().encode(jnp.asarray(x), (), key)[0]["scale"]
+    s = jax.jit(lambda x: C.terngrad().encode(x, (), key)[0]["scale"])(jnp.asarray(x))
     assert _bytes(s) == _bytes(np.max(np.abs(x)).reshape(1)), x
 
 
@@ -295,7 +305,7 @@ def test_qsgd_large_conv_leaf_keeps_the_bits_of_the_fused_program(monkeypatch):
   p0, d0, rt0 = run()
   assert jax.tree_util.tree_map(_bytes, p) == jax.tree_util.tree_map(_bytes, p0)
   assert _bytes(d) == _bytes(d0) == _bytes(rt) == _bytes(rt0)
-  codes = np.asarray(C.unpack_bits(p["codes"], c.bits, x.size))
+  codes = np.asarray(_unpack(p["codes"], c.bits, x.size))
   mag = (codes >> 1).astype(np.float32) / np.float32(15)
   want = np.repeat(np.asarray(p["norm"]), 512)[:x.size] * np.where(codes & 1, -mag, mag)
   assert _bytes(d) == _bytes(want.reshape(x.shape))
@@ -324,7 +334,7 @@ def test_qsgd_partial_last_bucket_on_a_large_leaf_equals_numpy():
   key = jax.random.key(4)
   p = jax.jit(lambda x: c.encode(x, (), key)[0])(jnp.asarray(x))
   assert p["codes"].shape == (c.wire_bytes((n,)) - 4 * p["norm"].size,)
-  want = np_qsgd_levels(x, p["norm"], np.asarray(uniform01(key, (n,))), 15, 512)
+  want = np_qsgd_levels(x, p["norm"], np.asarray(_uniform01(key, (n,))), 15, 512)
   assert _bytes(p["codes"]) == _bytes(np_pack(want, c.bits))
   d = np.asarray(jax.jit(lambda p: c.decode(p, (n,)))(p))
   mag = (want >> 1).astype(np.float32) / np.float32(15)
