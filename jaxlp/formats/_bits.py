@@ -260,14 +260,21 @@ def round_dropped_bits(mag, d, rounding: str, *, big, negative=None, rand=None, 
   return out
 
 
+_SH13, _SH16 = np.uint32(13), np.uint32(16)
+_FMIX_M1, _FMIX_M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+
+
 def fmix32(h):
-  """MurmurHash3 finaliser: a bijection on uint32 with full avalanche."""
-  h = h ^ (h >> 16)
-  h = h * u32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * u32(0xC2B2AE35)
-  h = h ^ (h >> 16)
-  return h
+  """MurmurHash3 finaliser: a bijection on uint32 with full avalanche.
+
+  ``h`` is a uint32 array. Written with ``lax`` ops: the same jaxpr as the ``jnp`` operators,
+  about half the tracing time (it runs thousands of times in a hashed or cycle-walked
+  program)."""
+  h = lax.bitwise_xor(h, lax.shift_right_logical(h, _SH16))
+  h = lax.mul(h, _FMIX_M1)
+  h = lax.bitwise_xor(h, lax.shift_right_logical(h, _SH13))
+  h = lax.mul(h, _FMIX_M2)
+  return lax.bitwise_xor(h, lax.shift_right_logical(h, _SH16))
 
 
 def hash_bits(k0, k1, index):
