@@ -264,8 +264,13 @@ def prepare(x, fmt, rounding: str = "nearest", *, key=None, rand_bits=None):
   return x, jnp.stack(key_words(key))
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "rounding", "rand_bits"))
 def quantize_words(x, kw, fmt, rounding: str, rand_bits=None):
-  """The spec on validated arguments (see :func:`prepare`): ``kw`` are the key words."""
+  """The spec on validated arguments (see :func:`prepare`): ``kw`` are the key words.
+
+  Jitted (the format, rounding and ``rand_bits`` static): called eagerly it is one compiled
+  program per shape and format instead of one small program per operation, and inside a
+  caller's ``jit`` a nested call that XLA inlines."""
   if rounding == "stochastic":
     rand = B.hash_bits(kw[0], kw[1], element_index(x.shape))
   else:
