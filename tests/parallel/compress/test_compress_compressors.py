@@ -13,6 +13,18 @@ from jaxlp.parallel.compressors._base import uniform01
 KEY = jax.random.key(7)
 
 
+_uniform01 = jax.jit(uniform01, static_argnums=1)
+
+
+def _jit_encode(c):
+  """``c.encode`` compiled as one program (op by op, each operation compiles on its own)."""
+  return jax.jit(c.encode)
+
+
+def _jit_decode(c):
+  return jax.jit(c.decode, static_argnums=1)
+
+
 def _g(shape, seed=0):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
@@ -69,11 +81,11 @@ def test_cgx_published_goldens():
   c = C.cgx(bits=2, bucket_size=4)
   for x, want in [([0, 1, 0.5, 0.25], [0, 1, 0.6666667, 0.33333334]),
                   ([-1, -0.2, 0.3, 1], [-1, -0.3333333, 0.33333337, 1])]:
-    p, _ = c.encode(jnp.array(x, jnp.float32), (), None)
-    np.testing.assert_array_equal(np.asarray(c.decode(p, (4,))), np.float32(want))
+    p, _ = _jit_encode(c)(jnp.array(x, jnp.float32), (), None)
+    np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (4,))), np.float32(want))
   c4 = C.cgx(bits=4)
-  p, _ = c4.encode(jnp.full((3,), 3.0), (), None)
-  np.testing.assert_array_equal(np.asarray(c4.decode(p, (3,))), [3.0, 3.0, 3.0])
+  p, _ = _jit_encode(c4)(jnp.full((3,), 3.0), (), None)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c4)(p, (3,))), [3.0, 3.0, 3.0])
 
 
 @pytest.mark.parametrize("bits,bucket,n", [(4, 512, 1500), (3, 64, 1025), (1, 16, 100),
@@ -83,7 +95,7 @@ def test_cgx_deterministic_exact(bits, bucket, n):
   c = C.cgx(bits, bucket)
   p, _ = jax.jit(c.encode)(jnp.asarray(x), (), None)
   want, lev = np_cgx(x, bits, bucket)
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (n,))), want)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (n,))), want)
   np.testing.assert_array_equal(np.asarray(p["levels"]), np_pack(lev, bits))
 
 
@@ -91,20 +103,21 @@ def test_cgx_stochastic_with_fixed_noise_and_unbiased():
   n = 1000
   x = _g((n,), 3)
   c = C.cgx(2, 100, stochastic=True)
-  p, _ = c.encode(jnp.asarray(x), (), KEY)
-  r = np.asarray(uniform01(KEY, (n // 100, 100))).ravel()
+  p, _ = _jit_encode(c)(jnp.asarray(x), (), KEY)
+  r = np.asarray(_uniform01(KEY, (n // 100, 100))).ravel()
   want, _ = np_cgx(x, 2, 100, r=r)
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (n,))), want)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (n,))), want)
   keys = jax.random.split(KEY, 400)
-  avg = jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (n,)))(keys).mean(0)
+  avg = jax.jit(jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (n,))))(
+      keys).mean(0)
   assert np.abs(np.asarray(avg) - x).max() < 0.25  # per-element SE ~ unit/2/sqrt(400)
 
 
 def test_cgx_skip_incomplete_sends_tail_raw():
   x = _g((70,), 4)
   c = C.cgx(4, 32, skip_incomplete=True)
-  p, _ = c.encode(jnp.asarray(x), (), None)
-  out = np.asarray(c.decode(p, (70,)))
+  p, _ = _jit_encode(c)(jnp.asarray(x), (), None)
+  out = np.asarray(_jit_decode(c)(p, (70,)))
   np.testing.assert_array_equal(out[64:], x[64:])
   np.testing.assert_array_equal(out[:64], np_cgx(x[:64], 4, 32)[0])
 
@@ -117,12 +130,12 @@ def test_tbq_codes_residual_and_packing_exact():
   st = c.init((31,))
   for t in range(4):
     g = _g((31,), t)
-    p, st = c.encode(jnp.asarray(g), st, None)
+    p, st = _jit_encode(c)(jnp.asarray(g), st, None)
     code, r = np_tbq(g, r, np.float32(0.7))
     np.testing.assert_array_equal(np.asarray(st["residual"]), r)
     padded = np.concatenate([code, np.ones(1)])  # partial last byte padded with code 1
     np.testing.assert_array_equal(np.asarray(p["codes"]), np_pack(padded, 2))
-    np.testing.assert_array_equal(np.asarray(c.decode(p, (31,))),
+    np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (31,))),
                                   ((code - 1) * np.float32(0.7)).astype(np.float32))
 
 
@@ -131,13 +144,14 @@ def test_tbq_codes_residual_and_packing_exact():
 def test_terngrad_paper_fixed_noise_exact_and_unbiased():
   x = _g((257,), 5)
   c = C.terngrad()
-  p, _ = c.encode(jnp.asarray(x), (), KEY)
-  u = np.asarray(uniform01(KEY, (257,)))
+  p, _ = _jit_encode(c)(jnp.asarray(x), (), KEY)
+  u = np.asarray(_uniform01(KEY, (257,)))
   s = np.abs(x).max()
   want = np.where(u * s < np.abs(x), s * np.sign(x), 0).astype(np.float32)
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (257,))), want)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (257,))), want)
   keys = jax.random.split(KEY, 2000)
-  avg = jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (257,)))(keys).mean(0)
+  avg = jax.jit(jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (257,))))(
+      keys).mean(0)
   assert np.abs(np.asarray(avg) - x).max() < 5 * s / np.sqrt(2000)
 
 
@@ -146,7 +160,7 @@ def test_terngrad_hipress_deterministic_exact(bits):
   n = 45
   x = _g((n,), bits)
   c = C.terngrad("hipress", bits)
-  p, _ = c.encode(jnp.asarray(x), (), None)
+  p, _ = _jit_encode(c)(jnp.asarray(x), (), None)
   mn, mx = x.min(), x.max()
   gap = np.float32((mx - mn) / np.float32(2 ** bits - 1))
   gap_inv = np.float32(1) / np.float32(gap + np.float32(1e-8))
@@ -155,14 +169,14 @@ def test_terngrad_hipress_deterministic_exact(bits):
                         np.frombuffer(mx.tobytes(), np.uint8)]).astype(np.uint8)
   np.testing.assert_array_equal(np.asarray(p["header"]), hdr)
   np.testing.assert_array_equal(np.asarray(p["codes"]), np_pack(lev, bits))
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (n,))),
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (n,))),
                                 (np.float32(lev * gap) + mn).astype(np.float32))
 
 
 def test_terngrad_constant_tensor_exact():
   c = C.terngrad("hipress", 2)
-  p, _ = c.encode(jnp.full((9,), -2.5), (), None)
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (9,))), np.full(9, -2.5, np.float32))
+  p, _ = _jit_encode(c)(jnp.full((9,), -2.5), (), None)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (9,))), np.full(9, -2.5, np.float32))
 
 
 # ---- onebit, QSGD ------------------------------------------------------------------------------
@@ -174,7 +188,7 @@ def test_onebit_reference_and_residual(scaling):
   r = np.zeros(50, np.float32)
   for t in range(3):
     g = _g((50,), t)
-    p, st = c.encode(jnp.asarray(g), st, None)
+    p, st = _jit_encode(c)(jnp.asarray(g), st, None)
     x = g + r
     neg = x < 0
     if scaling == "mean":
@@ -182,7 +196,7 @@ def test_onebit_reference_and_residual(scaling):
       want = np.where(neg, -s, s)
     else:
       want = np.where(neg, x[neg].mean(), x[~neg].mean())
-    out = np.asarray(c.decode(p, (50,)))
+    out = np.asarray(_jit_decode(c)(p, (50,)))
     np.testing.assert_allclose(out, want, rtol=1e-6)
     np.testing.assert_array_equal(np.sign(out), np.where(neg, -1, 1))
     r = x - out
@@ -192,15 +206,16 @@ def test_onebit_reference_and_residual(scaling):
 def test_qsgd_fixed_noise_and_unbiased():
   x = _g((300,), 9)
   c = C.qsgd(7, 100)
-  p, _ = c.encode(jnp.asarray(x), (), KEY)
-  u = np.asarray(uniform01(KEY, (3, 100)))
+  p, _ = _jit_encode(c)(jnp.asarray(x), (), KEY)
+  u = np.asarray(_uniform01(KEY, (3, 100)))
   xb = x.reshape(3, 100)
   norm = np.sqrt((xb * xb).sum(1, keepdims=True))
   lev = np.floor(np.abs(xb) / norm * np.float32(7) + u)
   want = (norm * np.sign(xb) * (lev / np.float32(7))).ravel()
-  np.testing.assert_allclose(np.asarray(c.decode(p, (300,))), want, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(_jit_decode(c)(p, (300,))), want, rtol=1e-6)
   keys = jax.random.split(KEY, 1000)
-  avg = jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (300,)))(keys).mean(0)
+  avg = jax.jit(jax.vmap(lambda k: c.decode(c.encode(jnp.asarray(x), (), k)[0], (300,))))(
+      keys).mean(0)
   assert np.abs(np.asarray(avg) - x).max() < 0.15
 
 
@@ -209,11 +224,11 @@ def test_qsgd_fixed_noise_and_unbiased():
 def test_topk_exact_with_residual():
   c = C.topk(0.1)
   x = _g((100,), 2)
-  p, st = c.encode(jnp.asarray(x), c.init((100,)), None)
+  p, st = _jit_encode(c)(jnp.asarray(x), c.init((100,)), None)
   idx = np.argsort(-np.abs(x))[:10]
   want = np.zeros(100, np.float32)
   want[idx] = x[idx]
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (100,))), want)
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (100,))), want)
   np.testing.assert_array_equal(np.asarray(st["residual"]), x - want)
   assert int(p["count"][0]) == 10
 
@@ -225,13 +240,13 @@ def test_dgc_momentum_correction_and_masking_exact_topk():
   v = np.zeros(60, np.float32)
   for t in range(3):
     g = _g((60,), t)
-    p, st = c.encode(jnp.asarray(g), st, None)
+    p, st = _jit_encode(c)(jnp.asarray(g), st, None)
     u = np.float32(0.9) * u + g
     v = v + u
     idx = np.argsort(-np.abs(v))[:6]
     want = np.zeros(60, np.float32)
     want[idx] = v[idx]
-    np.testing.assert_array_equal(np.asarray(c.decode(p, (60,))), want)
+    np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (60,))), want)
     u[idx] = 0
     v[idx] = 0
     np.testing.assert_array_equal(np.asarray(st["u"]), u)
@@ -244,7 +259,7 @@ def test_dgc_warmup_schedule_and_sampled_threshold():
   st = c.init((n,))
   counts = []
   for t in range(8):
-    p, st = c.encode(jnp.asarray(_g((n,), t)), st, jax.random.fold_in(KEY, t))
+    p, st = _jit_encode(c)(jnp.asarray(_g((n,), t)), st, jax.random.fold_in(KEY, t))
     counts.append(int(p["count"][0]))
   caps = [max(0.01, 0.25 ** (1 + t // 2)) * n for t in range(8)]
   for cnt, cap in zip(counts, caps, strict=True):
@@ -258,12 +273,12 @@ def test_graddrop_residual_exact_topk_mode():
   r = np.zeros(50, np.float32)
   for t in range(3):
     g = _g((50,), t)
-    p, st = c.encode(jnp.asarray(g), st, None)
+    p, st = _jit_encode(c)(jnp.asarray(g), st, None)
     r = r + g
     idx = np.argsort(-np.abs(r))[:5]
     sent = np.zeros(50, np.float32)
     sent[idx] = r[idx]
-    np.testing.assert_array_equal(np.asarray(c.decode(p, (50,))), sent)
+    np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (50,))), sent)
     r[idx] = 0
     np.testing.assert_array_equal(np.asarray(st["residual"]), r)
 
@@ -271,8 +286,8 @@ def test_graddrop_residual_exact_topk_mode():
 def test_randomk_indices_from_seed():
   c = C.randomk(0.2)
   x = _g((40,), 1)
-  p, st = c.encode(jnp.asarray(x), c.init((40,)), KEY)
-  out = np.asarray(c.decode(p, (40,)))
+  p, st = _jit_encode(c)(jnp.asarray(x), c.init((40,)), KEY)
+  out = np.asarray(_jit_decode(c)(p, (40,)))
   assert (out != 0).sum() == 8
   np.testing.assert_array_equal(out[out != 0], x[out != 0])
   np.testing.assert_array_equal(np.asarray(st["residual"]) + out, x)
@@ -288,7 +303,8 @@ def test_cast_round_trip_is_rne_cast(fmt, np_dt):
   c = C.cast(fmt)
   p, _ = jax.jit(c.encode)(jnp.asarray(x), (), None)
   dt = getattr(ml_dtypes, np_dt, None) or np.dtype(np_dt)
-  np.testing.assert_array_equal(np.asarray(c.decode(p, (33,))), x.astype(dt).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(_jit_decode(c)(p, (33,))),
+                                x.astype(dt).astype(np.float32))
 
 
 CUSTOM_CASTS = [FloatFormat(3, 3), FloatFormat(5, 5), FloatFormat(8, 10),
@@ -304,7 +320,7 @@ def test_cast_any_format_round_trip_and_wire_bytes(fmt):
   x = _g((1001,), 3) * 4.0
   x[:6] = [0.0, -0.0, np.inf, -np.inf, 1e30, -3e-30]
   p, _ = jax.jit(c.encode)(jnp.asarray(x), (), None)
-  out = np.asarray(jax.jit(lambda p: c.decode(p, (1001,)))(p))
+  out = np.asarray(jax.jit(lambda p: _jit_decode(c)(p, (1001,)))(p))
   want = np.asarray(quantize(jnp.asarray(x), c.format))
   np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
   n, b = 1001, c.bits
@@ -343,8 +359,8 @@ def test_powersgd_recovers_exact_low_rank():
   m = (rng.standard_normal((40, 2)) @ rng.standard_normal((2, 30))).astype(np.float32)
   c = C.powersgd(rank=2)
   st = c.init(m.shape, key=KEY)
-  p, st = c.encode(jnp.asarray(m), st, None)
-  out = np.asarray(c.decode(p, m.shape))
+  p, st = _jit_encode(c)(jnp.asarray(m), st, None)
+  out = np.asarray(_jit_decode(c)(p, m.shape))
   np.testing.assert_allclose(out, m, atol=1e-4 * np.abs(m).max())
   np.testing.assert_allclose(np.asarray(st["error"]).reshape(m.shape), 0, atol=1e-4)
 
@@ -389,7 +405,7 @@ def test_error_feedback_time_average_converges(comp):
   mean = _g(shape, 100)
   st = comp.init(shape, key=KEY)
   enc = jax.jit(comp.encode)
-  dec = jax.jit(lambda p: comp.decode(p, shape))
+  dec = jax.jit(lambda p: _jit_decode(comp)(p, shape))
   total = np.zeros(shape, np.float64)
   gsum = np.zeros(shape, np.float64)
   errs = {}
