@@ -1,6 +1,7 @@
 """The Pallas block GEMM (``jaxlp/pallas/_block_gemm.py``) in interpret mode gives the bits of
 the reference ``block_dot_reference`` (``jaxlp/ops/_block_dot.py``)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,11 @@ from jaxlp import formats as F
 from jaxlp.ops import _block_dot as BD
 from jaxlp.pallas import _block_gemm as PB
 from jaxlp.pallas._block_gemm import block_gemm
+
+# the reference and the route map compiled as one program each (eagerly, every operation
+# would compile on its own)
+_ref = jax.jit(BD.block_dot_reference, static_argnums=(2, 3, 4))
+_routes = jax.jit(PB.tile_routes, static_argnums=(2, 3, 4), static_argnames=("block_m", "block_n"))
 
 
 def _wide(rng, shape, spread=4.0):
@@ -41,7 +47,7 @@ def test_interpret_matches_reference(fa, fb, g, shape, route):
   a = F.quantize(x, fa)
   b = F.quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
   ba, bb = BD.significand_bits(fa), BD.significand_bits(fb)
-  ref = BD.block_dot_reference(a, b, g, ba, bb)
+  ref = _ref(a, b, g, ba, bb)
   out = block_gemm(a, b, g, ba, bb, interpret=True, route=route)
   assert _same(out, ref)
   if g > 1:
@@ -80,7 +86,7 @@ def test_pallas_preparation_and_gpu_auto_keep_the_gemm_bits(M, K, N, g):
   x[0, 1], x[2, :] = np.nan, 0.0
   a = F.quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
   b = F.quantize(_wide(rng, (K, N)), F.BlockFormat(7, axis=0, block_size=g))
-  ref = BD.block_dot_reference(a, b, g, 7, 7)
+  ref = _ref(a, b, g, 7, 7)
   assert _same(block_gemm(a, b, g, 7, 7, interpret=True, prep="pallas"), ref)
   assert _same(BD.block_dot_gpu_auto(a, b, g, 7, 7, interpret=True), ref)
   with pytest.raises(ValueError, match="prep='xla' not in"):
@@ -124,9 +130,9 @@ def test_interpret_mixes_fast_and_exact_tiles():
   w[48:72, :4] *= 2.0**-20
   a = F.quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
   b = F.quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
-  ref = BD.block_dot_reference(a, b, g, 7, 7)
+  ref = _ref(a, b, g, 7, 7)
   for bm in (16, 32):
-    routes = np.asarray(PB.tile_routes(a, b, g, 7, 7, block_m=bm, block_n=16))
+    routes = np.asarray(_routes(a, b, g, 7, 7, block_m=bm, block_n=16))
     assert routes.min() == 0 and routes.max() == 1  # both routes in one GEMM
     for route in PB.ROUTES:
       out = block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16, route=route)
@@ -140,8 +146,8 @@ def test_bf16_route_is_taken_on_ordinary_data():
                     (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
     a = F.quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
     b = F.quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
-    assert np.asarray(PB.tile_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
-    ref = BD.block_dot_reference(a, b, g, 7, 7)
+    assert np.asarray(_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
+    ref = _ref(a, b, g, 7, 7)
     assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=16, block_n=16), ref)
 
 
@@ -158,9 +164,9 @@ def test_bf16_route_exponent_boundary(qa_min):
   b = F.quantize(jnp.asarray(w, jnp.float32), F.mx("int8", 32, 0))
   _, qa, _, qb = PB._prepare(a, b, 32, 7, 7, 16, 16)
   assert int(qa.min()) == qa_min and int(qb.max()) == 0
-  taken = bool(PB.tile_routes(a, b, 32, 7, 7)[0, 0])
+  taken = bool(_routes(a, b, 32, 7, 7)[0, 0])
   assert taken == (qa_min >= PB.BF16_Q_MIN)
-  ref = BD.block_dot_reference(a, b, 32, 7, 7)
+  ref = _ref(a, b, 32, 7, 7)
   assert _same(block_gemm(a, b, 32, 7, 7, interpret=True), ref)
 
 
@@ -173,7 +179,7 @@ def test_bf16_route_gives_positive_zero_for_negative_zero_products():
   for route in PB.ROUTES:
     out = block_gemm(a, b, 32, 7, 7, interpret=True, route=route)
     assert np.asarray(out)[0].view(np.uint32).max() == 0  # +0.0, not -0.0
-    assert _same(out, BD.block_dot_reference(a, b, 32, 7, 7))
+    assert _same(out, _ref(a, b, 32, 7, 7))
 
 
 def test_bf16_route_needs_exact_float32_block_sums():
@@ -183,8 +189,8 @@ def test_bf16_route_needs_exact_float32_block_sums():
   rng = np.random.default_rng(5)
   a = F.quantize(jnp.asarray(rng.normal(size=(16, 1100)), jnp.float32), F.BlockFormat(7, axis=1))
   b = F.quantize(jnp.asarray(rng.normal(size=(1100, 16)), jnp.float32), F.BlockFormat(7, axis=0))
-  assert not np.asarray(PB.tile_routes(a, b, 1100, 7, 7)).any()
-  ref = BD.block_dot_reference(a, b, 1100, 7, 7)
+  assert not np.asarray(_routes(a, b, 1100, 7, 7)).any()
+  ref = _ref(a, b, 1100, 7, 7)
   assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), ref)
 
 
