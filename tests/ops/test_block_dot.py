@@ -13,6 +13,10 @@ import jaxlp
 from jaxlp import formats as F
 from jaxlp.ops import _block_dot as BD
 
+# compiled as one program each (eagerly, every operation would compile on its own)
+_ref = jax.jit(BD.block_dot_reference, static_argnums=(2, 3, 4))
+_xla_int8 = jax.jit(BD.block_dot_xla_int8, static_argnums=(2, 3, 4))
+
 DN = (((1,), (0,)), ((), ()))
 
 
@@ -89,10 +93,10 @@ def test_reference_is_the_definition(fmt, fb, bits, g):
   rng = np.random.default_rng(1)
   a = F.quantize(_wide(rng, (5, 50)), fmt)
   b = F.quantize(_wide(rng, (50, 4)), fb)
-  ref = BD.block_dot_reference(a, b, g, bits, bits)
+  ref = _ref(a, b, g, bits, bits)
   assert _same(ref, _definition(a, b, g))
   if bits <= 7:
-    assert _same(BD.block_dot_xla_int8(a, b, g, bits, bits), ref)
+    assert _same(_xla_int8(a, b, g, bits, bits), ref)
 
 
 def test_mxint8_significands_and_definition():
@@ -105,9 +109,9 @@ def test_mxint8_significands_and_definition():
   assert int(k.min()) >= -128 and int(k.max()) <= 127 and int(k.min()) == -128
   back = np.asarray(k, np.float64) * np.exp2(np.asarray(q, np.float64))[..., None]
   assert np.array_equal(back.reshape(6, 64), np.asarray(a, np.float64))
-  ref = BD.block_dot_reference(a, b, 32, 7, 7)
+  ref = _ref(a, b, 32, 7, 7)
   assert _same(ref, _definition(a, b, 32))
-  assert _same(BD.block_dot_xla_int8(a, b, 32, 7, 7), ref)
+  assert _same(_xla_int8(a, b, 32, 7, 7), ref)
 
 
 def test_range_overflow_flush_and_nan():
@@ -122,7 +126,7 @@ def test_range_overflow_flush_and_nan():
   a[3, :4], b[:4, 3] = 2.0**-60, 2.0**-60  # 2**-118: kept
   a = F.quantize(jnp.asarray(a), F.BlockFormat(7, axis=1, block_size=4))
   b = F.quantize(jnp.asarray(b), F.BlockFormat(7, axis=0, block_size=4))
-  out = np.asarray(BD.block_dot_reference(a, b, 4, 7, 7))
+  out = np.asarray(_ref(a, b, 4, 7, 7))
   assert _same(out, _definition(a, b, 4))
   assert out[0, 0] == np.inf and _bits(out[1, 1]) == 0 and np.isnan(out[2]).all()
   assert out[3, 3] == np.float32(2.0**-118)
@@ -187,13 +191,13 @@ def test_dot_general_exact_gemms(transpose):
   if transpose:
     xa, wa, dn = x.T, w.T, (((0,), (1,)), ((), ()))
     xq, wq = F.quantize(x.T, fmt).T, F.quantize(w.T, fmt).T
-  y = BD.block_dot_reference(xq, wq, 24, 7, 7)
+  y = _ref(xq, wq, 24, 7, 7)
   out = jax.jit(lambda x, w: jaxlp.dot_general(policy)(x, w, dn))(xa, wa)
   assert _same(out, y)
   (_, (gx, gw)) = _grads(policy, xa, wa, dn)
   gq = F.quantize(jnp.cos(y), fmt)
-  dx = BD.block_dot_reference(gq, wq.T, 24, 7, 7)
-  dw = BD.block_dot_reference(xq.T, gq, 24, 7, 7)
+  dx = _ref(gq, wq.T, 24, 7, 7)
+  dw = _ref(xq.T, gq, 24, 7, 7)
   assert _same(gx, dx.T if transpose else dx)
   assert _same(gw, dw.T if transpose else dw)
 
@@ -203,13 +207,13 @@ def test_dot_general_mxint8_requantizes_along_each_contraction():
   x, w = _wide(rng, (16, 64), 2.0), _wide(rng, (64, 40), 2.0)
   policy = jaxlp.mx_policy("int8", 32, block_dot="exact")
   (v, (gx, gw)) = _grads(policy, x, w)
-  y = BD.block_dot_reference(F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
+  y = _ref(F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
                              32, 7, 7)
   assert _same(v, jnp.sum(jnp.sin(y)))
   g = jnp.cos(y)
-  dx = BD.block_dot_reference(F.quantize(g, F.mx("int8", 32, 1)),
+  dx = _ref(F.quantize(g, F.mx("int8", 32, 1)),
                               F.quantize(w, F.mx("int8", 32, 1)).T, 32, 7, 7)
-  dw = BD.block_dot_reference(F.quantize(x, F.mx("int8", 32, 0)).T,
+  dw = _ref(F.quantize(x, F.mx("int8", 32, 0)).T,
                               F.quantize(g, F.mx("int8", 32, 0)), 16, 7, 7)  # M=16: one block
   assert _same(gx, dx) and _same(gw, dw)
 
@@ -269,7 +273,7 @@ def test_xla_int8_unrolled_accumulation_keeps_the_bits():
   for nb in (20, 2, 1):
     a = F.quantize(_wide(rng, (6, 8 * nb)), F.BlockFormat(7, axis=1, block_size=8))
     b = F.quantize(_wide(rng, (8 * nb, 5)), F.BlockFormat(7, axis=0, block_size=8))
-    assert _same(BD.block_dot_xla_int8(a, b, 8, 7, 7), BD.block_dot_reference(a, b, 8, 7, 7))
+    assert _same(_xla_int8(a, b, 8, 7, 7), _ref(a, b, 8, 7, 7))
 
 
 @pytest.mark.parametrize("M,K,N,g,split", [
