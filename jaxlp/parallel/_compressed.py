@@ -326,7 +326,7 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
     >>> g = jnp.array([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4],
     ...                [10.0, 20.0, 30.0, 40.0], [0.5, 0.5, 0.5, 0.5]])
     >>> f = lambda x: P.compressed_allreduce(x, st, "w", c, min_size=1, skip_vectors=False)
-    >>> out, new_st = jax.vmap(f, axis_name="w")(g)
+    >>> out, new_st = jax.jit(jax.vmap(f, axis_name="w"))(g)
     >>> out[0]
     Array([ 2.9  ,  5.675,  8.45 , 11.225], dtype=float32)
     >>> new_st.count

@@ -59,7 +59,7 @@ def psum_two_level(tree, node_axis, rank_axis, *, fmt, aps: bool = True, kahan: 
     >>> from jaxlp import formats as F
     >>> g = jnp.arange(16.0).reshape(2, 2, 4) * 1.1  # (rank, node, values)
     >>> f = lambda x: P.psum_two_level(x, "node", "rank", fmt=F.E4M3)
-    >>> jax.vmap(jax.vmap(f, axis_name="node"), axis_name="rank")(g)[0, 0]
+    >>> jax.jit(jax.vmap(jax.vmap(f, axis_name="node"), axis_name="rank"))(g)[0, 0]
     Array([26., 30., 36., 40.], dtype=float32)
   """
   check_format(fmt, "nearest")
