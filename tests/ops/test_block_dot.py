@@ -208,13 +208,13 @@ def test_dot_general_mxint8_requantizes_along_each_contraction():
   policy = jaxlp.mx_policy("int8", 32, block_dot="exact")
   (v, (gx, gw)) = _grads(policy, x, w)
   y = _ref(F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
-                             32, 7, 7)
+           32, 7, 7)
   assert _same(v, jnp.sum(jnp.sin(y)))
   g = jnp.cos(y)
   dx = _ref(F.quantize(g, F.mx("int8", 32, 1)),
-                              F.quantize(w, F.mx("int8", 32, 1)).T, 32, 7, 7)
+            F.quantize(w, F.mx("int8", 32, 1)).T, 32, 7, 7)
   dw = _ref(F.quantize(x, F.mx("int8", 32, 0)).T,
-                              F.quantize(g, F.mx("int8", 32, 0)), 16, 7, 7)  # M=16: one block
+            F.quantize(g, F.mx("int8", 32, 0)), 16, 7, 7)  # M=16: one block
   assert _same(gx, dx) and _same(gw, dw)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import jaxlp.parallel.compressors as C
 from jaxlp.parallel.compressors._base import exact_div, no_fma, random_bits32, uniform01
+from tests.formats import _ref
 
 KEY = jax.random.key(11)
 
@@ -22,16 +23,12 @@ def _bytes(a):
   return a.dtype, a.shape, a.tobytes()
 
 
-def _same_bits(a, b):
-  """Equal dtype, shape and bits, NaN-aware: a NaN matches any NaN (XLA may give a NaN a
-  different payload inside a fused program than op by op), every other element its bits."""
-  a, b = np.asarray(a), np.asarray(b)
-  if a.dtype != b.dtype or a.shape != b.shape:
-    return False
-  if not np.issubdtype(a.dtype, np.floating):
-    return a.tobytes() == b.tobytes()
-  na, nb = np.isnan(a), np.isnan(b)
-  return bool(np.array_equal(na, nb)) and a[~na].tobytes() == b[~nb].tobytes()
+def _assert_same_bits(got, want):
+  """Same dtype and shape, and the bits, NaN-aware (XLA may give a NaN a different payload
+  inside a fused program than op by op)."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert (got.dtype, got.shape) == (want.dtype, want.shape)
+  _ref.assert_same_bits(got, want)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -124,7 +121,7 @@ def test_cgx_equals_per_element_division(bits, bucket, stochastic):
     payload = enc(jnp.asarray(x))
     levels, out = ref_cgx(jnp.asarray(x), bits, bucket, key)
     assert _bytes(payload["levels"]) == _bytes(levels)
-    assert _same_bits(dec(payload, x.shape), out)
+    _assert_same_bits(dec(payload, x.shape), out)
 
 
 def test_cgx_near_tie_fallback_paths():
@@ -134,7 +131,7 @@ def test_cgx_near_tie_fallback_paths():
   levels, out = ref_cgx(x, 4, 16)
   payload = jax.jit(lambda x: c.encode(x, ())[0])(x)
   assert _bytes(payload["levels"]) == _bytes(levels)
-  assert _same_bits(jax.jit(c.decode, static_argnums=1)(payload, x.shape), out)
+  _assert_same_bits(jax.jit(c.decode, static_argnums=1)(payload, x.shape), out)
   # vmap (the engine's emulation): same bits per worker
   xs = jnp.stack([x, -x, x * 3])
   got = jax.vmap(lambda x: c.encode(x, ())[0]["levels"])(xs)
