@@ -109,5 +109,5 @@ step torch_ddp_example 45 "$py" examples/torch_mnist_ddp.py --smoke
 step compression_powersgd 35 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only powersgd2,powersgd2_batched
 # the DDP hooks on CUDA buckets (12 of 22 did not run within the last call's 80 s)
-step torch_ddp_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch/test_torch_ddp.py \
+step torch_ddp_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch_bridge/test_torch_ddp.py \
   -k cuda

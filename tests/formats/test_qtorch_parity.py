@@ -15,6 +15,9 @@ from jaxlp import formats as F
 
 from . import _ref
 
+# qtorch builds its C++ extension on first import; one xdist worker imports it for every
+# parity module instead of a second worker waiting on the build lock
+pytestmark = pytest.mark.xdist_group("qtorch")
 
 @pytest.fixture(scope="module")
 def qt():

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
-import _triton_check as C  # noqa: E402  (tests/torch is on sys.path, as for _torch_testutil)
+import _triton_check as C  # noqa: E402  (tests/torch_bridge is on sys.path, as for _torch_testutil)
 
 from jaxlp import formats as F  # noqa: E402
 from jaxlp.torch import _triton as T  # noqa: E402

@@ -8,6 +8,9 @@ from _torch_testutil import assert_same_bits, special_data
 import jaxlp.torch as jt
 from jaxlp import formats as F
 
+# one xdist worker for every module that imports qtorch (tests/formats/test_qtorch_parity.py)
+pytestmark = pytest.mark.xdist_group("qtorch")
+
 N = 4096
 FAST_MANS = (1, 2, 3, 4, 7, 10, 13, 22)
 

@@ -28,7 +28,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import jax  # noqa: E402
 
 import jaxlp  # noqa: E402
-from tests.torch._torch_testutil import assert_same_bits, gpu_host  # noqa: E402
+from tests.torch_bridge._torch_testutil import assert_same_bits, gpu_host  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

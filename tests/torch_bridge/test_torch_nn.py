@@ -10,7 +10,7 @@ import jaxlp  # noqa: E402
 from jaxlp.formats import E4M3, E5M2, cpd_float  # noqa: E402
 from jaxlp.torch import cpd  # noqa: E402
 from jaxlp.torch import nn as jnn  # noqa: E402
-from tests.torch._torch_testutil import assert_same_bits, jax_device_of  # noqa: E402
+from tests.torch_bridge._torch_testutil import assert_same_bits, jax_device_of  # noqa: E402
 
 # Every JAX reference below runs on the JAX device of the layer's tensors (jax_device_of: the
 # CPU device for these CPU tensors), which is where jaxlp.torch runs the layer, so layer and

@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo DDP test (run by tests/torch/test_torch_ddp.py).
+"""One rank of the 2-process gloo DDP test (run by tests/torch_bridge/test_torch_ddp.py).
 
 Usage: python _ddp_worker.py RANK WORLD PORT OUTDIR [DEVICE]. Runs every hook variant in one
 process group and writes OUTDIR/rank{RANK}.npz with the final parameters of each variant and
