@@ -34,7 +34,8 @@ def run(args, **cfg_kwargs) -> list[dict]:
     cfg.batch_size = args.batch_size
   if args.smoke:
     # CI-sized: the small CNN stands in for ResNet-18/VGG-19 (their full topologies are
-    # trained in tests/flax and by `jaxlp train --model ...`); everything else as configured.
+    # trained in tests/flax_integration and by `jaxlp train --model ...`); everything else
+    # as configured.
     cfg.model = "cnn" if cfg.model in ("resnet9", "resnet18", "vgg19") else cfg.model
     cfg.epochs, cfg.max_steps_per_epoch, cfg.width = 1, 2, 4
     cfg.warmup_epochs = min(cfg.warmup_epochs, cfg.epochs)

@@ -156,3 +156,19 @@ def test_import_path_equals_attribute_path():
     parent, _, leaf = pkg_name.rpartition(".")
     if parent:
       assert getattr(importlib.import_module(parent), leaf) is pkg, pkg_name
+
+
+# names a test folder must not take: pytest puts tests/ on sys.path (rootdir conftest), and a
+# folder without __init__.py named like a dependency becomes a namespace package that
+# ``import <dependency>`` finds when the dependency is not installed (``import torch`` then
+# "succeeds", and importorskip no longer skips)
+_DEPENDENCIES = ("jax", "jaxlib", "numpy", "ml_dtypes", "flax", "optax", "chex", "torch",
+                 "matplotlib", "sklearn", "triton", "qtorch", "hypothesis", "pytest")
+
+
+def test_no_test_folder_shadows_a_dependency():
+  from pathlib import Path
+
+  tests = Path(__file__).parent
+  folders = {p.name for p in tests.iterdir() if p.is_dir()}
+  assert not folders & set(_DEPENDENCIES), sorted(folders & set(_DEPENDENCIES))
