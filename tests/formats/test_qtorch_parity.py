@@ -19,6 +19,7 @@ from . import _ref
 # parity module instead of a second worker waiting on the build lock
 pytestmark = pytest.mark.xdist_group("qtorch")
 
+
 @pytest.fixture(scope="module")
 def qt():
   try:
