@@ -87,11 +87,17 @@ def orthogonalize(x):
   References:
     PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``.
   """
+  # Each column's norm and normalized column are materialized: column i feeds every later
+  # column, and XLA otherwise fuses (recomputes) the chain of integer-exact square roots and
+  # divisions into each consumer. The values are unchanged. 2-core CPU, 2026-11-28:
+  # 4096 x 4 compile 2.3 s -> 0.7 s, run 5.0 -> 0.51 ms; 512 x 2 run 0.26 -> 0.085 ms.
+  # (Materializing the dot products and updated columns too was slower on ResNet-18's leaves.)
   cols = [x[..., :, i] for i in range(x.shape[-1])]
   for i in range(len(cols)):
     c = cols[i]
-    nrm = sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None]
-    cols[i] = c = jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)), 0.0)
+    nrm = materialize(sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None])
+    cols[i] = c = materialize(jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)),
+                                        0.0))
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
       cols[j] = cols[j] - no_fma(d * c)

@@ -596,8 +596,9 @@ class TernGrad:
       if key is None:
         raise ValueError("terngrad(variant='paper') needs key")
       if self.clip is not None:
-        mu = exact_div(det_sum(x), x.shape[0])
-        std = sqrt_f32(exact_div(det_sum(no_fma(jnp.square(x - mu))), x.shape[0]))
+        # scalars, each computed once (materialize: not fused into every element's loop)
+        mu = materialize(exact_div(det_sum(x), x.shape[0]))
+        std = materialize(sqrt_f32(exact_div(det_sum(no_fma(jnp.square(x - mu))), x.shape[0])))
         c = jnp.float32(self.clip) * std
         x = jnp.clip(x, -c, c)
       # max|x| as max(max x, -min x) (+ 0 turns a -0 into +0, as abs does): two reductions

@@ -73,16 +73,26 @@ def _crafted(rng):
 @pytest.mark.parametrize("bits,bucket", [(4, 64), (8, 32), (3, 7), (5, 24), (1, 9)])
 def test_cgx_equals_numpy_division(bits, bucket):
   rng = np.random.default_rng(bits)
+  comps = [C.cgx(bits, bucket, skip_incomplete=skip) for skip in (False, True)]
+  named = list(_crafted(rng))
+
+  @jax.jit  # every input and both settings in one program (one compile); encode and decode
+  def run(xs):  # together, as the engine runs them
+    out = []
+    for c in comps:
+      for x in xs:
+        p = c.encode(x, ())[0]
+        out.append((p, c.decode(p, x.shape)))
+    return out
+
+  got = iter(run([jnp.asarray(x) for _, x in named]))
   for skip in (False, True):
-    c = C.cgx(bits, bucket, skip_incomplete=skip)
-    enc = jax.jit(lambda x, c=c: c.encode(x, ())[0])
-    for name, x in _crafted(rng):
-      p = enc(jnp.asarray(x))
+    for name, x in named:
+      p, dec = next(got)
       nq = (x.size // bucket) * bucket if skip else x.size
       out, packed, meta = np_cgx(x, bits, bucket, nq=nq)
       assert _bytes(p["levels"]) == _bytes(packed), (name, skip)
       assert _bytes(p["meta"]) == _bytes(meta), (name, skip)
-      dec = np.asarray(jax.jit(lambda p, c=c, n=x.size: c.decode(p, (n,)))(p))
       want = np.concatenate([out, x[nq:]])
       assert _bytes(dec) == _bytes(want), (name, skip)
 
@@ -342,3 +352,40 @@ def test_qsgd_partial_last_bucket_on_a_large_leaf_equals_numpy():
   assert _bytes(d) == _bytes(nrm * np.where(want & 1, -mag, mag))
   pv = jax.jit(jax.vmap(lambda x: c.encode(x, (), key)[0]))(jnp.asarray(x[None]))
   assert jax.tree_util.tree_map(lambda a: _bytes(a[0]), pv) == jax.tree_util.tree_map(_bytes, p)
+
+
+def np_det_sum(x):
+  """``det_sum``'s pairwise order in numpy float32: pad to even with a zero, add the pairs."""
+  x = np.asarray(x, np.float32)
+  if x.size == 0:
+    return np.float32(0)
+  while x.size > 1:
+    if x.size % 2:
+      x = np.append(x, np.float32(0))
+    x = x[0::2] + x[1::2]
+  return x[0]
+
+
+@pytest.mark.parametrize("n", [1, 1000, 4097])
+def test_terngrad_clip_equals_the_numpy_definition(n):
+  """terngrad(clip=c): x clipped to +-c*std first, std = sqrt(sum((x - mu)^2) / n) with
+  mu = sum(x) / n, each sum in det_sum's pairwise order, each division and the square root
+  correctly rounded (numpy float32); then s = max|x|, kept where u*s < |x|."""
+  rng = np.random.default_rng(n)
+  x = (rng.standard_normal(n) * np.where(rng.random(n) < 0.02, 40.0, 1.0)).astype(np.float32)
+  key = jax.random.key(n)
+  c = C.terngrad(clip=2.5)
+  p, d = jax.jit(lambda x: (lambda p: (p, c.decode(p, x.shape)))(c.encode(x, (), key)[0]))(
+    jnp.asarray(x))
+  mu = np.float32(np_det_sum(x) / np.float32(n))
+  std = np.sqrt(np.float32(np_det_sum(np.square(x - mu)) / np.float32(n)))
+  lim = np.float32(2.5) * std
+  xc = np.clip(x, -lim, lim)
+  s = np.max(np.abs(xc))
+  u = np.asarray(_uniform01(key, (n,)))
+  code = np.where(u * s < np.abs(xc), np.where(xc < 0, 0, 2), 1).astype(np.uint32)
+  assert _bytes(p["scale"]) == _bytes(np.array([s], np.float32))
+  assert _bytes(_unpack(p["codes"], 2, n)) == _bytes(code)
+  assert _bytes(d) == _bytes((code.astype(np.int32) - 1).astype(np.float32) * s)
+  if n > 1:
+    assert (np.abs(x) > lim).any() and np.abs(np.asarray(d)).max() <= lim  # the clip acted
