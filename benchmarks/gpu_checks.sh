@@ -8,9 +8,9 @@
 # others. Every log ends with the step's exit status. The checks (what the H200 runs of
 # 2026-11-27 left open; benchmarks/RESULTS.md, top). Settled there and not repeated: the
 # compressors' bucketed rows and the "radix" selection schedule (not adopted), the torch
-# bridge's speed table, and GPU_IMPL="auto" against "pallas" (auto adopted: 37.8 against
+# bridge's speed table, and gpu_impl="auto" against "pallas" (auto adopted: 37.8 against
 # 53.2 ms per exact ResNet-18 step, same bits).
-#   block_gpu_bits issue 18: the exact GEMM's GPU implementations (the kernel, GPU_IMPL="auto",
+#   block_gpu_bits issue 18: the exact GEMM's GPU implementations (the kernel, gpu_impl="auto",
 #                  now the default, "xla_int8") give the CPU reference's bits
 #   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half with the default "auto"
 #                  (its small GEMMs are now batched int8 dots), its folder kept in OUTDIR
@@ -79,7 +79,7 @@ fi
 # torch and JAX share the GPU: JAX takes memory as it needs it, not 75% up front
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # the exact GEMM's GPU implementations against the CPU reference, bit for bit: the kernel,
-# GPU_IMPL="auto" (the default since 2026-11-27) and "xla_int8" alone
+# gpu_impl="auto" (the default since 2026-11-27) and "xla_int8" alone
 step block_gpu_bits 60 "$py" -m pytest -q -p no:cacheprovider tests/ops/test_block_dot_gpu.py
 # the exact MLP run's GPU half (same bits as the CPU with "pallas" on the H200, 2026-11-27;
 # now "auto"); its folder comes back in OUTDIR: compare it here with

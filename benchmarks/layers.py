@@ -13,10 +13,11 @@ Usage: python benchmarks/layers.py [--small] [--models resnet18,mlp] [--policies
 ``hbfp8_exact`` (per-sample activations, 7-bit tiled weights), ``hbfp8_tiled_exact``,
 ``mxint8_exact``, ``mxfp8_fp8``, are not in the default set: slow on CPU).
 ``--block-route int8|auto`` picks the GPU route of the exact mode's Pallas kernel
-(``jaxlp/pallas/_block_gemm.py``; default: the library's ``GPU_ROUTE``); the CPU runs the
+(``jaxlp/pallas/_block_gemm.py``; ``DotPolicy.gpu_route``, default "auto"); the CPU runs the
 reference either way. ``--fp8-impl xla|pallas`` picks the GPU GEMM of ``mxfp8_fp8`` (the
-batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself; default: the
-library's ``FP8_GPU_IMPL``). ``--gpu-impl pallas,auto`` times each exact policy with each GPU
+batched XLA fp8 dot, or the Pallas kernel that sums the K-blocks itself;
+``DotPolicy.fp8_gpu_impl``, default "pallas"). ``--gpu-impl pallas,auto`` times each exact
+policy with each GPU
 implementation of its GEMMs in the same run (rows ``policy [impl]``; "auto": GEMMs with few
 output tiles as one batched XLA int8 dot, ``jaxlp.ops._block_dot.splits_k_blocks``, the others
 by the kernel with its operand preparation as a Pallas kernel); the CPU runs the reference
@@ -57,6 +58,7 @@ _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
 import argparse
 import collections
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -194,9 +196,9 @@ def exact_gemms(model, x, labels, policy):
   # MLP's 9 GEMMs that way)
   inner = _block_dot._dispatch
 
-  def record(a, b, g, bits_a, bits_b):
+  def record(a, b, g, bits_a, bits_b, *impl):
     calls.append((a.shape[0], a.shape[1], b.shape[1], g, bits_a, bits_b))
-    return inner(a, b, g, bits_a, bits_b)
+    return inner(a, b, g, bits_a, bits_b, *impl)
 
   def loss_fn(p):
     if stats is None:
@@ -215,14 +217,14 @@ def exact_gemms(model, x, labels, policy):
   return calls
 
 
-def _kernel_operands(a, b, g, ba, bb):
+def _kernel_operands(a, b, g, ba, bb, policy):
   """The jnp work the exact GEMM kernel's call does before its ``pallas_call``s, with the
-  library's GPU route and default tiles (``jaxlp/pallas/_block_gemm.py``)."""
+  policy's GPU route and the default tiles (``jaxlp/pallas/_block_gemm.py``)."""
   from jaxlp.pallas import _block_gemm  # noqa: PLC0415
 
-  bf16 = _block_dot.GPU_ROUTE == "auto" and _block_gemm.bf16_route_ok(g, ba, bb)
+  bf16 = policy.gpu_route == "auto" and _block_gemm.bf16_route_ok(g, ba, bb)
   bm, bn = _block_gemm._tiles(a.shape[0], b.shape[1], None, None, bf16)
-  prep = "pallas" if _block_dot.GPU_IMPL == "auto" else None  # what block_dot_gpu_auto takes
+  prep = "pallas" if policy.gpu_impl == "auto" else None  # what block_dot_gpu_auto takes
   # off a GPU (the --small smoke run) the Pallas preparation runs in the interpreter
   return _block_gemm.kernel_operands(a, b, g, ba, bb, bm, bn, bf16, prep,
                                      interpret=jax.default_backend() != "gpu")
@@ -267,13 +269,15 @@ def gemm_census(mname, model, x, labels, pname, policy, steps, timed, top=0):
       b = jax.random.randint(kb, (K, N), -127, 128).astype(jnp.float32)
       first = []  # the first call: its compile (what a step's compile pays per shape)
       t_ex = _median_ms(jax.jit(lambda a, b, g=g, ba=ba, bb=bb: _block_dot.block_dot(
-          a, b, g, ba, bb)), (a, b), steps, first)
+          a, b, g, ba, bb, gpu_impl=policy.gpu_impl, gpu_route=policy.gpu_route)), (a, b),
+          steps, first)
       tot_first += first[0]
       first_s = f"{first[0]:.2f}"
-      split = _block_dot.GPU_IMPL == "auto" and _block_dot.splits_k_blocks(M, N, K, g)
+      split = policy.gpu_impl == "auto" and _block_dot.splits_k_blocks(M, N, K, g)
       # a GEMM that "auto" runs as a batched XLA int8 dot has no kernel operands to prepare
       t_prep = 0.0 if split else _median_ms(
-          jax.jit(functools.partial(_kernel_operands, g=g, ba=ba, bb=bb)), (a, b), steps)
+          jax.jit(functools.partial(_kernel_operands, g=g, ba=ba, bb=bb, policy=policy)),
+          (a, b), steps)
       t_f32 = _median_ms(jax.jit(jnp.dot), (a, b), steps)
       tot_ex += c * t_ex
       tot_prep += c * t_prep
@@ -301,15 +305,15 @@ def main(argv=None):
                   help=f"comma-separated, from {', '.join(POLICIES)}")
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--block-route", choices=("int8", "auto"), default=None,
-                  help="GPU route of the exact block GEMM kernel (default: the library's)")
+                  help="GPU route of the exact block GEMM kernel (default: the policy's, auto)")
   ap.add_argument("--gpu-impl", default=None,
                   help="comma-separated GPU implementations of the exact block GEMM, each "
                   "exact policy timed with each: pallas (the kernel everywhere), auto (few-tile "
                   "GEMMs as one batched XLA int8 dot, the others by the kernel with its Pallas "
                   "operand preparation; jaxlp.ops._block_dot.SPLIT_TILES); default: the "
-                  "library's GPU_IMPL")
+                  "policy's gpu_impl, auto")
   ap.add_argument("--fp8-impl", choices=("xla", "pallas"), default=None,
-                  help="GPU GEMM of the fp8 mode with MX scales (default: the library's)")
+                  help="GPU GEMM of the fp8 mode with MX scales (default: the policy's, pallas)")
   ap.add_argument("--gemm-census", action="store_true",
                   help="list (and on a GPU time) the exact GEMMs of one step of each exact "
                        "policy instead of timing the steps")
@@ -328,13 +332,18 @@ def main(argv=None):
   if args.no_command_buffers:
     load_sibling("_trace").command_buffers_off()
   steps = args.steps or (3 if args.small else 5)
-  # benchmark-only overrides of the library defaults, read when the steps are traced
-  from jaxlp.ops import _block_dot
-
+  # the GPU implementation flags become fields of each timed policy (DotPolicy.gpu_route,
+  # fp8_gpu_impl, gpu_impl)
+  overrides = {}
   if args.block_route is not None:
-    _block_dot.GPU_ROUTE = args.block_route
+    overrides["gpu_route"] = args.block_route
   if args.fp8_impl is not None:
-    _block_dot.FP8_GPU_IMPL = args.fp8_impl
+    overrides["fp8_gpu_impl"] = args.fp8_impl
+
+  def policy_for(pname, impl):
+    kw = dict(overrides, **({} if impl is None else {"gpu_impl": impl}))
+    return dataclasses.replace(POLICIES[pname][0], **kw)
+
   impls = [None] if args.gpu_impl is None else args.gpu_impl.split(",")
   if args.gpu_impl is not None and (any(i not in ("pallas", "auto") for i in impls)
                                     or len(set(impls)) != len(impls)):
@@ -350,8 +359,6 @@ def main(argv=None):
   if args.gemm_census:
     if len(impls) > 1:
       ap.error("--gemm-census: give one --gpu-impl (the census times the library's dispatch)")
-    if impls[0] is not None:
-      _block_dot.GPU_IMPL = impls[0]
     exact = [p for p in args.policies.split(",") if POLICIES[p][0].block_dot == "exact"]
     if not exact:
       ap.error("--gemm-census: --policies names no exact policy (block_dot='exact'); exact "
@@ -359,7 +366,8 @@ def main(argv=None):
     for mname in args.models.split(","):
       model, x, labels = make_case(mname, args.small)
       for pname in exact:
-        rows.append(gemm_census(mname, model, x, labels, pname, POLICIES[pname][0], steps,
+        rows.append(gemm_census(mname, model, x, labels, pname, policy_for(pname, impls[0]),
+                                steps,
                                 jax.default_backend() == "gpu" or args.small,
                                 args.census_top))
     if args.json:
@@ -375,9 +383,7 @@ def main(argv=None):
       policy, precision = POLICIES[pname]
       for impl in impls if policy.block_dot == "exact" else [None]:
         label = pname if impl is None or len(impls) == 1 else f"{pname} [{impl}]"
-        if impl is not None:
-          _block_dot.GPU_IMPL = impl
-          jax.clear_caches()  # the exact GEMM's dispatch is traced once per implementation
+        policy = policy_for(pname, impl)
         with jax.default_matmul_precision(precision):
           t, c, loss = time_step(model, x, labels, policy, steps, args.trace_top)
         base = t if pname == "fp32" else base

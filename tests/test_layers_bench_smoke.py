@@ -212,17 +212,18 @@ def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_aft
     trace.command_buffers_off()
 
 
-def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(monkeypatch, capsys):
+def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(capsys):
   """--gpu-impl pallas,auto: one row per implementation for each exact policy (one for the
-  others); the library's GPU_IMPL is set for each; a bad or repeated name is refused."""
+  others), each timed with a policy whose gpu_impl is that one (the library's defaults stay
+  as they are); a bad or repeated name is refused."""
   from jaxlp.ops import _block_dot
 
-  monkeypatch.setattr(_block_dot, "GPU_IMPL", _block_dot.GPU_IMPL)  # restored afterwards
+  defaults = (_block_dot.GPU_IMPL, _block_dot.GPU_ROUTE, _block_dot.FP8_GPU_IMPL)
   mod = load_benchmark("layers")
   rows = mod.main(["--small", "--models", "mlp", "--policies", "fp32,hbfp8_exact",
                    "--gpu-impl", "auto,pallas", "--steps", "1"])
   assert [r["policy"] for r in rows] == ["fp32", "hbfp8_exact [auto]", "hbfp8_exact [pallas]"]
-  assert _block_dot.GPU_IMPL == "pallas"  # the last one set (the default is "auto")
+  assert (_block_dot.GPU_IMPL, _block_dot.GPU_ROUTE, _block_dot.FP8_GPU_IMPL) == defaults
   # the CPU runs the reference with either: the same loss
   assert rows[1]["loss"] == rows[2]["loss"]
   # without an fp32 row there is no ratio: "-" in the table, None in the JSON rows

@@ -42,7 +42,8 @@ Implementations with those bits: :func:`block_dot_reference` (pure jnp: an int32
 K-block in a ``lax.scan``, any backend), :func:`block_dot_xla_int8` (one batched XLA int8 x
 int8 -> int32 ``dot_general`` over (nblocks, block) batch dims, then the same scan; needs
 <= 7-bit significands) and the Pallas kernel in ``jaxlp/pallas/_block_gemm.py``.
-:func:`block_dot` dispatches on the platform the computation is compiled for (see
+:func:`block_dot` dispatches on the platform the computation is compiled for; which
+implementation a GPU runs is a :class:`jaxlp.DotPolicy` field (``gpu_impl``, default
 :data:`GPU_IMPL`).
 """
 
@@ -66,8 +67,9 @@ INT32_MAX = 2**31 - 1
 NAN_Q = 1 << 20
 IMPLS = ("reference", "xla_int8", "pallas")
 
-#: The implementation :func:`block_dot` runs on a GPU (every one gives the same bits; CPU
-#: always runs the reference): "auto" (the default), "pallas", "xla_int8" or "reference".
+#: The default implementation :func:`block_dot` runs on a GPU (``DotPolicy.gpu_impl``; every
+#: one gives the same bits; CPU always runs the reference): "auto", "pallas", "xla_int8" or
+#: "reference". A default, not a switch: choose per policy.
 #: "pallas" is the integer-tensor-core kernel. Measured on an H100 (2026-11-26,
 #: ``benchmarks/block_gemm.py``) at 4096^3 and 8192^3, before the kernel's fast scaling was
 #: added (not measured since):
@@ -88,9 +90,11 @@ IMPLS = ("reference", "xla_int8", "pallas")
 #: (batch 128) took 37.8 ms with "auto" against 53.2 ms with "pallas", the same bits
 #: (``tests/ops/test_block_dot_gpu.py`` passed there); its compile took 131 s against 57 s.
 GPU_IMPL = "auto"
+GPU_IMPLS = ("auto", "pallas", "xla_int8", "reference")
 SPLIT_TILES = 32
 SPLIT_MAX_BYTES = 256 << 20
-#: The Pallas kernel's route on a GPU (``jaxlp/pallas/_block_gemm.py``): "auto" (bf16 tensor
+#: The default route of the Pallas kernel on a GPU (``DotPolicy.gpu_route``;
+#: ``jaxlp/pallas/_block_gemm.py``): "auto" (bf16 tensor
 #: cores, with one float32 add per output per K-block instead of an int -> float conversion
 #: and scaling, on the tiles whose block exponents allow it; int8 on the others) or "int8"
 #: (integer tensor cores everywhere). Both give the reference's bits. Measured on an H100
@@ -98,8 +102,10 @@ SPLIT_MAX_BYTES = 256 << 20
 #: K-blocks): "auto" gave the reference's bits in every case and ran at 103-115 TFLOP/s
 #: (HBFP8) and 172-197 (MXINT8), against 35 and 52 for "int8".
 GPU_ROUTE = "auto"
+GPU_ROUTES = ("auto", "int8")
 
-#: The fp8 fast mode's GEMM on a GPU for per-K-block (MX) scales: "pallas" (``fp8_block_gemm``
+#: The default GEMM of the fp8 fast mode on a GPU for per-K-block (MX) scales
+#: (``DotPolicy.fp8_gpu_impl``): "pallas" (``fp8_block_gemm``
 #: in ``jaxlp/pallas/_block_gemm.py``: the blocks summed inside one kernel) or "xla" (one
 #: batched fp8 ``dot_general`` over the K-blocks, then the scaled sum: a (K-blocks, M, N)
 #: float32 intermediate, 64 GiB at 8192^3). Neither is bit-exact. Measured on an H100
@@ -108,6 +114,7 @@ GPU_ROUTE = "auto"
 #: with "xla" in an earlier run on the same kind of machine. Per-tensor scales always take
 #: the single XLA fp8 dot.
 FP8_GPU_IMPL = "pallas"
+FP8_GPU_IMPLS = ("pallas", "xla")
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,43 +362,55 @@ def block_dot_xla_int8(a, b, g: int, bits_a: int, bits_b: int):
 
 
 def block_dot_pallas(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
-                     route: str | None = None, prep: str | None = None):
+                     route: str = GPU_ROUTE, prep: str | None = None):
   """The same bits with the Pallas tensor-core kernel (``jaxlp/pallas/_block_gemm.py``);
-  ``route`` None: :data:`GPU_ROUTE`; ``prep`` None: that module's ``PREP``."""
+  ``prep`` None: that module's ``PREP``."""
   from jaxlp.pallas._block_gemm import block_gemm  # noqa: PLC0415  (import cycle)
 
-  return block_gemm(a, b, g, bits_a, bits_b, interpret=interpret,
-                    route=GPU_ROUTE if route is None else route, prep=prep)
+  return block_gemm(a, b, g, bits_a, bits_b, interpret=interpret, route=route, prep=prep)
 
 
 def splits_k_blocks(M: int, N: int, K: int, g: int) -> bool:
-  """Whether ``GPU_IMPL = "auto"`` runs an (M, K) x (K, N) GEMM with K-blocks of ``g`` as
+  """Whether ``gpu_impl="auto"`` runs an (M, K) x (K, N) GEMM with K-blocks of ``g`` as
   "xla_int8" (see :data:`SPLIT_TILES`) rather than "pallas"."""
   nb = cdiv(K, g) if K else 0
   return (cdiv(M, 128) * cdiv(N, 128) < SPLIT_TILES and nb >= 2
           and 4 * nb * M * N <= SPLIT_MAX_BYTES)
 
 
-def block_dot_gpu_auto(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False):
-  """``GPU_IMPL = "auto"``: "xla_int8" where :func:`splits_k_blocks`, else "pallas" with
+def block_dot_gpu_auto(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = False,
+                       route: str = GPU_ROUTE):
+  """``gpu_impl="auto"``: "xla_int8" where :func:`splits_k_blocks`, else "pallas" with
   the Pallas operand preparation (``prep="pallas"``)."""
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   if splits_k_blocks(a.shape[0], b.shape[1], a.shape[1], g):
     return block_dot_xla_int8(a, b, g, bits_a, bits_b)
-  return block_dot_pallas(a, b, g, bits_a, bits_b, interpret=interpret, prep="pallas")
+  return block_dot_pallas(a, b, g, bits_a, bits_b, interpret=interpret, route=route,
+                          prep="pallas")
 
 
 _IMPL_FNS = {"reference": block_dot_reference, "xla_int8": block_dot_xla_int8,
              "pallas": block_dot_pallas, "auto": block_dot_gpu_auto}
 
 
-def block_dot(a, b, g: int, bits_a: int, bits_b: int, *, impl: str | None = None):
+def check_gpu_choice(value, allowed, what: str):
+  """``value`` if it is one of ``allowed``, else a ValueError naming ``what``."""
+  if value not in allowed:
+    raise ValueError(f"{what}={value!r} not in {allowed}")
+  return value
+
+
+def block_dot(a, b, g: int, bits_a: int, bits_b: int, *, impl: str | None = None,
+              gpu_impl: str = GPU_IMPL, gpu_route: str = GPU_ROUTE):
   """``a`` (M, K) . ``b`` (K, N) with the exact block bits (module docstring).
 
   ``impl=None`` follows the platform the computation is compiled for
-  (``lax.platform_dependent``): CUDA runs :data:`GPU_IMPL` where the significands fit int8
-  (the reference otherwise), every other platform the reference. All give the same bits.
+  (``lax.platform_dependent``): CUDA runs ``gpu_impl`` (:data:`GPU_IMPLS`; the Pallas
+  kernel on ``gpu_route``, :data:`GPU_ROUTES`) where the significands fit int8 (the
+  reference otherwise), every other platform the reference. All give the same bits.
   """
+  check_gpu_choice(gpu_impl, GPU_IMPLS, "block_dot: gpu_impl")
+  check_gpu_choice(gpu_route, GPU_ROUTES, "block_dot: gpu_route")
   if impl is not None:
     if impl not in IMPLS:
       raise ValueError(f"block_dot: impl={impl!r} not in {IMPLS}")
@@ -400,16 +419,18 @@ def block_dot(a, b, g: int, bits_a: int, bits_b: int, *, impl: str | None = None
   _check(a, b, g, bits_a, bits_b)
   if max(bits_a, bits_b) > 7:
     return block_dot_reference(a, b, g, bits_a, bits_b)
-  return _dispatch(a, b, g, bits_a, bits_b)
+  return _dispatch(a, b, g, bits_a, bits_b, gpu_impl, gpu_route)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _dispatch(a, b, g, bits_a, bits_b):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _dispatch(a, b, g, bits_a, bits_b, gpu_impl, gpu_route):
   def reference(a, b):
     return block_dot_reference(a, b, g, bits_a, bits_b)
 
   def gpu(a, b):
-    return _IMPL_FNS[GPU_IMPL](a, b, g, bits_a, bits_b)
+    if gpu_impl in ("pallas", "auto"):
+      return _IMPL_FNS[gpu_impl](a, b, g, bits_a, bits_b, route=gpu_route)
+    return _IMPL_FNS[gpu_impl](a, b, g, bits_a, bits_b)
 
   return lax.platform_dependent(a, b, cuda=gpu, default=reference)
 
@@ -438,7 +459,7 @@ def _fp8_scaled(x, kind: str, g: int | None, exact_scale: bool):
   return jnp.ldexp(x, -s).astype(dtype), s[..., 0]
 
 
-def fp8_dot(a, b, fmt_a, fmt_b, g: int | None):
+def fp8_dot(a, b, fmt_a, fmt_b, g: int | None, *, gpu_impl: str = FP8_GPU_IMPL):
   """FP8 fast mode: ``a`` (M, K) . ``b`` (K, N) of ``fmt_a`` / ``fmt_b`` values cast to fp8
   (:func:`fp8_kind`) with power-of-two scales -- per K-block of ``g`` for MX operands, per
   tensor otherwise -- one ``lax.dot_general`` on the fp8 arrays (batched over the K-blocks)
@@ -448,8 +469,10 @@ def fp8_dot(a, b, fmt_a, fmt_b, g: int | None):
   the fp8 type under one scale, but the dot's accumulation is the hardware's (Hopper's fp8
   tensor cores accumulate in a format narrower than fp32), and the sum over K-blocks is
   XLA's ``sum``. Its error against the exact emulation is measured by
-  ``benchmarks/block_gemm.py``.
+  ``benchmarks/block_gemm.py``. ``gpu_impl`` (:data:`FP8_GPU_IMPLS`): the GEMM a GPU runs
+  for per-K-block scales (see :data:`FP8_GPU_IMPL`).
   """
+  check_gpu_choice(gpu_impl, FP8_GPU_IMPLS, "fp8_dot: gpu_impl")
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   ka, kb = fp8_kind(fmt_a), fp8_kind(fmt_b)
   if ka is None or kb is None:
@@ -459,7 +482,7 @@ def fp8_dot(a, b, fmt_a, fmt_b, g: int | None):
   gg = g if blocked else None
   a8, sa = _fp8_scaled(a, ka, gg, isinstance(fmt_a, MXFormat))
   b8, sb = _fp8_scaled(b.T, kb, gg, isinstance(fmt_b, MXFormat))
-  if not blocked or FP8_GPU_IMPL == "xla" or a8.shape[1] == 0:
+  if not blocked or gpu_impl == "xla" or a8.shape[1] == 0:
     return _fp8_xla(a8, sa, b8, sb)
 
   def pallas(a8, sa, b8, sb):

@@ -361,9 +361,9 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
     g = plan[gemm][2]
     if policy.block_dot == "exact":
       bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
-      ops[gemm] = functools.partial(_exact_gemm, g=g, bits=bits)
+      ops[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
     else:
-      ops[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt))
+      ops[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)
   N, C, O, T = cv.N, cv.C, cv.O, math.prod(cv.R)
   nd = len(cv.S)
 

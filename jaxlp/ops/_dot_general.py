@@ -259,9 +259,9 @@ def _block_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs, geo):
     if mode == "exact":
       bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
       BD.check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
-      plan[gemm] = functools.partial(_exact_gemm, g=g, bits=bits)
+      plan[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
     else:
-      plan[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt))
+      plan[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)
   lt = lc == 0  # lhs stored as (K, M)
   rt = rc == 1  # rhs stored as (N, K)
 
@@ -278,12 +278,13 @@ def _block_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs, geo):
   }
 
 
-def _exact_gemm(a, b, *, g, bits):
-  return BD.block_dot(a.astype(jnp.float32), b.astype(jnp.float32), g, *bits)
+def _exact_gemm(a, b, *, g, bits, policy):
+  return BD.block_dot(a.astype(jnp.float32), b.astype(jnp.float32), g, *bits,
+                      gpu_impl=policy.gpu_impl, gpu_route=policy.gpu_route)
 
 
-def _fp8_gemm(a, b, *, g, fmts):
-  return BD.fp8_dot(a, b, *fmts, g)
+def _fp8_gemm(a, b, *, g, fmts, policy):
+  return BD.fp8_dot(a, b, *fmts, g, gpu_impl=policy.fp8_gpu_impl)
 
 
 def dot_general(policy: DotPolicy | None = None, *, key=None):

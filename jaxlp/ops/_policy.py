@@ -49,7 +49,18 @@ from typing import Any
 from jaxlp._deprecation import renamed_kwargs
 from jaxlp.formats import E4M3FN, hbfp, hbfp_batched, mx
 from jaxlp.formats._quantize import FORMAT_TYPES, check_format
-from jaxlp.ops._block_dot import BLOCK_DOTS, fp8_kind, significand_bits
+from jaxlp.ops._block_dot import (
+    BLOCK_DOTS,
+    FP8_GPU_IMPL,
+    FP8_GPU_IMPLS,
+    GPU_IMPL,
+    GPU_IMPLS,
+    GPU_ROUTE,
+    GPU_ROUTES,
+    check_gpu_choice,
+    fp8_kind,
+    significand_bits,
+)
 
 FWD = "fwd"
 GRAD = "grad"
@@ -182,7 +193,7 @@ class DotPolicy:
         bits on every backend (a pure-jnp reference on CPU; on a GPU a Pallas kernel on
         bf16 tensor cores where the block exponents keep every partial exact, int8 tensor
         cores elsewhere, and GEMMs with few output tiles and many K-blocks as one batched
-        int8 dot: ``jaxlp.ops._block_dot.GPU_IMPL``). Relative to None only the rounding
+        int8 dot: ``gpu_impl``). Relative to None only the rounding
         of sums that cross K-blocks differs (within a block both are exact for
         HBFP8-sized blocks); measured in the README ("Block formats on tensor cores").
         Supported for 2-D ``dot_general``
@@ -199,7 +210,17 @@ class DotPolicy:
         (the error is measured by ``benchmarks/block_gemm.py``). With per-block scales
         that dot is batched over the K-blocks (a (K-blocks, M, N) intermediate), except on
         GPUs, where a Pallas kernel sums the blocks itself
-        (``jaxlp.ops._block_dot.FP8_GPU_IMPL``; measured faster on an H100).
+        (``fp8_gpu_impl``; measured faster on an H100).
+    gpu_impl: the implementation of ``block_dot="exact"`` GEMMs when compiled for a CUDA
+      GPU, all with the same bits: ``"auto"`` (default: one batched XLA int8 dot for GEMMs
+      with few output tiles and many K-blocks, the Pallas kernel elsewhere), ``"pallas"``,
+      ``"xla_int8"`` or ``"reference"``. Other platforms always run the reference.
+    gpu_route: the Pallas kernel's route on a GPU: ``"auto"`` (default: bf16 tensor cores
+      on the tiles whose block exponents keep every partial exact, int8 elsewhere) or
+      ``"int8"``. The same bits.
+    fp8_gpu_impl: the ``block_dot="fp8"`` GEMM with per-block (MX) scales on a GPU:
+      ``"pallas"`` (default: the blocks summed in one kernel) or ``"xla"`` (a batched fp8
+      dot, then the scaled sum).
 
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.
@@ -211,7 +232,8 @@ class DotPolicy:
     ValueError: an unknown ``block_dot``; ``block_dot`` together with accumulator
       emulation; ``"exact"`` with an operand of some GEMM that is not a block format with
       integer significands, or ``"fp8"`` with one that has no fp8 twin (the message
-      names the GEMM and slot).
+      names the GEMM and slot); a ``gpu_impl``, ``gpu_route`` or ``fp8_gpu_impl`` that is
+      not one of its choices.
 
   Example:
     >>> import jax.numpy as jnp
@@ -248,6 +270,9 @@ class DotPolicy:
   dlhs_acc: Accum | None = None
   drhs_acc: Accum | None = None
   block_dot: str | None = None
+  gpu_impl: str = GPU_IMPL
+  gpu_route: str = GPU_ROUTE
+  fp8_gpu_impl: str = FP8_GPU_IMPL
 
   def __post_init__(self):
     for name in ("lhs", "rhs", "grad"):
@@ -258,6 +283,9 @@ class DotPolicy:
     for name in ("fwd_acc", "dlhs_acc", "drhs_acc"):
       _as_accum(getattr(self, name), name)
     self._check_block_dot()
+    check_gpu_choice(self.gpu_impl, GPU_IMPLS, "DotPolicy: gpu_impl")
+    check_gpu_choice(self.gpu_route, GPU_ROUTES, "DotPolicy: gpu_route")
+    check_gpu_choice(self.fp8_gpu_impl, FP8_GPU_IMPLS, "DotPolicy: fp8_gpu_impl")
 
   def gemm_operands(self) -> dict[str, tuple[tuple[str, Quant | None], ...]]:
     """GEMM name -> its two (slot, Quant or None) operands, ``"fwd"``/``"grad"`` resolved

@@ -2,6 +2,7 @@
 definition checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and
 the policy wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
 
+import dataclasses
 from fractions import Fraction
 
 import jax
@@ -169,6 +170,19 @@ def test_policy_validation():
     jaxlp.mx_policy(F.E4M3FN, block_dot="exact")
   p = jaxlp.mx_policy("int8", block_dot="exact")
   assert p.block_dot == "exact" and hash(p)
+  # the GPU implementation is a field of the policy (no module state): checked, hashed
+  assert (p.gpu_impl, p.gpu_route, p.fp8_gpu_impl) == ("auto", "auto", "pallas")
+  for field, ok, bad in (("gpu_impl", "xla_int8", "cublas"), ("gpu_route", "int8", "bf16"),
+                         ("fp8_gpu_impl", "xla", "auto")):
+    q = dataclasses.replace(p, **{field: ok})
+    assert q != p and hash(q) != hash(p)
+    with pytest.raises(ValueError, match=f"DotPolicy: {field}={bad!r} not in"):
+      dataclasses.replace(p, **{field: bad})
+  with pytest.raises(ValueError, match="block_dot: gpu_impl='nope'"):
+    BD.block_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), 2, 7, 7, gpu_impl="nope")
+  with pytest.raises(ValueError, match="fp8_dot: gpu_impl='int8'"):
+    BD.fp8_dot(jnp.ones((2, 32)), jnp.ones((32, 2)), F.mx(F.E4M3FN), F.mx(F.E4M3FN), 32,
+               gpu_impl="int8")
 
 
 def _grads(policy, x, w, dn=DN):
@@ -286,8 +300,9 @@ def test_xla_int8_unrolled_accumulation_keeps_the_bits():
     (128, 10, 512, 10, False),  # one K-block: nothing to split
 ])
 def test_gpu_auto_splits_the_few_tile_gemms(M, K, N, g, split):
-  """``GPU_IMPL = "auto"``: the rule, and what the CUDA lowering then holds (one batched int8
-  dot and no Pallas kernel, or the kernel); the CPU lowering is the reference either way."""
+  """``gpu_impl="auto"`` (the default): the rule, and what the CUDA lowering then holds (one
+  batched int8 dot and no Pallas kernel, or the kernel); the CPU lowering is the reference
+  either way."""
   import os  # noqa: PLC0415
   import sys  # noqa: PLC0415
 

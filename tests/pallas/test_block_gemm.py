@@ -79,7 +79,7 @@ def test_pallas_operand_preparation_has_the_jnp_bits(R, K, g):
 
 @pytest.mark.parametrize("M,K,N,g", [(40, 96, 24, 24), (20, 64, 33, 32)])
 def test_pallas_preparation_and_gpu_auto_keep_the_gemm_bits(M, K, N, g):
-  """block_gemm(prep="pallas") and GPU_IMPL="auto"'s implementation give the reference's
+  """block_gemm(prep="pallas") and gpu_impl="auto"'s implementation give the reference's
   bits (a NaN block, an all-zero row, exponents 2**-60 to 2**60); a bad prep is refused."""
   rng = np.random.default_rng(M)
   x = rng.normal(size=(M, K)) * np.exp2(rng.integers(-60, 60, size=(M, 1)))

@@ -8,6 +8,7 @@ Coverage is automatic: every preset in ``jaxlp.formats``, every format type in
 ``pallas_call`` site in the package (``test_every_pallas_call_site_is_lowered``).
 """
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -20,7 +21,6 @@ from cuda_lowering import illegal_ops, kernel_names, lower_for_cuda
 import jaxlp
 from jaxlp import formats as F
 from jaxlp.formats._quantize import FORMAT_TYPES
-from jaxlp.ops import _block_dot as BD
 from jaxlp.pallas import _gemm as G
 from jaxlp.pallas._block_gemm import block_gemm, fp8_block_gemm
 from jaxlp.pallas._matmul import matmul as kernel_matmul
@@ -132,7 +132,7 @@ def test_block_gemm_kernel_lowers_for_cuda(g, bits):
 
 @pytest.mark.parametrize("g", [24, 32, 96])
 def test_block_gemm_with_the_pallas_operand_preparation_lowers_for_cuda(g):
-  """prep="pallas" (GPU_IMPL="auto"): the preparation kernel, then the GEMM kernels, on
+  """prep="pallas" (gpu_impl="auto"): the preparation kernel, then the GEMM kernels, on
   (100, 96) x (96, 70); K-blocks of 24 and 96 in masked power-of-two windows."""
   a = jax.ShapeDtypeStruct((100, 96), jnp.float32)
   b = jax.ShapeDtypeStruct((96, 70), jnp.float32)
@@ -154,45 +154,48 @@ def test_fp8_block_gemm_kernel_lowers_for_cuda(dtype):
   assert "tt.dot" in mods[0]
 
 
-def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected(monkeypatch):
+def test_fp8_policy_dispatches_to_the_fp8_kernel_when_selected():
   """``block_dot="fp8"`` with MX operands lowers to the fp8 kernel on CUDA where
-  ``FP8_GPU_IMPL = "pallas"`` (the default), and to no kernel (XLA's batched fp8 dot) with
-  ``"xla"``."""
-  dot = jaxlp.dot_general(jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"))
+  ``fp8_gpu_impl="pallas"`` (the default), and to no kernel (XLA's batched fp8 dot) with
+  ``"xla"``, in the same process (the choice is part of the policy, not traced state)."""
+  policy = jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8")
+  assert policy.fp8_gpu_impl == "pallas"
+  x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
+  w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
+
+  def grads(policy):
+    dot = jaxlp.dot_general(policy)
+
+    def loss(x, w):
+      return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
+
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+  _, mods = lower_for_cuda(grads(policy), x, w)
+  _assert_clean(mods, "dot_general block_dot='fp8'")
+  assert kernel_names(mods).count("jaxlp_fp8_block_gemm") == 3
+  xla = dataclasses.replace(policy, fp8_gpu_impl="xla")
+  assert not lower_for_cuda(grads(xla), x, w)[1]
+  assert kernel_names(lower_for_cuda(grads(policy), x, w)[1]).count(
+    "jaxlp_fp8_block_gemm") == 3  # and back: nothing stale
+
+
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_exact_block_dot_policy_dispatches_to_the_gpu_impl_for_cuda(impl):
+  """``DotPolicy(block_dot="exact")`` under value_and_grad: fwd, dlhs and drhs GEMMs all
+  lower to the policy's ``gpu_impl`` on CUDA: three block GEMM kernels with "pallas"; with
+  "auto" (the default) these one-tile GEMMs of four K-blocks are batched int8 dots, no
+  kernel."""
+  policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
+  assert policy.gpu_impl == "auto"  # the default
+  dot = jaxlp.dot_general(dataclasses.replace(policy, gpu_impl=impl))
 
   def loss(x, w):
     return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
 
   x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
   w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
-  f = jax.value_and_grad(loss, argnums=(0, 1))
-  assert BD.FP8_GPU_IMPL == "pallas"
-  _, mods = lower_for_cuda(f, x, w)
-  _assert_clean(mods, "dot_general block_dot='fp8'")
-  assert kernel_names(mods).count("jaxlp_fp8_block_gemm") == 3
-  monkeypatch.setattr(BD, "FP8_GPU_IMPL", "xla")
-  assert not lower_for_cuda(lambda x, w: f(x, w), x, w)[1]  # a new function: a new trace
-
-
-@pytest.mark.parametrize("impl", ["pallas", "auto"])
-def test_exact_block_dot_policy_dispatches_to_the_gpu_impl_for_cuda(impl, monkeypatch):
-  """``DotPolicy(block_dot="exact")`` under value_and_grad: fwd, dlhs and drhs GEMMs all
-  lower to ``GPU_IMPL`` on CUDA: three block GEMM kernels with "pallas"; with "auto" (the
-  default) these one-tile GEMMs of four K-blocks are batched int8 dots, no kernel."""
-  assert BD.GPU_IMPL == "auto"  # the default
-  monkeypatch.setattr(BD, "GPU_IMPL", impl)
-  jax.clear_caches()  # the dispatch reads GPU_IMPL when it is traced
-  try:
-    dot = jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact"))
-
-    def loss(x, w):
-      return jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))))
-
-    x = jax.ShapeDtypeStruct((64, 96), jnp.float32)
-    w = jax.ShapeDtypeStruct((96, 48), jnp.float32)
-    text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
-  finally:
-    jax.clear_caches()
+  text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
   if impl == "pallas":
     _assert_clean(mods, "dot_general block_dot='exact'")
     assert kernel_names(mods).count("jaxlp_block_gemm") == 3
@@ -259,25 +262,21 @@ def test_the_guard_catches_both_gpu_failure_classes():
 
 
 @pytest.mark.parametrize("impl", ["pallas", "auto"])
-def test_exact_block_conv_lowers_for_cuda(impl, monkeypatch):
+def test_exact_block_conv_lowers_for_cuda(impl):
   """``block_dot="exact"`` convolutions (im2col + the exact block GEMM) under value_and_grad
   lower for CUDA with no op Triton cannot compile: every GEMM through the block GEMM kernel
   with "pallas"; with "auto" (the default) at batch 64 the forward and input-gradient GEMMs
   (32 tiles; 1 K-block) through the kernel with the Pallas operand preparation, and the
   weight gradient (5 tiles, 128 K-blocks) as one batched int8 dot."""
-  monkeypatch.setattr(BD, "GPU_IMPL", impl)
-  jax.clear_caches()  # the dispatch reads GPU_IMPL when it is traced
-  try:
-    conv = jaxlp.conv_general_dilated(jaxlp.mx_policy("int8", block_dot="exact"))
+  policy = jaxlp.mx_policy("int8", block_dot="exact")
+  conv = jaxlp.conv_general_dilated(dataclasses.replace(policy, gpu_impl=impl))
 
-    def loss(x, w):
-      return jnp.sum(conv(x, w, (1, 1), "SAME"))
+  def loss(x, w):
+    return jnp.sum(conv(x, w, (1, 1), "SAME"))
 
-    x = jax.ShapeDtypeStruct((2 if impl == "pallas" else 64, 64, 8, 8), jnp.float32)
-    w = jax.ShapeDtypeStruct((32, 64, 3, 3), jnp.float32)
-    text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
-  finally:
-    jax.clear_caches()
+  x = jax.ShapeDtypeStruct((2 if impl == "pallas" else 64, 64, 8, 8), jnp.float32)
+  w = jax.ShapeDtypeStruct((32, 64, 3, 3), jnp.float32)
+  text, mods = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
   _assert_clean(mods, "conv_general_dilated block_dot='exact'")
   names = kernel_names(mods)
   if impl == "pallas":

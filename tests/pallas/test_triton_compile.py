@@ -81,14 +81,14 @@ KERNELS = [
        {"jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
       for name, g in (("hbfp8-g24", 24), ("mxint8-g32", 32), ("g1", 1), ("g9", 9), ("g40", 40))
       for route in PB.ROUTES],
-    # the operand preparation as a Pallas kernel (prep="pallas", taken by GPU_IMPL="auto"):
+    # the operand preparation as a Pallas kernel (prep="pallas", taken by gpu_impl="auto"):
     # masked power-of-two windows of the K-blocks (24 in 32, 64 in 64)
     *[(f"block_gemm-g{g}-prep_pallas", lambda a, b, g=g: PB.block_gemm(
         a, b, g, 7, 7, prep="pallas"), (SQUARE, SQUARE),
        {"jaxlp_block_gemm_prep": 4, "jaxlp_block_gemm_bf16": 8, "jaxlp_block_gemm": 4},
        {"jaxlp_block_gemm_prep": 3, "jaxlp_block_gemm_bf16": 3, "jaxlp_block_gemm": 1})
       for g in (24, 64, 1024)],
-    # the fp8 fast mode's per-K-block-scaled GEMM (block_dot="fp8", FP8_GPU_IMPL="pallas")
+    # the fp8 fast mode's per-K-block-scaled GEMM (block_dot="fp8", fp8_gpu_impl="pallas")
     *[(f"fp8_block_gemm-{dt.__name__}", PB.fp8_block_gemm,
        (jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32),
         jax.ShapeDtypeStruct((256, 8, 32), dt), jax.ShapeDtypeStruct((256, 8), jnp.int32)), 8, 3)
