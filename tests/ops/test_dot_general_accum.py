@@ -26,9 +26,15 @@ def test_accumulator_policy_equals_matmul(algorithm):
   acc = Accum(mul=F.BF16, acc=F.cpd_float(5, 4), algorithm=algorithm)
   pol = DotPolicy(fwd_acc=acc, dlhs_acc=acc, drhs_acc=acc)
   dg = jaxlp.dot_general(pol)
-  y, vjp = jax.vjp(lambda a, b: dg(a, b, DN), x, w)
-  dx, dw = vjp(dy)
-  mm = lambda a, b: jaxlp.matmul(a, b, mul=F.BF16, acc=F.cpd_float(5, 4), algorithm=algorithm)
+
+  @jax.jit  # one program (eagerly every operation of the emulation compiles on its own)
+  def fwd_bwd(x, w, dy):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, DN), x, w)
+    return (y, *vjp(dy))
+
+  y, dx, dw = fwd_bwd(x, w, dy)
+  mm = jax.jit(lambda a, b: jaxlp.matmul(a, b, mul=F.BF16, acc=F.cpd_float(5, 4),
+                                         algorithm=algorithm))
   np.testing.assert_array_equal(_bits(y), _bits(mm(x, w)))
   np.testing.assert_array_equal(_bits(dx), _bits(mm(dy, w.T)))
   np.testing.assert_array_equal(_bits(dw), _bits(mm(x.T, dy)))

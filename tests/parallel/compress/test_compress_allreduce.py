@@ -143,7 +143,9 @@ def test_cgx_ring_matches_formula(w, n):
     np.testing.assert_array_equal(np.asarray(out[r]), want[:n])
 
 
-@pytest.mark.parametrize("comp,alg", [(C.onebit(), "ring"), (C.cgx(4, 64), "sra")],
+# cgx: COMPS[0] with "auto" (= "sra") and test_identical_on_workers...'s min_size, so that its
+# vmap and shard_map programs are that test's (one compile for both, the persistent cache)
+@pytest.mark.parametrize("comp,alg", [(C.onebit(), "ring"), (COMPS[0], "auto")],
                          ids=["onebit-ring", "cgx-sra"])
 def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg, cpu_devices):
   """The ring (ppermute) and SRA (all_to_all) paths give the same bits under vmap, shard_map

@@ -55,15 +55,27 @@ def ref_unpack(packed, bits, n):
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_unpack_equal_bit_stream_reference(bits):
   rng = np.random.default_rng(bits)
-  for n in (0, 1, 9, 23, 1001):
-    codes = jnp.asarray(rng.integers(0, 2 ** bits, n).astype(np.uint32))
-    pads = (0, 2 ** bits - 1) if 8 % bits == 0 else (0,)
-    for pad in pads:
-      packed = C.pack_bits(codes, bits, pad)
-      assert _bytes(packed) == _bytes(ref_pack(codes, bits, pad)), (n, pad)
-    assert _bytes(C.unpack_bits(packed, bits, n)) == _bytes(codes)
-    if n:
-      assert _bytes(C.unpack_bits(packed, bits, n)) == _bytes(ref_unpack(packed, bits, n))
+  codes = [jnp.asarray(rng.integers(0, 2 ** bits, n).astype(np.uint32))
+           for n in (0, 1, 9, 23, 1001)]
+  pads = (0, 2 ** bits - 1) if 8 % bits == 0 else (0,)
+
+  @jax.jit  # every length and pad in one program (one compile)
+  def run(codes):
+    out = []
+    for c in codes:
+      n = c.shape[0]
+      packed = [(C.pack_bits(c, bits, pad), ref_pack(c, bits, pad)) for pad in pads]
+      last = packed[-1][0]
+      out.append((packed, C.unpack_bits(last, bits, n),
+                  ref_unpack(last, bits, n) if n else None))
+    return out
+
+  for c, (packed, unpacked, ref_unpacked) in zip(codes, run(codes), strict=True):
+    for pad, (got, want) in zip(pads, packed, strict=True):
+      assert _bytes(got) == _bytes(want), (c.shape[0], pad)
+    assert _bytes(unpacked) == _bytes(c)
+    if c.shape[0]:
+      assert _bytes(unpacked) == _bytes(ref_unpacked)
 
 
 @pytest.mark.parametrize("key", [jax.random.key(3), jax.random.PRNGKey(5),
@@ -141,9 +153,10 @@ def test_cgx_near_tie_fallback_paths():
   _assert_same_bits(jax.jit(c.decode, static_argnums=1)(payload, x.shape), out)
   # vmap (the engine's emulation): same bits per worker
   xs = jnp.stack([x, -x, x * 3])
-  got = jax.vmap(lambda x: c.encode(x, ())[0]["levels"])(xs)
+  got = jax.jit(jax.vmap(lambda x: c.encode(x, ())[0]["levels"]))(xs)
+  want = jax.jit(lambda xs: [ref_cgx(xs[i], 4, 16)[0] for i in range(3)])(xs)  # per row
   for i in range(3):
-    assert _bytes(got[i]) == _bytes(ref_cgx(xs[i], 4, 16)[0])
+    assert _bytes(got[i]) == _bytes(want[i])
 
 
 def test_qsgd_decode_equals_per_element_division():

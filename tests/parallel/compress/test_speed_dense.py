@@ -200,16 +200,30 @@ def test_conv_shaped_leaf_equals_its_flat_vector(comp):
 def test_pack_bits_vectorized_gives_the_pack_bits_stream(bits):
   from jaxlp.parallel.compressors._base import pack_bits_vectorized
   rng = np.random.default_rng(bits)
-  for n in (0, 1, 5, 31, 32, 33, 1000, 4099):
-    codes = rng.integers(0, 2 ** bits, n).astype(np.uint32)
-    for pad in {0, 2 ** bits - 1} if 8 % bits == 0 else {0}:
-      want = np_pack(codes, bits) if pad == 0 else _pack(jnp.asarray(codes), bits, pad)
-      got = jax.jit(lambda c, pad=pad: pack_bits_vectorized(c, bits, pad))(jnp.asarray(codes))
-      assert _bytes(got) == _bytes(want), (n, pad)
-      assert _bytes(_unpack(got, bits, n)) == _bytes(codes), (n, pad)
+  codes = [rng.integers(0, 2 ** bits, n).astype(np.uint32)
+           for n in (0, 1, 5, 31, 32, 33, 1000, 4099)]
+  pads = (0, 2 ** bits - 1) if 8 % bits == 0 else (0,)
+
+  @jax.jit  # every length and pad in one program (one compile)
+  def run(codes):
+    out = []
+    for c in codes:
+      for pad in pads:
+        got = pack_bits_vectorized(c, bits, pad)
+        out.append((got, C.pack_bits(c, bits, pad) if pad else None,
+                    C.unpack_bits(got, bits, c.shape[0])))
+    return out
+
+  res = iter(run([jnp.asarray(c) for c in codes]))
+  for c in codes:
+    for pad in pads:
+      got, stream, unpacked = next(res)
+      want = np_pack(c, bits) if pad == 0 else stream
+      assert _bytes(got) == _bytes(want), (c.size, pad)
+      assert _bytes(unpacked) == _bytes(c), (c.size, pad)
   # under vmap (the engine's emulated workers): per worker the same bytes
   codes = rng.integers(0, 2 ** bits, (3, 77)).astype(np.uint32)
-  got = jax.vmap(lambda c: pack_bits_vectorized(c, bits))(jnp.asarray(codes))
+  got = jax.jit(jax.vmap(lambda c: pack_bits_vectorized(c, bits)))(jnp.asarray(codes))
   for i in range(3):
     assert _bytes(got[i]) == _bytes(np_pack(codes[i], bits))
 
@@ -326,10 +340,13 @@ def test_unpack_bits_reads_every_position_of_every_width(bits):
   """The word-based unpacking (two uint32 words per group of 8 codes, shifts by >= 32 giving
   0) against the numpy stream, for lengths that end mid-group and mid-byte."""
   rng = np.random.default_rng(bits)
-  for n in (1, 7, 8, 9, 15, 16, 17, 1001, 5000):
-    codes = rng.integers(0, 2 ** bits, n).astype(np.uint32)
-    packed = jnp.asarray(np_pack(codes, bits))
-    assert _bytes(jax.jit(lambda p, n=n: C.unpack_bits(p, bits, n))(packed)) == _bytes(codes)
+  codes = [rng.integers(0, 2 ** bits, n).astype(np.uint32)
+           for n in (1, 7, 8, 9, 15, 16, 17, 1001, 5000)]
+  packed = [jnp.asarray(np_pack(c, bits)) for c in codes]
+  # every length in one program (one compile)
+  got = jax.jit(lambda ps: [C.unpack_bits(p, bits, c.size) for p, c in zip(ps, codes)])(packed)
+  for g, c in zip(got, codes, strict=True):
+    assert _bytes(g) == _bytes(c), c.size
 
 
 def test_qsgd_partial_last_bucket_on_a_large_leaf_equals_numpy():
