@@ -49,27 +49,3 @@ def cpu_devices():
                 f"has {len(devs)} (was jax initialised before XLA_FLAGS was set?)")
   with jax.default_device(devs[0]):
     yield devs
-
-
-# The longest single items (the multi-process fixtures, the QPyTorch build, the Triton
-# interpreter run, the example scripts) first: pytest-xdist hands out items in collection
-# order, and with these last (tests/torch_bridge sorts last) one worker ran them alone at the
-# end of the run while the other had finished. Within and outside this list the collection
-# order is kept.
-_LONGEST_FIRST = (
-    "tests/torch_bridge/test_torch_ddp.py",
-    "tests/parallel/compress/test_compress_multiprocess.py",
-    "tests/torch_bridge/test_torch_triton.py",
-    "tests/formats/test_qtorch_parity.py",
-    "tests/torch_bridge/test_torch_qpytorch_parity.py",
-    "tests/test_readme.py",
-    "tests/examples/test_examples.py",
-    "tests/cli/test_reproduce.py",
-    "tests/test_exact_train_check.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-  del config
-  rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

@@ -172,14 +172,3 @@ def test_no_test_folder_shadows_a_dependency():
   tests = Path(__file__).parent
   folders = {p.name for p in tests.iterdir() if p.is_dir()}
   assert not folders & set(_DEPENDENCIES), sorted(folders & set(_DEPENDENCIES))
-
-
-def test_longest_first_names_existing_test_files():
-  """tests/conftest.py's scheduling list: a renamed file would silently drop out of it."""
-  from pathlib import Path
-
-  import conftest
-
-  root = Path(__file__).parents[1]
-  missing = [p for p in conftest._LONGEST_FIRST if not (root / p).is_file()]
-  assert not missing, missing
