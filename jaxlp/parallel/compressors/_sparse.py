@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -359,16 +360,23 @@ def feistel_sample(seed, n: int, k: int, impl=None):
     raise ValueError(f"randomk: need 0 <= k={k} <= n={n} < 2**31")
   if k == 0:
     return jnp.zeros((0,), jnp.int32)
+  return _feistel_sample(jnp.asarray(seed, jnp.uint32), n, k, impl)
+
+
+# Jitted with static sizes: the engine decodes every worker's payload of a leaf with the same
+# (n, k), and those calls reuse one trace. With the walk below traced once and unrolled by
+# fori_loop, RandomK's W = 8 all-gather under vmap traces in 0.5-0.8 s instead of 4.3 s (the
+# same program and bits).
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _feistel_sample(seed, n, k, impl):
   w = max(1, (n - 1).bit_length())  # the permuted domain is [0, 2**w), 2**w < 2n
   lo_bits = (w + 1) // 2
   lo_mask = jnp.uint32((1 << lo_bits) - 1)
   hi_mask = jnp.uint32((1 << (w - lo_bits)) - 1)
-  seed = jnp.asarray(seed, jnp.uint32)
   keys = [fmix32(seed[0] ^ fmix32(seed[1] + jnp.uint32((0x9E3779B9 * (i + 1)) & 0xFFFFFFFF)))
           for i in range(_FEISTEL_ROUNDS)]
 
-  # lax ops, not jnp operators: the same jaxpr, half the tracing time (the GPU schedule's
-  # walk unrolls about 60 ops per step for k.bit_length() + 8 steps)
+  # lax ops, not jnp operators: the same jaxpr, half the tracing time
   shift, bound = np.uint32(lo_bits), np.uint32(n)
   xor, band = lax.bitwise_xor, lax.bitwise_and
 
@@ -384,10 +392,8 @@ def feistel_sample(seed, n: int, k: int, impl=None):
   def step(y):
     return lax.select(lax.ge(y, bound), perm(y), y)
 
-  def walk(y, steps):
-    for _ in range(steps):
-      y = step(y)
-    return y
+  def walk(y, steps):  # straight-line code, no loop (test_gpu_schedule_gives_the_same_indices)
+    return lax.fori_loop(0, steps, lambda _, y: step(y), y, unroll=True)
 
   y = perm(lax.iota(jnp.uint32, k))
   y = per_platform(impl, lambda y: y, lambda y: walk(y, k.bit_length() + 8), y)
