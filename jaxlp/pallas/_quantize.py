@@ -45,6 +45,14 @@ from jaxlp.formats._quantize import _INPUT_DTYPES, check_format, is_elementwise,
 DEFAULT_BLOCK_SIZE = 4096
 #: Block rows (one BFP/MX block each) per program of the block kernel (power of two).
 DEFAULT_BLOCK_ROWS = 64
+#: Most elements per program of the block kernel (a power of two; fewer when a program's
+#: rows would exceed :data:`DEFAULT_BLOCK_ROWS`).
+MAX_PROGRAM_ELEMENTS = 16384
+#: The same with stochastic rounding, whose per-element counter hash Triton unrolls for each
+#: element a thread holds: sm_90 compile of the ``hbfp(8, 24)`` kernel (Triton 3.9, 2-core
+#: CPU) 15.0 s at 16,384 elements per program, 0.9 s at 4,096 (the elementwise kernel's
+#: :data:`DEFAULT_BLOCK_SIZE`). GPU throughput of the two: not measured.
+MAX_PROGRAM_ELEMENTS_STOCHASTIC = 4096
 #: Largest block (elements sharing one exponent) the block kernel handles.
 MAX_BLOCK_ELEMENTS = 4096
 #: Arrays smaller than this are left to the XLA-fused spec by :func:`can_use_pallas_quantize`.
@@ -273,7 +281,8 @@ def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
   nb = (R // tr) * (C // tc)
   blocks = x2.reshape(R // tr, tr, C // tc, tc).transpose(0, 2, 1, 3).reshape(nb, tr * tc)
   width = next_pow2(tr * tc)
-  br = block_rows or max(1, min(DEFAULT_BLOCK_ROWS, next_pow2(nb), 16384 // width))
+  cap = MAX_PROGRAM_ELEMENTS_STOCHASTIC if rounding == "stochastic" else MAX_PROGRAM_ELEMENTS
+  br = block_rows or max(1, min(DEFAULT_BLOCK_ROWS, next_pow2(nb), cap // width))
   nbp = round_up(nb, br)
   blocks = jnp.pad(blocks, ((0, nbp - nb), (0, width - tr * tc)))
   kernel = functools.partial(_block_kernel, fmt=fmt, rounding=rounding, rand_bits=rand_bits,

@@ -129,6 +129,30 @@ def test_block_formats(fmt, shape):
   _check(_awkward(shape, seed=6), fmt, ("nearest", "stochastic"), block_size=4)
 
 
+def test_stochastic_block_programs_hold_at_most_4096_elements():
+  """With stochastic rounding the block kernel's default program holds at most 4,096
+  elements (16,384 with the other roundings; Triton's compile time grows steeply with the
+  unrolled per-element hash), and a grid of such programs gives the spec's bits.
+  ``hbfp(4, 16)`` on (64, 80): 20 tiles in rows of 256, 16 rows per program (2 programs)."""
+  from jaxlp.pallas import _quantize as PQ
+
+  assert PQ.MAX_PROGRAM_ELEMENTS_STOCHASTIC == 4096 and PQ.MAX_PROGRAM_ELEMENTS == 16384
+  calls = []
+  real = PQ.pl.pallas_call
+
+  def spy(kernel, **kw):
+    calls.append((kw["grid"], kw["in_specs"][1].block_shape))
+    return real(kernel, **kw)
+
+  x = _awkward((64, 80), seed=11)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(PQ.pl, "pallas_call", spy)
+    got = {r: pq(x, F.hbfp(4, 16), r, key=KEY, interpret=True) for r in ("stochastic", "nearest")}
+  assert calls == [((2,), (16, 256)), ((1,), (32, 256))]
+  for r, out in got.items():
+    _same_bits(out, F.quantize(x, F.hbfp(4, 16), r, key=KEY))
+
+
 @pytest.mark.parametrize("fmt", [F.mx(F.E4M3FN, 8), F.hbfp(6, 4)], ids=repr)
 def test_block_all_roundings(fmt):
   _check(_awkward((9, 20), seed=10), fmt, ROUNDINGS, block_size=2)
