@@ -13,6 +13,17 @@ from _bench import load_benchmark
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _refused(capsys, *args):
+  """layers.py's stderr for ``args``, which it refuses (exit status 2) before any work; run
+  in this process (a subprocess adds a Python and JAX start-up for a parse error)."""
+  mod = load_benchmark("layers")
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    mod.main(["--small", "--models", "mlp", *args])
+  assert e.value.code == 2
+  return capsys.readouterr().err
+
+
 def test_layers_benchmark_small(tmp_path):
   out = tmp_path / "layers.json"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -26,16 +37,12 @@ def test_layers_benchmark_small(tmp_path):
   assert "| mlp (batch 32) | hbfp8 |" in r.stdout
 
 
-def test_layers_benchmark_refuses_an_unknown_policy():
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-                      "--models", "mlp", "--policies", "fp32,hbfp9"],
-                     capture_output=True, text=True, env=env, timeout=120)
-  assert r.returncode == 2
-  assert "--policies: unknown policy 'hbfp9'" in r.stderr and "hbfp8_tiled_exact" in r.stderr
+def test_layers_benchmark_refuses_an_unknown_policy(capsys):
+  err = _refused(capsys, "--policies", "fp32,hbfp9")
+  assert "--policies: unknown policy 'hbfp9'" in err and "hbfp8_tiled_exact" in err
 
 
-def test_layers_benchmark_exact_policies_and_block_route(tmp_path):
+def test_layers_benchmark_exact_policies_and_block_route(tmp_path, capsys):
   """The per-sample HBFP8 exact policy runs (CPU: the reference), --block-route and
   --fp8-impl are accepted (they only pick GPU kernels) and bad values are refused."""
   out = tmp_path / "layers.json"
@@ -48,15 +55,11 @@ def test_layers_benchmark_exact_policies_and_block_route(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   rows = {row["policy"]: row for row in json.loads(out.read_text())}
   assert rows["hbfp8_exact"]["step_ms"] > 0
-  r = subprocess.run(base + ["--block-route", "bf16"], capture_output=True, text=True, env=env,
-                     timeout=120)
-  assert r.returncode == 2 and "--block-route: invalid choice: 'bf16'" in r.stderr
-  r = subprocess.run(base + ["--fp8-impl", "cublas"], capture_output=True, text=True, env=env,
-                     timeout=120)
-  assert r.returncode == 2 and "--fp8-impl: invalid choice: 'cublas'" in r.stderr
+  assert "--block-route: invalid choice: 'bf16'" in _refused(capsys, "--block-route", "bf16")
+  assert "--fp8-impl: invalid choice: 'cublas'" in _refused(capsys, "--fp8-impl", "cublas")
 
 
-def test_layers_benchmark_gemm_census(tmp_path):
+def test_layers_benchmark_gemm_census(tmp_path, capsys):
   """--gemm-census lists the exact GEMMs of one step (traced, not run): for the small MLP
   (784-128-128-10 here, batch 32) with the per-sample HBFP8 exact policy, each layer's
   forward, input-gradient and weight-gradient GEMM, their FLOPs summed; --small times them
@@ -76,9 +79,8 @@ def test_layers_benchmark_gemm_census(tmp_path):
   assert row["exact_ms"] > 0 and row["f32_ms"] > 0 and row["prep_ms"] > 0
   assert row["first_call_s"] > 0
   assert "| 32 | 784 | 128 | 24 | 33 | 7/7 | 1 |" in r.stdout  # the first forward GEMM
-  r = subprocess.run(base + ["--policies", "fp32,hbfp8"], capture_output=True, text=True,
-                     env=env, timeout=120)
-  assert r.returncode == 2 and "--gemm-census: --policies names no exact policy" in r.stderr
+  err = _refused(capsys, "--steps", "1", "--gemm-census", "--policies", "fp32,hbfp8")
+  assert "--gemm-census: --policies names no exact policy" in err
 
 
 def test_hbfp8_w7_operands_are_exact_in_bfloat16():
@@ -128,7 +130,7 @@ def test_layers_benchmark_census_top_times_only_the_largest_gemms():
   assert "GFLOP timed" in r.stdout
 
 
-def test_layers_benchmark_trace_top_says_where_the_step_time_goes():
+def test_layers_benchmark_trace_top_says_where_the_step_time_goes(capsys):
   """--trace-top N traces the steps and prints the N most expensive XLA ops and source lines
   in ms per step; a negative N is refused."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -146,9 +148,8 @@ def test_layers_benchmark_trace_top_says_where_the_step_time_goes():
   assert len(srcs) == 4
   assert any(s.startswith(("_conv.py:", "_block_dot.py:", "_block.py:", "_dot_general.py:"))
              for s, _, _ in srcs), srcs  # jaxlp's own frames
-  r = subprocess.run(base + ["--trace-top", "-1"], capture_output=True, text=True, env=env,
-                     timeout=120)
-  assert r.returncode == 2 and "--trace-top must be >= 0" in r.stderr
+  assert "--trace-top must be >= 0" in _refused(capsys, "--policies", "hbfp8_exact",
+                                                "--trace-top", "-1")
 
 
 def inner_sine(x):
