@@ -82,7 +82,8 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
       by ``update``.
 
   Example:
-    The mean of four workers' gradients (a named ``vmap``), each partial sum in E4M3:
+    The mean of four workers' gradients (a named ``vmap``, under ``jit`` as a training step
+    runs it), each partial sum in E4M3:
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxlp import parallel as P
@@ -93,7 +94,7 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     ...   return updates
     >>> g = jnp.array([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4],
     ...                [10.0, 20.0, 30.0, 40.0], [0.5, 0.5, 0.5, 0.5]])
-    >>> jax.vmap(step, axis_name="w")(g)[0]
+    >>> jax.jit(jax.vmap(step, axis_name="w"))(g)[0]
     Array([ 3. ,  5.5,  8. , 11. ], dtype=float32)
   """
   import optax
@@ -208,7 +209,8 @@ def compressed_optimizer(optimizer, axis_name, compressor, **reduce_kwargs):
       transform and the two fixes). :func:`reduce_gradients` raises for bad ``reduce_kwargs``.
 
   Example:
-    DGC with plain SGD over four workers (a named ``vmap``); SGD with momentum is refused:
+    DGC with plain SGD over four workers (a named ``vmap`` under ``jit``); SGD with momentum
+    is refused:
 
     >>> import jax, jax.numpy as jnp, optax
     >>> from jaxlp import parallel as P
@@ -218,7 +220,7 @@ def compressed_optimizer(optimizer, axis_name, compressor, **reduce_kwargs):
     ...   updates, _ = tx.update(g, tx.init(g))
     ...   return updates
     >>> g = jnp.tile(jnp.array([[4.0, 1.0]]), (4, 1, 1))   # a (1, 2) gradient per worker
-    >>> jax.vmap(step, axis_name="w")(g)[0]   # DGC kept 1 of the 2 values
+    >>> jax.jit(jax.vmap(step, axis_name="w"))(g)[0]   # DGC kept 1 of the 2 values
     Array([[-0.4, -0. ]], dtype=float32)
     >>> P.compressed_optimizer(optax.sgd(0.1, momentum=0.9), "w", comp).init(jnp.zeros(2))
     Traceback (most recent call last):

@@ -365,12 +365,16 @@ def payload_nbytes(payload) -> int:
     The number of bytes (an int); for a compressor's payload it equals its ``wire_bytes``.
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from jaxlp.parallel import compressors
     >>> c = compressors.cgx(bits=4, bucket_size=512)
-    >>> payload, _ = c.encode(jnp.ones(1024), c.init((1024,)))
+    >>> payload, _ = jax.jit(c.encode)(jnp.ones(1024), c.init((1024,)))
     >>> compressors.payload_nbytes(payload), c.wire_bytes((1024,))
     (528, 528)
+    >>> # the payload's shapes alone (nothing computed)
+    >>> shapes, _ = jax.eval_shape(c.encode, jnp.ones(1024), c.init((1024,)))
+    >>> compressors.payload_nbytes(shapes)
+    528
   """
   return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                  for a in jax.tree_util.tree_leaves(payload)))
