@@ -113,8 +113,9 @@ def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
       ``rounding="stochastic"`` without ``key``; ``aps=True`` with 65536 or more workers.
 
   Example:
-    Four workers (a named ``vmap``) with four values each; every partial sum is rounded to
-    E4M3, so the result differs from the float32 sum ``[11.6, 22.7, 33.8, 44.9]``:
+    Four workers (a named ``vmap``, under ``jit``) with four values each; every partial sum
+    is rounded to E4M3, so the result differs from the float32 sum
+    ``[11.6, 22.7, 33.8, 44.9]``:
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxlp import parallel as P
@@ -122,7 +123,7 @@ def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
     >>> g = jnp.array([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4],
     ...                [10.0, 20.0, 30.0, 40.0], [0.5, 0.5, 0.5, 0.5]])
     >>> f = lambda x: P.psum(x, "w", fmt=F.E4M3, order="chain")
-    >>> jax.vmap(f, axis_name="w")(g)[0]
+    >>> jax.jit(jax.vmap(f, axis_name="w"))(g)[0]
     Array([12., 22., 32., 44.], dtype=float32)
   """
   _check(fmt, order, kahan, rounding, key)
