@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxlp.formats import PRESETS, FloatFormat, quantize
+from jaxlp.formats import PRESETS, FloatFormat, mx, quantize
 from jaxlp.formats._codes import from_codes, to_codes
 from jaxlp.formats._presets import ML_DTYPES_NAMES
 
@@ -96,3 +96,10 @@ def test_wide_formats_round_trip_random_patterns(fmt):
   nan = np.isnan(q)
   np.testing.assert_array_equal(np.isnan(back), nan)
   np.testing.assert_array_equal(back[~nan].view(np.uint32), q[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("fn", [to_codes, from_codes], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fmt", [mx(PRESETS["E4M3FN"]), "E4M3", None], ids=repr)
+def test_a_format_without_codes_is_refused(fn, fmt):
+  with pytest.raises(TypeError, match=f"{fn.__name__}: fmt must be a FloatFormat"):
+    fn(jnp.ones(3), fmt)
