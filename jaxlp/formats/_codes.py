@@ -31,8 +31,8 @@ U32 = jnp.uint32
 
 def _check(fmt, what):
   if not isinstance(fmt, FloatFormat):
-    raise TypeError(f"{what}: fmt must be a FloatFormat (codes exist for element formats "
-                    f"only), got {fmt!r}")
+    raise TypeError(f"{what}: fmt must be a FloatFormat (the formats with storage codes), "
+                    f"got {fmt!r}")
 
 
 def _nan_code(fmt) -> int:
@@ -62,8 +62,8 @@ def to_codes(x, fmt):
     docstring for NaN and the special codes).
 
   Raises:
-    TypeError: ``fmt`` is not a :class:`~jaxlp.formats.FloatFormat` (block formats have no
-      per-element codes).
+    TypeError: ``fmt`` is not a :class:`~jaxlp.formats.FloatFormat` (block, fixed-point,
+      ``cpd_float`` and ``qpytorch_float`` formats have no storage codes here).
 
   Example:
     >>> import jax.numpy as jnp
