@@ -35,13 +35,6 @@ CASES = (("hbfp(8,24) tiles", lambda F: F.hbfp(8, 24)),
           lambda F: F.BlockFormat(7, axis=-1, block_size=256)))
 
 
-def _rows(PQ, fmt, shape, elements):
-  """Block rows per program holding ``elements`` (the kernel's own rule, with that cap)."""
-  _, _, tr, tc = PQ.block_geometry(fmt, shape)
-  width = PQ.next_pow2(tr * tc)
-  return max(1, min(PQ.DEFAULT_BLOCK_ROWS, elements // width))
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="tiny arrays (the CI smoke run)")
@@ -75,7 +68,7 @@ def main(argv=None) -> int:
     fmt = make(F)
     outs = {}
     for elements in (PQ.MAX_PROGRAM_ELEMENTS, PQ.MAX_PROGRAM_ELEMENTS_STOCHASTIC):
-      rows = _rows(PQ, fmt, x.shape, elements)
+      rows = PQ.program_rows(fmt, x.shape, elements)  # the kernel's rule with that cap
       fn = jax.jit(lambda x, k, rows=rows, fmt=fmt: PQ.quantize(
           x, fmt, "stochastic", key=k, block_size=rows, interpret=not gpu))
       t0 = time.perf_counter()

@@ -97,6 +97,16 @@ def block_geometry(fmt, shape):
   return None
 
 
+def program_rows(fmt, shape, max_elements: int) -> int:
+  """Block rows per program of the block kernel for ``fmt`` on ``shape`` (a layout
+  :func:`block_geometry` supports): a power of two, at most :data:`DEFAULT_BLOCK_ROWS`, no
+  more than the padded number of blocks needs, and at most ``max_elements`` elements (one
+  block per row, padded to a power of two)."""
+  rows, cols, tr, tc = block_geometry(fmt, shape)
+  nb = cdiv(rows, tr) * cdiv(cols, tc)
+  return max(1, min(DEFAULT_BLOCK_ROWS, next_pow2(nb), max_elements // next_pow2(tr * tc)))
+
+
 def supports(fmt, shape) -> bool:
   """True if a Pallas kernel here implements ``fmt`` for arrays of ``shape``."""
   return family(fmt, shape) is not None
@@ -282,7 +292,7 @@ def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
   blocks = x2.reshape(R // tr, tr, C // tc, tc).transpose(0, 2, 1, 3).reshape(nb, tr * tc)
   width = next_pow2(tr * tc)
   cap = MAX_PROGRAM_ELEMENTS_STOCHASTIC if rounding == "stochastic" else MAX_PROGRAM_ELEMENTS
-  br = block_rows or max(1, min(DEFAULT_BLOCK_ROWS, next_pow2(nb), cap // width))
+  br = block_rows or program_rows(fmt, x.shape, cap)
   nbp = round_up(nb, br)
   blocks = jnp.pad(blocks, ((0, nbp - nb), (0, width - tr * tc)))
   kernel = functools.partial(_block_kernel, fmt=fmt, rounding=rounding, rand_bits=rand_bits,
