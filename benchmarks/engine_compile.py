@@ -1,0 +1,147 @@
+"""What a compressed reduction costs before its first step: the seconds to trace, lower and
+compile ``reduce_gradients(axis, compressor=...)``'s update for a whole model's gradients, with
+W workers emulated by a named ``vmap`` (as ``jaxlp train --workers W`` runs them), per leaf
+(the default) and with leaves fused into buckets (``bucket_mb``).
+
+Usage: python benchmarks/engine_compile.py [--model resnet18|vgg19|small|tiny] [--workers W]
+       [--only cgx4,qsgd7,topk,powersgd2] [--bucket-mb MB]
+
+Each row is one program, traced, lowered and compiled once in this process (no persistent
+compilation cache is read or written: JAX's own cache is switched off for the run), after the
+fp32 row has warmed up JAX itself. The per-leaf program encodes every compressed leaf on its
+own, so its size grows with the number of leaves; a bucket encodes a fused vector once.
+``--model small``: ResNet-18's leaves with the first two dimensions divided by 8, one of each
+shape; ``--model tiny`` (three leaves) is the CI smoke run.
+"""
+
+from __future__ import annotations
+
+import os as _os
+import sys as _sys
+
+# This folder holds a script named like a module that jax's dependencies import
+# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import importlib.util  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+#: name -> compressor factory (``jaxlp.parallel.compressors`` passed in)
+COMPRESSORS = {
+    "cgx4": lambda C: C.cgx(4, 512),
+    "qsgd7": lambda C: C.qsgd(7, 512),
+    "onebit": lambda C: C.onebit(),
+    "topk": lambda C: C.topk(0.01),
+    "dgc": lambda C: C.dgc(0.01),
+    "powersgd2": lambda C: C.powersgd(2),
+    "bf16": lambda C: C.cast("bf16"),
+}
+DEFAULT = "cgx4,qsgd7,topk,powersgd2"
+
+
+def _shapes(model):
+  spec = importlib.util.spec_from_file_location("_jaxlp_bench_compression",
+                                                _os.path.join(_here, "compression.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  if model == "tiny":
+    return [(64, 32, 3, 3), (64,), (100, 128)]
+  if model == "vgg19":
+    return mod.vgg19_shapes()
+  s = mod.resnet18_shapes()
+  return mod.small_shapes(s) if model == "small" else s
+
+
+def stages(tx, shapes, w):
+  """(trace, lower, compile) seconds of ``jit(vmap(tx.update))`` over ``w`` named workers."""
+  import jax
+  import jax.numpy as jnp
+
+  params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+  state = jax.eval_shape(jax.vmap(lambda _: tx.init(params)), jnp.arange(w))
+  grads = [jax.ShapeDtypeStruct((w,) + s, jnp.float32) for s in shapes]
+  f = jax.jit(jax.vmap(lambda g, s: tx.update(g, s), axis_name="i"))
+  t0 = time.perf_counter()
+  traced = f.trace(grads, state)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
+  return t1 - t0, t2 - t1, t3 - t2
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default="resnet18", choices=["resnet18", "vgg19", "small", "tiny"])
+  ap.add_argument("--workers", type=int, default=4, help="emulated workers W (>= 2)")
+  ap.add_argument("--only", default=DEFAULT,
+                  help=f"comma-separated compressors of {','.join(COMPRESSORS)}")
+  ap.add_argument("--bucket-mb", type=float, default=25.0,
+                  help="the bucketed rows' bucket_mb (> 0)")
+  args = ap.parse_args(argv)
+  if args.workers < 2:
+    ap.error(f"--workers must be >= 2, got {args.workers}")
+  if not args.bucket_mb > 0:
+    ap.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+  names = [n for n in args.only.split(",") if n]
+  unknown = [n for n in names if n not in COMPRESSORS]
+  if unknown or not names:
+    ap.error(f"--only: unknown compressor(s) {unknown or names}; choose from "
+             f"{','.join(COMPRESSORS)}")
+
+  import jax
+
+  import jaxlp.parallel as jp
+  from jaxlp.parallel import compressors as C
+
+  shapes = _shapes(args.model)
+  w = args.workers
+  compressed = sum(1 for s in shapes if len(s) > 1 and int(_prod(s)) >= 1024)
+  print(f"# jaxlp engine_compile: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{platform.processor() or platform.machine()}, {_os.cpu_count()} cores, "
+        f"jax {jax.__version__}, {datetime.date.today()}")
+  print(f"# {args.model}: {len(shapes)} leaves ({compressed} compressed with the default "
+        f"filters, min_size=1024 and skip_vectors), W = {w} (named vmap), seconds")
+  print("| reduction | trace | lower | compile | total |")
+  print("|---|---|---|---|---|")
+  rows = [("fp32 psum (reduce_gradients without a compressor)", jp.reduce_gradients("i"))]
+  for n in names:
+    c = COMPRESSORS[n](C)
+    rows.append((f"{n}, per leaf", jp.reduce_gradients("i", compressor=c)))
+    rows.append((f"{n}, bucket_mb={args.bucket_mb:g}",
+                 jp.reduce_gradients("i", compressor=c, bucket_mb=args.bucket_mb)))
+  with _no_persistent_cache(jax):
+    for label, tx in rows:
+      tr, lo, co = stages(tx, shapes, w)
+      print(f"| {label} | {tr:.1f} | {lo:.1f} | {co:.1f} | {tr + lo + co:.1f} |", flush=True)
+  return 0
+
+
+def _prod(s):
+  p = 1
+  for d in s:
+    p *= d
+  return p
+
+
+class _no_persistent_cache:
+  """Switches JAX's persistent compilation cache off for the block (JAX's config option)."""
+
+  def __init__(self, jax):
+    self.jax = jax
+
+  def __enter__(self):
+    self.old = self.jax.config.jax_enable_compilation_cache
+    self.jax.config.update("jax_enable_compilation_cache", False)
+
+  def __exit__(self, *exc):
+    self.jax.config.update("jax_enable_compilation_cache", self.old)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
