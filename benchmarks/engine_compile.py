@@ -98,35 +98,35 @@ def main(argv=None) -> int:
 
   import jaxlp.parallel as jp
   from jaxlp.parallel import compressors as C
+  from jaxlp.parallel._compressed import _plan_buckets
 
   shapes = _shapes(args.model)
   w = args.workers
-  compressed = sum(1 for s in shapes if len(s) > 1 and int(_prod(s)) >= 1024)
   print(f"# jaxlp engine_compile: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
         f"{platform.processor() or platform.machine()}, {_os.cpu_count()} cores, "
         f"jax {jax.__version__}, {datetime.date.today()}")
-  print(f"# {args.model}: {len(shapes)} leaves ({compressed} compressed with the default "
-        f"filters, min_size=1024 and skip_vectors), W = {w} (named vmap), seconds")
-  print("| reduction | trace | lower | compile | total |")
-  print("|---|---|---|---|---|")
-  rows = [("fp32 psum (reduce_gradients without a compressor)", jp.reduce_gradients("i"))]
+  print(f"# {args.model}: {len(shapes)} leaves, W = {w} (named vmap), default filters "
+        "(min_size=1024, skip_vectors); seconds")
+  print("| reduction | compressed leaves | buckets | trace | lower | compile | total |")
+  print("|---|---|---|---|---|---|---|")
+  rows = [("fp32 psum (reduce_gradients without a compressor)", None, None)]
   for n in names:
-    c = COMPRESSORS[n](C)
-    rows.append((f"{n}, per leaf", jp.reduce_gradients("i", compressor=c)))
-    rows.append((f"{n}, bucket_mb={args.bucket_mb:g}",
-                 jp.reduce_gradients("i", compressor=c, bucket_mb=args.bucket_mb)))
+    rows += [(f"{n}, per leaf", COMPRESSORS[n](C), None),
+             (f"{n}, bucket_mb={args.bucket_mb:g}", COMPRESSORS[n](C), args.bucket_mb)]
   with _no_persistent_cache(jax):
-    for label, tx in rows:
+    for label, c, bmb in rows:
+      if c is None:
+        tx, leaves, nb = jp.reduce_gradients("i"), "-", "-"
+      else:
+        tx = jp.reduce_gradients("i", compressor=c, bucket_mb=bmb)
+        # the engine's own filters and buckets (what the program encodes)
+        _, buckets = _plan_buckets(c, c.aggregation, shapes, min_size=1024, skip_vectors=True,
+                                   bucket_mb=bmb, plan=None)
+        leaves, nb = sum(len(b.leaves) for b in buckets), len(buckets)
       tr, lo, co = stages(tx, shapes, w)
-      print(f"| {label} | {tr:.1f} | {lo:.1f} | {co:.1f} | {tr + lo + co:.1f} |", flush=True)
+      print(f"| {label} | {leaves} | {nb} | {tr:.1f} | {lo:.1f} | {co:.1f} | "
+            f"{tr + lo + co:.1f} |", flush=True)
   return 0
-
-
-def _prod(s):
-  p = 1
-  for d in s:
-    p *= d
-  return p
 
 
 class _no_persistent_cache:
