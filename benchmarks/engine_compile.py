@@ -8,7 +8,9 @@ Usage: python benchmarks/engine_compile.py [--model resnet18|vgg19|small|tiny] [
 
 Each row is one program, traced, lowered and compiled once in this process (no persistent
 compilation cache is read or written: JAX's own cache is switched off for the run), after the
-fp32 row has warmed up JAX itself. The per-leaf program encodes every compressed leaf on its
+fp32 row has warmed up JAX itself. JAX's in-memory caches do carry over between rows (e.g. the
+traces of jaxlp's jitted helpers for a shape already seen), so a row can trace a little faster
+than it would as the first program of a fresh process. The per-leaf program encodes every compressed leaf on its
 own, so its size grows with the number of leaves; a bucket encodes a fused vector once.
 ``--model small``: ResNet-18's leaves with the first two dimensions divided by 8, one of each
 shape; ``--model tiny`` (three leaves) is the CI smoke run.
