@@ -58,6 +58,7 @@ from jax import lax
 from jaxlp._util import cdiv
 from jaxlp.parallel import _axes
 from jaxlp.parallel.compressors._base import exact_div, materialize, numel
+from jaxlp.parallel.compressors._lowrank import orthogonalize, outer_sum, thin_matmul, thin_matmul_t
 from jaxlp.parallel.compressors._protocol import Bucket, ReduceContext
 
 __all__ = ["CASTS", "DENSE_QUANTIZERS", "LOW_RANK", "SPARSIFIERS"]
@@ -375,8 +376,6 @@ class _Casts(_Elementwise):
 def powersgd_start(comp, mats, states, keys):
   """``M += e`` (error feedback), ``Q = orth(Q_prev)`` (warm start) or ``orth(randn)``,
   ``P = M Q``. Returns ``(ms, local P's)``; the P's are then summed over workers."""
-  from jaxlp.parallel.compressors._powersgd import orthogonalize, thin_matmul  # noqa: PLC0415
-
   ms = [m + st["error"].reshape(m.shape) if comp.error_feedback else m
         for m, st in zip(mats, states, strict=True)]
   if comp.warm_start:
@@ -389,8 +388,6 @@ def powersgd_start(comp, mats, states, keys):
 
 def powersgd_middle(ms, p_sums):
   """``P = orth(sum P)``, ``Q = M^T P``. Returns ``(ps, local Q's)``; the Q's are then summed."""
-  from jaxlp.parallel.compressors._powersgd import orthogonalize, thin_matmul_t  # noqa: PLC0415
-
   ps = [orthogonalize(p) for p in p_sums]
   return ps, [thin_matmul_t(m, p) for m, p in zip(ms, ps, strict=True)]
 
@@ -398,8 +395,6 @@ def powersgd_middle(ms, p_sums):
 def powersgd_finish(comp, ms, ps, q_sums, states, w, mean=True):
   """``Q = sum Q / W``, ``M~ = P Q^T``, ``e = M - M~``. Returns ``(approximations of the mean
   (or of the sum with mean=False), new states)``."""
-  from jaxlp.parallel.compressors._powersgd import outer_sum  # noqa: PLC0415
-
   outs, news = [], []
   for m, st, p, q in zip(ms, states, ps, q_sums, strict=True):
     qm = exact_div(q, w)

@@ -11,7 +11,7 @@ from jaxlp.parallel.compressors._base import pack_bits as pack_bits
 from jaxlp.parallel.compressors._base import payload_nbytes as payload_nbytes
 from jaxlp.parallel.compressors._base import unpack_bits as unpack_bits
 from jaxlp.parallel.compressors._cast import cast as cast
-from jaxlp.parallel.compressors._powersgd import orthogonalize as orthogonalize
+from jaxlp.parallel.compressors._lowrank import orthogonalize as orthogonalize
 from jaxlp.parallel.compressors._powersgd import powersgd as powersgd
 from jaxlp.parallel.compressors._protocol import Aggregation as Aggregation
 from jaxlp.parallel.compressors._protocol import Bucket as Bucket

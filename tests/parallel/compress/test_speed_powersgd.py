@@ -13,7 +13,7 @@ from jax import lax
 import jaxlp.parallel.compressors as C
 from jaxlp.formats._bits import fma_guard
 from jaxlp.parallel.compressors._base import det_sum
-from jaxlp.parallel.compressors._powersgd import outer_sum, thin_matmul, thin_matmul_t
+from jaxlp.parallel.compressors._lowrank import outer_sum, thin_matmul, thin_matmul_t
 
 
 def ref_thin_matmul(a, b):
