@@ -36,7 +36,9 @@ def quantize_model(model, policy, *, include=None, exclude=None, **kwargs):
     TypeError: ``model`` is neither a linen nor an nnx ``Module``, ``policy`` is not a
       :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is not a str or a sequence of
       str.
-    ValueError: (nnx) a stochastic ``policy`` without ``rngs``.
+    ValueError: (nnx) a stochastic ``policy`` without ``rngs``; an ``include`` / ``exclude``
+      pattern that matches none of the model's layers (the message lists their paths;
+      nnx: here, linen: on the first ``init`` / ``apply``, when the layers exist).
 
   Example:
     >>> import jax, jax.numpy as jnp

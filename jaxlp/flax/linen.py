@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 
-from jaxlp.flax._select import normalize_patterns, selected
+from jaxlp.flax._select import check_patterns, normalize_patterns, selected
 from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._dot_general import dot_general
 from jaxlp.ops._policy import DotPolicy
@@ -51,7 +52,11 @@ class QuantizedModel:
     TypeError: ``model`` is not a linen ``Module``, ``policy`` is not a
       :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is not a str or a sequence of
       str.
-    ValueError: (from ``apply``) a stochastic policy, but no ``rng_stream`` key was passed.
+    ValueError: (from the first ``init`` / ``init_with_output`` / ``apply`` /
+      ``quantized_paths``) an ``include`` or ``exclude`` pattern matches none of the layers
+      the model calls (the message lists their paths; see ``check_patterns`` in
+      ``jaxlp/flax/_select.py`` for why this is an error); (from ``apply``) a stochastic
+      policy, but no ``rng_stream`` key was passed.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -80,6 +85,9 @@ class QuantizedModel:
     self.include = normalize_patterns(include, "include")
     self.exclude = normalize_patterns(exclude, "exclude")
     self.rng_stream = rng_stream
+    # The layer paths exist only once the model runs: the patterns are checked against the
+    # layers of the first call (init, apply, ...) that completes, then not again.
+    self._patterns_checked = include is None and exclude is None
 
   def _key(self, module):
     if not self.policy.stochastic:
@@ -92,9 +100,11 @@ class QuantizedModel:
         f"quantize_model: the policy uses stochastic rounding: pass rngs={{"
         f"{self.rng_stream!r}: key}} (a fresh key per step) to apply")
 
-  def _interceptor(self, next_fun, args, kwargs, context):
+  def _interceptor(self, next_fun, args, kwargs, context, seen=None):
     module = context.module
     attr = _layer_attr(module) if context.method_name == "__call__" else None
+    if attr is not None and seen is not None:
+      seen.append("/".join(module.path))
     if attr is None or not selected("/".join(module.path), self.include, self.exclude):
       return next_fun(*args, **kwargs)
     make = conv_general_dilated if attr == "conv_general_dilated" else dot_general
@@ -111,31 +121,39 @@ class QuantizedModel:
 
   def quantized_paths(self, *args, **kwargs) -> list[str]:
     """The '/'-joined paths of the layers that get quantized on ``init(*args, **kwargs)``."""
-    paths = []
+    paths, layers = [], []
 
     def spy(next_fun, a, kw, context):
       m = context.module
-      if (context.method_name == "__call__" and _layer_attr(m) is not None
-          and selected("/".join(m.path), self.include, self.exclude)):
-        paths.append("/".join(m.path))
+      if context.method_name == "__call__" and _layer_attr(m) is not None:
+        layers.append("/".join(m.path))
+        if selected("/".join(m.path), self.include, self.exclude):
+          paths.append("/".join(m.path))
       return next_fun(*a, **kw)
 
     with nn.intercept_methods(spy):
       import jax  # noqa: PLC0415
       jax.eval_shape(lambda: self.model.init(*args, **kwargs))
+    check_patterns(layers, self.include, self.exclude)
     return paths
 
+  def _run(self, fn, *args, **kwargs):
+    seen = None if self._patterns_checked else []
+    with nn.intercept_methods(functools.partial(self._interceptor, seen=seen)):
+      out = fn(*args, **kwargs)
+    if seen is not None:
+      check_patterns(seen, self.include, self.exclude)
+      self._patterns_checked = True
+    return out
+
   def init(self, *args, **kwargs):
-    with nn.intercept_methods(self._interceptor):
-      return self.model.init(*args, **kwargs)
+    return self._run(self.model.init, *args, **kwargs)
 
   def init_with_output(self, *args, **kwargs):
-    with nn.intercept_methods(self._interceptor):
-      return self.model.init_with_output(*args, **kwargs)
+    return self._run(self.model.init_with_output, *args, **kwargs)
 
   def apply(self, variables, *args, **kwargs):
-    with nn.intercept_methods(self._interceptor):
-      return self.model.apply(variables, *args, **kwargs)
+    return self._run(self.model.apply, variables, *args, **kwargs)
 
   def __getattr__(self, name: str) -> Any:
     if name == "model":
@@ -165,6 +183,11 @@ def quantize_model(model: nn.Module, policy: DotPolicy, *, include=None, exclude
   Raises:
     TypeError: as :class:`QuantizedModel` (not a linen module, not a ``DotPolicy``, bad
       patterns).
+
+  A pattern that matches none of the model's layers (e.g. ``exclude="Dense_l"`` for
+  ``"Dense_1"``) is a ``ValueError`` listing the layer paths; linen builds its layers only
+  when the model runs, so it is raised by the first ``init`` / ``apply`` (or
+  ``quantized_paths``), not here.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -7,7 +7,7 @@ import functools
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlp.flax._select import normalize_patterns, selected
+from jaxlp.flax._select import check_patterns, normalize_patterns, selected
 from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._dot_general import dot_general
 from jaxlp.ops._policy import DotPolicy
@@ -81,7 +81,10 @@ def quantize_model(model: nnx.Module, policy: DotPolicy, *, include=None, exclud
   Raises:
     TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy`, or ``include`` / ``exclude`` is
       not a str or a sequence of str.
-    ValueError: the policy uses stochastic rounding and ``rngs`` is None.
+    ValueError: the policy uses stochastic rounding and ``rngs`` is None; an ``include`` or
+      ``exclude`` pattern matches none of the model's Linear/LinearGeneral/Einsum/Conv
+      layers (the message lists their paths; an error rather than a warning, see
+      ``check_patterns`` in ``jaxlp/flax/_select.py``). Raised before ``model`` is changed.
 
   Example:
     >>> import jax
@@ -118,12 +121,14 @@ def quantize_model(model: nnx.Module, policy: DotPolicy, *, include=None, exclud
       return nnx.data(StochasticOp(kind, policy, rngs, rng_stream))
     return conv_general_dilated(policy) if kind == "conv" else dot_general(policy)
 
-  targets = []
+  targets, layers = [], []
   for path, node in nnx.iter_graph(model):
     if not isinstance(node, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)):
       continue
-    if selected("/".join(str(p) for p in path), include, exclude):
+    layers.append("/".join(str(p) for p in path))
+    if selected(layers[-1], include, exclude):
       targets.append(node)
+  check_patterns(layers, include, exclude)
   for node in targets:
     if isinstance(node, nnx.Conv):
       node.conv_general_dilated = op("conv")
