@@ -131,18 +131,19 @@ def test_kernel_gradients_equal_reference(kw, grad):
   bias = _rand((6,), 43) if kw.pop("bias", False) else None
 
   def loss(f):
-    return lambda a, b, bias: (f(a, b, bias=bias, **kw) * g).sum()
+    return lambda a, b, bias, g: (f(a, b, bias=bias, **kw) * g).sum()
 
   @jax.jit
-  def both(a, b, bias):
+  def both(a, b, bias, g):
     k = functools.partial(ker, interpret=True, block_m=4, block_n=4)
-    out = [jax.grad(loss(f), (0, 1, 2) if bias is not None else (0, 1))(a, b, bias)
+    out = [jax.grad(loss(f), (0, 1, 2) if bias is not None else (0, 1))(a, b, bias, g)
            for f in (ref, k)]
     # per-example gradients (vmap over the batch)
-    out += [jax.vmap(jax.grad(loss(f)))(a[:, None], b[:, None], None) for f in (ref, k)]
+    out += [jax.vmap(jax.grad(loss(f)), (0, 0, None, 0))(a[:, None], b[:, None], None,
+                                                         g[:, None]) for f in (ref, k)]
     return out
 
-  r, k, rv, kv = both(a, b, bias)
+  r, k, rv, kv = both(a, b, bias, g)
   for x, y in zip(r + (rv,), k + (kv,)):
     assert x.shape == y.shape and x.dtype == y.dtype
     np.testing.assert_array_equal(_bits(y), _bits(x))
