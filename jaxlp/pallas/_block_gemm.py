@@ -49,7 +49,7 @@ K-blocks. The bf16 route (``route="auto"``, the default through ``GPU_ROUTE`` in
 ``jaxlp/ops/_block_dot.py``) ran at 103-115 TFLOP/s for HBFP8 and 172-197 for MXINT8; the
 int8 route at 35 and 52. That run is also what confirms the bf16 route's premise: the
 hardware keeps float32's 24 bits in the bf16 MMA's accumulation. Static counts on the sm_90
-compile (``benchmarks/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
+compile (``benchmarks/tools/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations
