@@ -20,6 +20,12 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._block_dot import (
+    block_length,
+    check_exact,
+    contraction_blocks,
+    significand_bits,
+)
 from jaxlp.formats._quantize import is_elementwise
 from jaxlp.ops import _block_dot as BD
 from jaxlp.ops._policy import FWD, GRAD, Accum, DotPolicy, Quant
@@ -253,12 +259,12 @@ def _block_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs, geo):
     def length(slot, q, ax, k=k):
       if mode == "fp8" and not isinstance(q.fmt, MXFormat):
         return k  # per-tensor scale: no blocks
-      return BD.block_length(q.fmt, shapes[slot], ax, geo[slot].axis)
+      return block_length(q.fmt, shapes[slot], ax, geo[slot].axis)
 
-    g = BD.contraction_blocks(length(sa, qa, ax_a), length(sb, qb, ax_b), k)
+    g = contraction_blocks(length(sa, qa, ax_a), length(sb, qb, ax_b), k)
     if mode == "exact":
-      bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
-      BD.check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
+      bits = (significand_bits(qa.fmt), significand_bits(qb.fmt))
+      check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
       plan[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
     else:
       plan[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)
