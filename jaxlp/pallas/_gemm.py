@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats._quantize import DTypeError, check_format, is_elementwise
+from jaxlp.formats._quantize import DTypeError, check_format, is_elementwise, join_key, split_key
 
 ALGORITHMS = ("naive", "kahan", "chunked")
 ROUNDINGS_PER_STEP = {"naive": 2, "kahan": 5, "chunked": 1}
@@ -231,23 +231,6 @@ def gemm_call(gemm, a, b, *, mul, acc, algorithm, chunk, rounding, key, dimensio
   return S.reshape(out_shape).astype(dt)
 
 
-def _split_key(key):
-  """(data, impl) of a key so that it can cross a custom_vjp boundary as a plain array."""
-  if key is None:
-    return None, None
-  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return jax.random.key_data(key), jax.random.key_impl(key)
-  return jnp.asarray(key), None
-
-
-def _join_key(data, impl):
-  if data is None:
-    return None
-  if impl is None:
-    return jax.random.wrap_key_data(data)
-  return jax.random.wrap_key_data(data, impl=impl)
-
-
 def _dot32(x, y):
   """A float32 batched GEMM (Bt, m, k) @ (Bt, k, n) at ``Precision.HIGHEST`` (IEEE fp32
   products and fp32 accumulation in the backend's order; not TF32/bf16 passes on a GPU)."""
@@ -276,7 +259,7 @@ def differentiable(gemm, grad, rounding, A, Bm, C, key):
   """
   if grad == "fp32":
     return _fp32_derivative(gemm)(A, Bm, C, key_array(key, rounding))
-  kd, impl = _split_key(key if rounding == "stochastic" else None)
+  kd, impl = split_key(key if rounding == "stochastic" else None)
   return _emulated_derivative(gemm, rounding, impl)(A, Bm, C, kd)
 
 
@@ -309,7 +292,7 @@ def _fp32_derivative(gemm):
 
 def _emulated_derivative(gemm, rounding, impl):
   def primal(A, Bm, C, kd):
-    return gemm(A, Bm, C, key_array(_join_key(kd, impl), rounding))
+    return gemm(A, Bm, C, key_array(join_key(kd, impl), rounding))
 
   f = jax.custom_vjp(primal)
 
@@ -318,7 +301,7 @@ def _emulated_derivative(gemm, rounding, impl):
 
   def bwd(res, g):
     A, Bm, kd = res
-    key = _join_key(kd, impl)
+    key = join_key(kd, impl)
     k1 = None if key is None else jax.random.fold_in(key, 1)
     k2 = None if key is None else jax.random.fold_in(key, 2)
     dA = differentiable(gemm, "emulate", rounding, g, jnp.swapaxes(Bm, 1, 2),
