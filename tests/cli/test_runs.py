@@ -74,7 +74,7 @@ def ref(tmp_path_factory):
 
 def test_checkpoint_is_msgpack_with_config_and_history(ref):
   ck = _state(ref)
-  assert ck["format"] == "jaxlp-checkpoint" and ck["version"] == 1
+  assert ck["format"] == "jaxlp-checkpoint" and ck["version"] == 2
   assert ck["config"]["nodes"] == 2 and ck["config"]["seed"] == 3
   assert ck["config_sha256"] == _runs.config_hash(ck["config"])
   assert [h["epoch"] for h in ck["history"]] == [1, 2, 3] == [m["epoch"] for m in _metrics(ref)]
