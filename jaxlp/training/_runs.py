@@ -176,7 +176,7 @@ class RunLock:
       raise
 
   def _lock(self) -> None:
-    if _fcntl is None and _msvcrt is None:  # pragma: no cover - exotic platforms
+    if _fcntl is None and _msvcrt is None:  # exotic platforms
       warnings.warn(f"no file locking on this platform: nothing stops a second jaxlp process "
                     f"from writing {self.folder} at the same time", RuntimeWarning, stacklevel=3)
       return

@@ -123,7 +123,8 @@ def test_compare_and_plot(tmp_path):
     (['{"epoch": 1, "test_accuracy": 0.5}', "garbage"], "line 2 is not valid JSON"),
     (['{"epoch": 1, "test_accuracy": 0.5}', "[1, 2]"], "line 2 is not a JSON object"),
     (['{"epoch": 1}'], "line 1 has no numeric 'test_accuracy'"),
-    (['{"epoch": 1, "test_accuracy": 0.5, "wire_bytes": "x"}'], "line 1 has no numeric 'wire_bytes'"),
+    (['{"epoch": 1, "test_accuracy": 0.5, "wire_bytes": "x"}'],
+     "line 1 has no numeric 'wire_bytes'"),
 ])
 def test_plot_names_the_file_and_line_of_damaged_metrics(tmp_path, capsys, lines, needle):
   run = tmp_path / "run"

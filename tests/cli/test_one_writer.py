@@ -118,6 +118,18 @@ def test_lock_refuses_a_second_writer_and_leaves_nothing_behind(tmp_path):
   assert os.listdir(d) == []
 
 
+def test_without_a_lock_backend_the_folder_is_used_with_a_warning(tmp_path, monkeypatch):
+  """A platform with neither fcntl nor msvcrt: a RuntimeWarning says the folder is
+  unprotected; the run folder works as before."""
+  monkeypatch.setattr(_runs, "_fcntl", None)
+  monkeypatch.setattr(_runs, "_msvcrt", None)
+  d = str(tmp_path / "r")
+  with pytest.warns(RuntimeWarning, match="no file locking on this platform"):
+    with _runs.RunLock(d):
+      assert os.path.isdir(d) and not os.path.exists(os.path.join(d, _runs.LOCK))
+  assert not os.path.exists(d)
+
+
 def test_a_refused_new_run_leaves_no_folder(tmp_path, capsys):
   d = str(tmp_path / "new")
   rc, err = _cli(["train", "--out", d, "--epochs", "1"] + FLAGS + ["--batch-size", "1440"],
