@@ -211,7 +211,9 @@ def _policy(cfg: TrainConfig):
 
 INT_MAX = 2**31 - 1  # every integer flag is at most this (XLA's shapes and step counters)
 SEED_MAX = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds here: larger seeds would alias
-TILE_MAX = 4096  # HBFP tiles: larger ones overflow XLA's block shapes (0 = per tensor)
+# HBFP tiles: --tile 2**31 - 1 overflowed XLA's shape arithmetic and aborted the process;
+# 4096 is far beyond the tiles in use (24, 64), and 0 gives one exponent per tensor
+TILE_MAX = 4096
 _INT_FIELDS = {  # field: (lowest allowed, highest allowed, None allowed)
     "nodes": (1, INT_MAX, False), "devices": (0, INT_MAX, False),
     "grad_exp": (1, INT_MAX, True), "grad_man": (0, INT_MAX, True), "hbfp": (1, INT_MAX, True),
@@ -323,6 +325,9 @@ def _parse_compress(spec: str):
         val = float(v)
       except ValueError:
         val = {"true": True, "false": False}.get(v.lower(), v)
+    if isinstance(val, int) and not isinstance(val, bool) and abs(val) > INT_MAX:
+      raise ValueError(f"--compress {spec!r}: {k}={val} is out of range (at most {INT_MAX} "
+                       "in magnitude)")
     kwargs[k] = val
   factory = getattr(C, name, None)
   if factory is None or name.startswith("_"):

@@ -75,6 +75,8 @@ MORE = [
     (["--epochs", "99999999999999999999"], "--epochs"),
     (["--nodes", "99999999999999999999", "--batch-size", "99999999999999999999"], "--nodes"),
     (["--batch-size", "1440"], "--batch-size"),  # more than digits' 1,438 training images
+    (["--compress", "powersgd:start_iter=99999999999999999999"], "start_iter"),
+    (["--compress", "dgc:warmup=99999999999999999999", "--momentum", "0"], "warmup"),
     # a model that cannot fit: refused from its shapes before allocating (the issue's
     # --width 20000 needs 382 GiB with 2 workers; this one TiBs, beyond any machine's memory)
     (["--width", "100000"], "--width"),
