@@ -119,6 +119,35 @@ def test_compare_and_plot(tmp_path):
   assert os.path.getsize(os.path.join(pdir, "accuracy_vs_epoch.png")) > 1000
 
 
+@pytest.mark.parametrize("lines,needle", [
+    (['{"epoch": 1, "test_accuracy": 0.5}', "garbage"], "line 2 is not valid JSON"),
+    (['{"epoch": 1, "test_accuracy": 0.5}', "[1, 2]"], "line 2 is not a JSON object"),
+    (['{"epoch": 1}'], "line 1 has no numeric 'test_accuracy'"),
+    (['{"epoch": 1, "test_accuracy": 0.5, "wire_bytes": "x"}'],
+     "line 1 has no numeric 'wire_bytes'"),
+])
+def test_plot_names_the_file_and_line_of_damaged_metrics(tmp_path, capsys, lines, needle):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  rc = main(["plot", str(run), "--out", str(tmp_path / "plots")])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+  assert err.startswith(f"jaxlp plot: error: {run / 'metrics.jsonl'}: {needle}"), err
+
+
+def test_plot_skips_a_torn_last_line(tmp_path):
+  """A last line without its newline that does not parse is one being written (or torn by a
+  crash; --resume repairs it): the plot shows the complete epochs."""
+  from jaxlp.training import read_metrics
+
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text('{"epoch": 1, "test_accuracy": 0.5}\n{"epoch": 2, "te')
+  assert read_metrics(str(run)) == [{"epoch": 1, "test_accuracy": 0.5}]
+  assert main(["plot", str(run), "--out", str(tmp_path / "plots")]) == 0
+
+
 def test_formats_demo(capsys):
   assert main(["formats", "--values", "1.0625", "300"]) == 0
   out = capsys.readouterr().out
