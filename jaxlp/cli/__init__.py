@@ -351,26 +351,21 @@ def jax_path(path) -> str:
 
 
 def _cmd_bench(args) -> int:
-  import subprocess
+  """``python -m benchmarks --run [--small] [NAME...]`` of the source checkout (the one front
+  door; ``python -m benchmarks`` lists the benchmarks), loaded by file path so that a
+  ``benchmarks`` package installed elsewhere is never picked up."""
+  import importlib.util
 
   here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  bdir = os.path.join(here, "benchmarks")
-  if not os.path.isdir(bdir):
+  front = os.path.join(here, "benchmarks", "__main__.py")
+  if not os.path.isfile(front):
     print("jaxlp bench: error: benchmarks/ folder not found (run from a source checkout)",
           file=sys.stderr)
     return 2
-  names = args.only or sorted(f[:-3] for f in os.listdir(bdir)
-                              if f.endswith(".py") and not f.startswith("_"))
-  rc = 0
-  for n in names:
-    path = os.path.join(bdir, n + ".py")
-    if not os.path.exists(path):
-      print(f"jaxlp bench: error: no benchmark {n!r}", file=sys.stderr)
-      return 2
-    print(f"== {n} ==", flush=True)
-    cmd = [sys.executable, path] + (["--small"] if args.small else [])
-    rc |= subprocess.call(cmd)
-  return rc
+  spec = importlib.util.spec_from_file_location("_jaxlp_benchmarks", front)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.main(["--run", *(["--small"] if args.small else []), *(args.only or [])])
 
 
 def _cmd_formats(args) -> int:
@@ -451,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
   pb = sub.add_parser("bench", help="run the benchmark suite and print its tables")
   pb.add_argument("--small", action="store_true", help="CI-sized inputs")
   pb.add_argument("--only", nargs="+", metavar="NAME",
-                  help="benchmark names (files in benchmarks/)")
+                  help="benchmark names (python -m benchmarks lists them)")
   pb.set_defaults(func=_cmd_bench)
 
   pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")

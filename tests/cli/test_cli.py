@@ -102,6 +102,15 @@ def test_help_is_complete():
     assert flag in out.stdout, flag
 
 
+def test_bench_is_the_benchmarks_front_door(capsys):
+  # ``jaxlp bench`` hands its arguments to ``python -m benchmarks --run`` (whose runs are
+  # tested in tests/test_benchmarks_front_door_smoke.py): an unknown name is the front door's
+  # refusal, exit 2, naming it and listing the benchmarks.
+  assert main(["bench", "--small", "--only", "no_such_bench"]) == 2
+  err = capsys.readouterr().err
+  assert "no benchmark named 'no_such_bench'" in err and "engine_compile" in err
+
+
 def test_compare_and_plot(tmp_path):
   out = str(tmp_path / "cmp")
   rc = main(["compare", "--out", out, "--config", "fp32=", "--config",
