@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+import numpy as np
 from jax import lax
 
 from jaxlp.ops._conv import conv_general_dilated
@@ -387,16 +388,26 @@ def build_report(jaxprs, resolve, path_excluded) -> MatmulReport:
   return MatmulReport(ops)
 
 
-def abstract(tree):
-  """Arrays -> ShapeDtypeStruct (traced by make_jaxpr); everything else as is (static)."""
-  import numpy as np  # noqa: PLC0415
+def is_array(x) -> bool:
+  """Traced by :func:`trace` (arrays and ``jax.ShapeDtypeStruct``); anything else is static."""
+  return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct)
 
-  def leaf(x):
-    if isinstance(x, jax.Array | np.ndarray):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
 
-  return jax.tree_util.tree_map(leaf, tree)
+def trace(fn, args, kwargs):
+  """``jax.make_jaxpr`` of ``fn(args, kwargs)`` with every array (or ShapeDtypeStruct) leaf
+  abstract and everything else static (flags such as ``deterministic=True``)."""
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  dyn = [i for i, x in enumerate(leaves) if is_array(x)]
+
+  def f(*vals):
+    ls = list(leaves)
+    for i, v in zip(dyn, vals, strict=True):
+      ls[i] = v
+    a, k = jax.tree_util.tree_unflatten(tree, ls)
+    return fn(a, k)
+
+  return jax.make_jaxpr(f)(*[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
+                             for i in dyn])
 
 
 def strict_error(ops, what: str) -> ValueError:

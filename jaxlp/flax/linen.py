@@ -334,7 +334,7 @@ class QuantizedModel:
     if not self.strict:
       return
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+    dyn = [i for i, x in enumerate(leaves) if R.is_array(x)]
     static = tuple(x for i, x in enumerate(leaves) if i not in set(dyn))
     sig = (method, tree, tuple((leaves[i].shape, str(leaves[i].dtype)) for i in dyn))
     try:
@@ -344,7 +344,7 @@ class QuantizedModel:
       sig = None
     if sig is not None and sig in self._strict_checked:
       return
-    jaxpr = _trace(lambda a, k: self._call(method, a, k, marked=True), args, kwargs)
+    jaxpr = R.trace(lambda a, k: self._call(method, a, k, marked=True), args, kwargs)
     missing = self._report([jaxpr]).unquantized_ops()
     if missing:
       raise R.strict_error(missing, f"{type(self.model).__name__}.{method}")
@@ -397,7 +397,7 @@ class QuantizedModel:
       return self._call("apply", (v, *a), k, marked=True)
 
     if loss_fn is None:
-      jaxpr = _trace(lambda a, k: fwd(*a, k), (variables, args), kwargs)
+      jaxpr = R.trace(lambda a, k: fwd(*a, k), (variables, args), kwargs)
       return self._report([jaxpr])
     if "params" not in variables:
       raise ValueError("matmul_report: loss_fn needs variables with a 'params' collection, "
@@ -411,7 +411,7 @@ class QuantizedModel:
 
       return jax.grad(loss)(v["params"])
 
-    return self._report([_trace(step, (variables, args), kwargs)])
+    return self._report([R.trace(step, (variables, args), kwargs)])
 
   def quantized_paths(self, *args, **kwargs) -> list[str]:
     """The '/'-joined paths of the modules with at least one matmul that gets a policy on
@@ -453,23 +453,6 @@ class QuantizedModel:
   def __repr__(self):
     return (f"QuantizedModel({type(self.model).__name__}, policy={self.policy}, "
             f"include={self.include}, exclude={self.exclude}, rules={self.rules})")
-
-
-def _trace(fn, args, kwargs):
-  """``jax.make_jaxpr`` of ``fn(args, kwargs)`` with every array leaf abstract (traced) and
-  everything else static."""
-  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-  dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-
-  def f(*vals):
-    ls = list(leaves)
-    for i, v in zip(dyn, vals, strict=True):
-      ls[i] = v
-    a, k = jax.tree_util.tree_unflatten(tree, ls)
-    return fn(a, k)
-
-  return jax.make_jaxpr(f)(*[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
-                             for i in dyn])
 
 
 def quantize_model(model: nn.Module, policy, *, include=None, exclude=None, rules=(),

@@ -367,7 +367,7 @@ def matmul_report(model: nnx.Module, *args, loss_fn=None, **kwargs) -> R.MatmulR
 
   Args:
     model: an nnx module (quantized by :func:`quantize_model`, or not).
-    *args: the call's positional inputs.
+    *args: the call's positional inputs (arrays or ``jax.ShapeDtypeStruct``).
     loss_fn: optional ``loss_fn(outputs) -> scalar``.
     **kwargs: the call's keywords.
 
@@ -393,13 +393,13 @@ def matmul_report(model: nnx.Module, *args, loss_fn=None, **kwargs) -> R.MatmulR
   _mark_modules(clone)
   graphdef, state = nnx.split(clone)
 
-  def step(state):
-    m = nnx.merge(graphdef, state)
+  def step(a, k):
+    m = nnx.merge(graphdef, a[0])
     if loss_fn is None:
-      return m(*args, **kwargs)
-    return nnx.grad(lambda m: loss_fn(m(*args, **kwargs)))(m)
+      return m(*a[1:], **k)
+    return nnx.grad(lambda m: loss_fn(m(*a[1:], **k)))(m)
 
-  jaxpr = jax.make_jaxpr(step)(state)
+  jaxpr = R.trace(step, (state, *args), kwargs)
 
   def resolve(path, kind):
     return table.get((kind, path), (None, "?"))
