@@ -227,6 +227,12 @@ def test_per_kind_policies_rules_and_precedence():
   q2 = jf.quantize_model(model, HBFP, include="Block_0/*")
   r2 = q2.matmul_report(v, TOKENS)
   assert r2.count(status="quantized") == 8 and r2.count(status="excluded") == 9
+  # Flax refuses precision= together with its attention einsum hooks: jaxlp passes it on
+  attn = nn.MultiHeadDotProductAttention(num_heads=2, precision="highest")
+  x = jnp.ones((1, 3, 4))
+  r3 = jf.quantize_model(attn, BF16).matmul_report(
+      jax.eval_shape(attn.init, jax.random.key(0), x), x)
+  assert r3.count(status="quantized") == len(r3) == 6
   with pytest.raises(ValueError, match="unknown kind 'attention'"):
     jf.quantize_model(model, {"attention": BF16})
   with pytest.raises(TypeError, match=r"policy\['dense'\]"):
@@ -371,6 +377,31 @@ def test_linen_recurrent_cells_through_rnn(cell):
   assert not np.array_equal(quantized, want)
 
 
+def test_other_linen_cells_are_recurrent_and_conv_transpose_is_reported():
+  """MGUCell, SimpleCell (Dense gates) and ConvLSTMCell (Conv gates) are "recurrent"; a
+  ConvTranspose (lax.conv_transpose, no hook) is listed as unquantized and refused by strict."""
+  x = jnp.ones((2, 5, 3))
+  for cell, gates in ((nn.MGUCell(4), 4), (nn.SimpleCell(4), 2)):
+    model = nn.RNN(cell)
+    v = jax.eval_shape(model.init, jax.random.key(0), x)
+    r = jf.quantize_model(model, {"recurrent": BF16}).matmul_report(v, x, loss_fn=jnp.sum)
+    assert r.count(kind="recurrent", status="quantized") == len(r) == 3 * gates
+  x4 = jnp.ones((2, 3, 6, 6, 2))
+  model = nn.RNN(nn.ConvLSTMCell(3, (3, 3)))
+  v = jax.eval_shape(model.init, jax.random.key(0), x4)
+  r = jf.quantize_model(model, {"recurrent": BF16}).matmul_report(v, x4)
+  assert [(op.primitive, op.kind, op.status) for op in r] == [
+      ("conv_general_dilated", "recurrent", "quantized")] * 2
+  ct = nn.ConvTranspose(2, (3, 3))
+  x2 = jnp.ones((1, 4, 4, 3))
+  v = jax.eval_shape(ct.init, jax.random.key(0), x2)
+  r = jf.quantize_model(ct, HBFP).matmul_report(v, x2)
+  assert [(op.primitive, op.path, op.status) for op in r] == [
+      ("conv_general_dilated", "", "unquantized")]
+  with pytest.raises(ValueError, match=r"conv_general_dilated fwd in \(root\)"):
+    jf.quantize_model(ct, HBFP, strict=True).init(jax.random.key(0), x2)
+
+
 @pytest.mark.parametrize("cell", ["LSTMCell", "OptimizedLSTMCell", "GRUCell"])
 def test_nnx_recurrent_cells_through_rnn(cell):
   x = jax.random.normal(jax.random.key(0), (2, 5, 3))
@@ -378,7 +409,10 @@ def test_nnx_recurrent_cells_through_rnn(cell):
   q = jf.quantize_model(model, {"recurrent": BF16})
   report = jf.matmul_report(q, x, loss_fn=jnp.sum)
   gates = {"LSTMCell": 8, "OptimizedLSTMCell": 2, "GRUCell": 2}[cell]
-  assert len(report) == 3 * gates and report.count(kind="recurrent", policy=BF16) == 3 * gates
+  graphdef, state = nnx.split(q)
+  n = len(matmul_eqns(jax.make_jaxpr(lambda s: nnx.grad(lambda m: jnp.sum(m(x)))(
+      nnx.merge(graphdef, s)))(state)))
+  assert len(report) == n == 3 * gates and report.count(kind="recurrent", policy=BF16) == 3 * gates
   assert report.count(direction="dlhs") == gates
   y, y0 = nnx.jit(lambda q, m, x: (q(x), m(x)))(q, model, x)
   assert y.shape == (2, 5, 4) and not np.array_equal(y, y0)
