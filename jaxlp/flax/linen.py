@@ -272,7 +272,7 @@ class QuantizedModel:
     return tagged(query, embedding.T, (((query.ndim - 1,), (0,)), ((), ())))
 
   def _run_optimized_lstm(self, module, path, kinds, next_fun, args, kwargs):
-    (pol, _), = [self.plan.resolve(path, k) for k in kinds]
+    pol = self.plan.resolve(path, kinds[0])[0]
     if pol is None:
       return _marked("recurrent", path, next_fun, args, kwargs)
     bound = inspect.signature(nn.OptimizedLSTMCell.__call__).bind(module, *args, **kwargs)
