@@ -1,4 +1,4 @@
-"""Benchmark: the jaxlp.torch QPyTorch drop-ins vs QPyTorch, per call (4K) and throughput (16M).
+"""The jaxlp.torch QPyTorch drop-ins vs QPyTorch: per call (4K) and throughput (16M).
 
 Every public quantizing entry point of the torch bridge is timed next to its QPyTorch twin on
 the same tensors and device: ``quantize`` (vs QPyTorch ``float_quantize`` of the same format),
@@ -28,8 +28,8 @@ times each jaxlp entry point again with the Triton kernels launched through Trit
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 

@@ -54,6 +54,17 @@ def quantize_model(model, policy, *, include=None, exclude=None, rules=(), stric
   or ``"default"``), then ``policy`` (a DotPolicy, or its mapping's K, then ``"default"``;
   a mapping without either: FP32).
 
+  Every ``include`` / ``exclude`` / ``rules`` pattern must match the whole path of at least
+  one module with a matmul: one jaxlp wraps (a layer, an attention module, an ``Embed``
+  (linen: one whose ``attend`` runs), a cell; whatever policy it ends up with) or one that a
+  matmul jaxlp does not wrap is attributed to (as :func:`matmul_report` lists it; there the
+  pattern decides whether that matmul counts as excluded, for ``strict`` and the report). A
+  pattern that matches none -- a typo, or a parent's path (``"Block_0"`` is not
+  ``"Block_0/Dense_0"``; ``"Block_0/*"`` matches it) -- is a ``ValueError`` listing the
+  paths. The modules with an unwrapped matmul are found by tracing the model: linen traces
+  the call once, and only when a pattern matches no wrapped module; nnx traces
+  ``example_args`` when given (without them such a pattern is refused).
+
   Args:
     model: the model.
     policy: a :class:`jaxlp.DotPolicy`, or a mapping ``{kind: DotPolicy | None}`` with
@@ -75,7 +86,10 @@ def quantize_model(model, policy, *, include=None, exclude=None, rules=(), stric
       :class:`jaxlp.DotPolicy` or a mapping of them, ``include`` / ``exclude`` is not a str
       or a sequence of str, or a malformed rule.
     ValueError: an unknown kind; (nnx) a stochastic policy without ``rngs``; ``strict=True``
-      and a matmul jaxlp does not wrap.
+      and a matmul jaxlp does not wrap; an ``include`` / ``exclude`` / ``rules`` pattern that
+      matches no path of a module with a matmul (the message lists them; nnx: here, linen: on
+      the first ``init`` / ``apply`` / ``quantized_paths`` / ``matmul_report``, when the
+      modules exist).
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -16,6 +16,7 @@ from flax.linen import recurrent as _linen_recurrent
 
 from jaxlp.flax import _report as R
 from jaxlp.flax._plan import Plan
+from jaxlp.flax._select import check_patterns, unmatched_patterns
 
 __all__ = ["QuantizedModel", "quantize_model"]
 
@@ -148,8 +149,12 @@ class QuantizedModel:
     TypeError: ``model`` is not a linen ``Module``; ``policy`` is not a DotPolicy or a
       mapping of them; ``include`` / ``exclude`` is not a str or a sequence of str; a
       malformed rule.
-    ValueError: an unknown kind; (from ``apply``) a stochastic policy, but no
-      ``rng_stream`` key was passed; (``strict=True``) a matmul jaxlp does not wrap.
+    ValueError: an unknown kind; (from the first ``init`` / ``init_with_output`` /
+      ``apply`` / ``quantized_paths`` / ``matmul_report`` that completes) an ``include`` /
+      ``exclude`` / ``rules`` pattern matches no path of a module with a matmul (see
+      :func:`jaxlp.flax.quantize_model`; the message lists the paths); (from ``apply``) a
+      stochastic policy, but no ``rng_stream`` key was passed; (``strict=True``) a matmul
+      jaxlp does not wrap.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -180,6 +185,11 @@ class QuantizedModel:
     self.strict = bool(strict)
     self.rng_stream = rng_stream
     self._strict_checked: set = set()
+    # The module paths exist only once the model runs: the patterns are checked against the
+    # modules of the first call (init, apply, ...) that completes, then not again; a call
+    # that raised is checked again next time.
+    self._patterns_checked = (self.include is None and self.exclude is None
+                              and not self.rules)
 
   # ------------------------------------------------------------------ interception
 
@@ -206,13 +216,15 @@ class QuantizedModel:
       ops.append(R.TaggedOp(op, kind, path, pol, src, key=k))
     return ops
 
-  def _interceptor(self, next_fun, args, kwargs, context):
+  def _interceptor(self, next_fun, args, kwargs, context, seen=None):
     module = context.module
     handled = _handled(module, context.method_name)
     if handled is None:
       return next_fun(*args, **kwargs)
     how, kinds = handled
     path = "/".join(module.path)
+    if seen is not None:
+      seen.append(path)
     return getattr(self, "_run_" + how)(module, path, kinds, next_fun, args, kwargs)
 
   def _run_layer(self, module, path, kinds, next_fun, args, kwargs):
@@ -319,13 +331,36 @@ class QuantizedModel:
 
   # ------------------------------------------------------------------ checks and reports
 
-  def _call(self, method: str, args, kwargs, *, marked: bool = False):
+  def _call(self, method: str, args, kwargs, *, marked: bool = False, seen=None):
     fn = getattr(self.model, method)
+    interceptor = (self._interceptor if seen is None
+                   else functools.partial(self._interceptor, seen=seen))
     if marked:  # module markers outermost, so every module call is attributed
-      with nn.intercept_methods(self._module_marker), nn.intercept_methods(self._interceptor):
+      with nn.intercept_methods(self._module_marker), nn.intercept_methods(interceptor):
         return fn(*args, **kwargs)
-    with nn.intercept_methods(self._interceptor):
+    with nn.intercept_methods(interceptor):
       return fn(*args, **kwargs)
+
+  def _check_patterns(self, handled, method, args, kwargs, report=None):
+    """Check the patterns against the ``handled`` module paths of a completed call; if one
+    matches none of them, against the paths of every matmul of the call too (``report``, or
+    one marked trace of ``method(*args, **kwargs)``), then raise or mark them checked."""
+    paths = list(handled)
+    if unmatched_patterns(paths, self.include, self.exclude, self.rules):
+      if report is None:
+        report = self._report([R.trace(
+            lambda a, k: self._call(method, a, k, marked=True), args, kwargs)])
+      paths += [op.path for op in report]
+      check_patterns(paths, self.include, self.exclude, self.rules)
+    self._patterns_checked = True
+
+  def _run(self, method: str, args, kwargs):
+    self._check_strict(method, args, kwargs)
+    seen = None if self._patterns_checked else []
+    out = self._call(method, args, kwargs, seen=seen)
+    if seen is not None:
+      self._check_patterns(seen, method, args, kwargs)
+    return out
 
   def _report(self, jaxprs) -> R.MatmulReport:
     return R.build_report(jaxprs, self.plan.resolve, self.plan.path_excluded)
@@ -369,7 +404,8 @@ class QuantizedModel:
       A :class:`jaxlp.flax.MatmulReport`.
 
     Raises:
-      ValueError: ``loss_fn`` is given but ``variables`` has no ``"params"``.
+      ValueError: ``loss_fn`` is given but ``variables`` has no ``"params"``; a pattern that
+        matches no module with a matmul (as ``apply``, if not checked yet).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -393,12 +429,14 @@ class QuantizedModel:
       rngs.setdefault(self.rng_stream, jax.random.key(0))
       kwargs["rngs"] = rngs
 
+    seen = None if self._patterns_checked else []
+
     def fwd(v, a, k):
-      return self._call("apply", (v, *a), k, marked=True)
+      return self._call("apply", (v, *a), k, marked=True, seen=seen)
 
     if loss_fn is None:
       jaxpr = R.trace(lambda a, k: fwd(*a, k), (variables, args), kwargs)
-      return self._report([jaxpr])
+      return self._checked_report(jaxpr, seen)
     if "params" not in variables:
       raise ValueError("matmul_report: loss_fn needs variables with a 'params' collection, "
                        f"got {list(variables)}")
@@ -411,39 +449,47 @@ class QuantizedModel:
 
       return jax.grad(loss)(v["params"])
 
-    return self._report([R.trace(step, (variables, args), kwargs)])
+    return self._checked_report(R.trace(step, (variables, args), kwargs), seen)
+
+  def _checked_report(self, jaxpr, seen):
+    report = self._report([jaxpr])
+    if seen is not None:
+      self._check_patterns(seen, None, None, None, report=report)
+    return report
 
   def quantized_paths(self, *args, **kwargs) -> list[str]:
     """The '/'-joined paths of the modules with at least one matmul that gets a policy on
     ``init(*args, **kwargs)`` (layers -- Dense, attention, Embed.attend, cells... -- each
-    once, in call order; not the matmuls: see :meth:`matmul_report`)."""
-    paths = []
+    once, in call order; not the matmuls: see :meth:`matmul_report`).
+
+    Raises:
+      ValueError: a pattern that matches no module with a matmul (as ``init``)."""
+    paths, handled = [], []
 
     def spy(next_fun, a, kw, context):
       m = context.module
-      handled = _handled(m, context.method_name)
-      if handled is not None:
+      kinds = _handled(m, context.method_name)
+      if kinds is not None:
         path = "/".join(m.path)
+        handled.append(path)
         if path not in paths and any(self.plan.resolve(path, k)[0] is not None
-                                     for k in handled[1]):
+                                     for k in kinds[1]):
           paths.append(path)
       return next_fun(*a, **kw)
 
     with nn.intercept_methods(spy):
       jax.eval_shape(lambda: self.model.init(*args, **kwargs))
+    self._check_patterns(handled, "init", args, kwargs)
     return paths
 
   def init(self, *args, **kwargs):
-    self._check_strict("init", args, kwargs)
-    return self._call("init", args, kwargs)
+    return self._run("init", args, kwargs)
 
   def init_with_output(self, *args, **kwargs):
-    self._check_strict("init_with_output", args, kwargs)
-    return self._call("init_with_output", args, kwargs)
+    return self._run("init_with_output", args, kwargs)
 
   def apply(self, variables, *args, **kwargs):
-    self._check_strict("apply", (variables, *args), kwargs)
-    return self._call("apply", (variables, *args), kwargs)
+    return self._run("apply", (variables, *args), kwargs)
 
   def __getattr__(self, name: str) -> Any:
     if name == "model":
@@ -477,6 +523,11 @@ def quantize_model(model: nn.Module, policy, *, include=None, exclude=None, rule
     TypeError: as :class:`QuantizedModel` (not a linen module, not a ``DotPolicy`` or
       mapping, bad patterns or rules).
     ValueError: an unknown kind.
+
+  A pattern that matches no module with a matmul (e.g. ``exclude="Dense_l"`` for
+  ``"Dense_1"``) is a ``ValueError`` listing the paths; linen builds its modules only when
+  the model runs, so it is raised by the first ``init`` / ``apply`` (or ``quantized_paths``,
+  ``matmul_report``) that completes, not here.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxlp.flax import _report as R
 from jaxlp.flax._attention import dot_product_attention
 from jaxlp.flax._plan import ATTENTION, Plan
+from jaxlp.flax._select import check_patterns, unmatched_patterns
 from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._dot_general import dot_general
 from jaxlp.ops._policy import DotPolicy
@@ -162,6 +163,16 @@ def _attend_class(cls):
                                               __qualname__=cls.__qualname__))
 
 
+def _wraps(node) -> bool:
+  """True for a module with a matmul :func:`quantize_model` wraps (the cases it installs)."""
+  return (isinstance(node, nnx.Linear | nnx.Conv)
+          or (isinstance(node, nnx.LinearGeneral) and node.dot_general_cls is None)
+          or (isinstance(node, nnx.Einsum) and node.einsum_op is jnp.einsum)
+          or (isinstance(node, nnx.MultiHeadAttention)
+              and node.attention_fn is nnx.dot_product_attention)
+          or (isinstance(node, nnx.Embed) and type(node).attend is nnx.Embed.attend))
+
+
 def _parent_is_cell(nodes, path):
   return len(path) > 0 and isinstance(nodes.get(path[:-1]), nnx.RNNCellBase)
 
@@ -205,7 +216,8 @@ def quantize_model(model: nnx.Module, policy, *, include=None, exclude=None, rul
       :func:`jaxlp.flax.quantize_model`).
     strict: refuse (``ValueError`` naming each one) a model with a matmul jaxlp does not
       wrap outside the excluded paths, found by tracing ``model(*example_args)``.
-    example_args: the positional inputs of one forward call (needed by ``strict``).
+    example_args: the positional inputs of one forward call (needed by ``strict``, and by a
+      pattern that names only a module with a matmul jaxlp does not wrap).
     rngs: required for stochastic policies: an ``nnx.Rngs`` with stream ``rng_stream``; each
       layer call draws a fresh key from it (its counter is model state).
     rng_stream: the stream name.
@@ -219,8 +231,11 @@ def quantize_model(model: nnx.Module, policy, *, include=None, exclude=None, rul
     TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` or a mapping of them,
       ``include`` / ``exclude`` is not a str or a sequence of str, a malformed rule, or
       ``strict=True`` without ``example_args``.
-    ValueError: an unknown kind; a stochastic policy and ``rngs`` is None; (``strict``) a
-      matmul jaxlp does not wrap.
+    ValueError: an unknown kind; a stochastic policy and ``rngs`` is None; an ``include`` /
+      ``exclude`` / ``rules`` pattern that matches no path of a module with a matmul: one
+      jaxlp wraps or, found by tracing ``example_args`` when given, one with a matmul it does
+      not wrap (the message lists the paths; see :func:`jaxlp.flax.quantize_model`); these
+      are raised before ``model`` is changed. (``strict``) a matmul jaxlp does not wrap.
 
   Example:
     >>> import jax
@@ -265,12 +280,14 @@ def quantize_model(model: nnx.Module, policy, *, include=None, exclude=None, rul
                         base=base if pol is None else None)
     return _EinsumOp(tagged) if opname == "einsum" else tagged
 
-  installs = []
+  installs, handled = [], []
   for path, node in graph:
     if not isinstance(node, nnx.Module):
       continue
     p = "/".join(str(k) for k in path)
     cell = _parent_is_cell(nodes, tuple(path))
+    if _wraps(node):
+      handled.append(p)
     if isinstance(node, nnx.Linear):
       installs.append((node, "dot_general",
                        op("recurrent" if cell else "dense", p, base=node.dot_general)))
@@ -296,6 +313,14 @@ def quantize_model(model: nnx.Module, policy, *, include=None, exclude=None, rul
       installs.append((node, "attention_fn", fn))
     if isinstance(node, nnx.Embed) and type(node).attend is nnx.Embed.attend:
       installs.append((node, "jaxlp_attend", op("embed_attend", p)))
+  if unmatched_patterns(handled, plan.include, plan.exclude, plan.rules):
+    # a pattern may name a module with a matmul jaxlp does not wrap: only a trace finds those
+    traced = ([] if example_args is None
+              else [o.path for o in matmul_report(model, *example_args)])
+    check_patterns(handled + traced, plan.include, plan.exclude, plan.rules,
+                   note="" if example_args is not None else
+                   " (a module with a matmul jaxlp does not wrap is found only by tracing: "
+                   "pass example_args=(...) to name one)")
   if stochastic_unkeyed:
     raise ValueError("quantize_model: the policy uses stochastic rounding (at "
                      f"{stochastic_unkeyed[:3]}): pass rngs=nnx.Rngs({rng_stream}=...)")

@@ -13,7 +13,7 @@ from jax import lax
 
 from jaxlp._util import cdiv
 from jaxlp.formats._block import MXFormat
-from jaxlp.ops import _block_dot as BD
+from jaxlp.formats._block_dot import check_exact, contraction_blocks, significand_bits
 from jaxlp.ops._dot_general import (
   SlotGeometry,
   _exact_gemm,
@@ -317,7 +317,7 @@ def _combine(pa, pb, K: int):
   (la, ba), (lb, bb) = pa, pb
   if ba == 1 or bb == 1 or la != lb:
     return (K, 1)
-  return (la, BD.contraction_blocks(ba, bb, la))
+  return (la, contraction_blocks(ba, bb, la))
 
 
 def _conv_plan(policy: DotPolicy, cv: _Conv):
@@ -334,7 +334,7 @@ def _conv_plan(policy: DotPolicy, cv: _Conv):
       if best is None or g > best[2]:
         best = (order, L, g)
     if policy.block_dot == "exact":
-      BD.check_exact(best[2], BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt),
+      check_exact(best[2], significand_bits(qa.fmt), significand_bits(qb.fmt),
                      what=f"conv_general_dilated ({gemm} GEMM)")
     plan[gemm] = best
   return plan
@@ -360,7 +360,7 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
   for gemm, ((_, qa), (_, qb)) in policy.gemm_operands().items():
     g = plan[gemm][2]
     if policy.block_dot == "exact":
-      bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
+      bits = (significand_bits(qa.fmt), significand_bits(qb.fmt))
       ops[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
     else:
       ops[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)

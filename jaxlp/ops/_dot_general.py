@@ -20,7 +20,13 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats._block import BlockFormat, MXFormat
-from jaxlp.formats._quantize import is_elementwise
+from jaxlp.formats._block_dot import (
+    block_length,
+    check_exact,
+    contraction_blocks,
+    significand_bits,
+)
+from jaxlp.formats._quantize import is_elementwise, join_key, split_key
 from jaxlp.ops import _block_dot as BD
 from jaxlp.ops._policy import FWD, GRAD, Accum, DotPolicy, Quant
 from jaxlp.ops._quantize import quantize  # kernel on a GPU where it is faster
@@ -65,22 +71,6 @@ def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry)
   inv = tuple(int(i) for i in np.argsort(perm))
   q = quantize(jnp.transpose(x, perm), fmt, quant.rounding, key=k)
   return jnp.transpose(q, inv)
-
-
-def _split_key(key):
-  """(data, impl) of a key so it can cross a custom_vjp boundary as a plain array."""
-  if key is None:
-    return None, None
-  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return jax.random.key_data(key), jax.random.key_impl(key)
-  return jnp.asarray(key), None
-
-
-def _join_key(data, impl):
-  if data is None:
-    return None
-  return jax.random.wrap_key_data(data) if impl is None else jax.random.wrap_key_data(
-      data, impl=impl)
 
 
 def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, SlotGeometry],
@@ -128,7 +118,7 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
     raise ValueError(
         "jaxlp: the policy uses rounding='stochastic' but no key was given: pass "
         "key=jax.random.key(...) (a fresh one per step)")
-  kdata, kimpl = _split_key(key)
+  kdata, kimpl = split_key(key)
   out_aval = jax.eval_shape(op, lhs, rhs)
   lhs_aval = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   rhs_aval = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
@@ -137,7 +127,7 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
     return quantize_operand(x, getattr(policy, slot), k, slot, geometry[slot])
 
   def fwd(l, r, kd):
-    k = _join_key(kd, kimpl)
+    k = join_key(kd, kimpl)
     lq, rq = q(l, "lhs", k), q(r, "rhs", k)
     out = gemms["fwd"](lq, rq) if "fwd" in gemms else op(lq, rq)
     out = out.astype(out_aval.dtype)
@@ -146,7 +136,7 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
 
   def bwd(res, g):
     l_res, r_res, kd = res
-    k = _join_key(kd, kimpl)
+    k = join_key(kd, kimpl)
     r_dl = r_res if policy.dlhs_rhs == FWD else q(r_res, "dlhs_rhs", k)
     l_dr = l_res if policy.drhs_lhs == FWD else q(l_res, "drhs_lhs", k)
     g_dl = q(g, "grad", k)
@@ -253,12 +243,12 @@ def _block_gemms(policy: DotPolicy, dimension_numbers, lhs, rhs, geo):
     def length(slot, q, ax, k=k):
       if mode == "fp8" and not isinstance(q.fmt, MXFormat):
         return k  # per-tensor scale: no blocks
-      return BD.block_length(q.fmt, shapes[slot], ax, geo[slot].axis)
+      return block_length(q.fmt, shapes[slot], ax, geo[slot].axis)
 
-    g = BD.contraction_blocks(length(sa, qa, ax_a), length(sb, qb, ax_b), k)
+    g = contraction_blocks(length(sa, qa, ax_a), length(sb, qb, ax_b), k)
     if mode == "exact":
-      bits = (BD.significand_bits(qa.fmt), BD.significand_bits(qb.fmt))
-      BD.check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
+      bits = (significand_bits(qa.fmt), significand_bits(qb.fmt))
+      check_exact(g, *bits, what=f"dot_general ({gemm} GEMM)")
       plan[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
     else:
       plan[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)

@@ -32,7 +32,7 @@ default, today's emulation: the plain float32 lax op -- fp32 products, fp32 sums
 order), ``"exact"`` (block formats with integer significands: an exact integer dot per
 K-block, rounded once to float32, K-blocks summed in float32 in ascending order -- the same
 bits on every backend, tensor cores on a GPU; definition in
-``jaxlp/ops/_block_dot.py``) or ``"fp8"`` (fast, NOT bit-exact: fp8 tensor-core dots with
+``jaxlp/formats/_block_dot.py``) or ``"fp8"`` (fast, NOT bit-exact: fp8 tensor-core dots with
 power-of-two scales).
 
 Stochastic rounding keys are data, not configuration: the callables returned by
@@ -48,6 +48,7 @@ from typing import Any
 
 from jaxlp._deprecation import renamed_kwargs
 from jaxlp.formats import E4M3FN, hbfp, hbfp_batched, mx
+from jaxlp.formats._block_dot import significand_bits
 from jaxlp.formats._quantize import FORMAT_TYPES, check_format
 from jaxlp.ops._block_dot import (
     BLOCK_DOTS,
@@ -59,7 +60,6 @@ from jaxlp.ops._block_dot import (
     GPU_ROUTES,
     check_gpu_choice,
     fp8_kind,
-    significand_bits,
 )
 
 FWD = "fwd"
@@ -201,7 +201,7 @@ class DotPolicy:
         convolutions (GEMMs on im2col matrices, K-blocks = the quantization blocks: see
         :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run across the
         contraction get K-blocks of 1 (valid, slow). Definition:
-        ``jaxlp/ops/_block_dot.py``.
+        ``jaxlp/formats/_block_dot.py``.
       * ``"fp8"``: fast mode for ``mx(E4M3FN/E5M2/...)`` and elementwise float formats
         with <= 3 mantissa bits: operands cast to fp8 dtypes with per-block (MX) or
         per-tensor power-of-two scales, one ``lax.dot_general`` on the fp8 arrays with

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlp
 from jaxlp import formats as F
-from jaxlp.ops._block_dot import check_exact
+from jaxlp.formats._block_dot import check_exact
 from jaxlp.parallel import ORDERS as ORDERS
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import payload_bytes, psum

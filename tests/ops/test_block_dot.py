@@ -1,6 +1,7 @@
-"""The exact block dot (``DotPolicy(block_dot="exact")``, ``jaxlp/ops/_block_dot.py``): its
-definition checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and
-the policy wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
+"""The exact block dot (``DotPolicy(block_dot="exact")``; definition in
+``jaxlp/formats/_block_dot.py``, dispatch in ``jaxlp/ops/_block_dot.py``): its definition
+checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and the policy
+wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
 
 import dataclasses
 from fractions import Fraction
@@ -12,10 +13,11 @@ import pytest
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 
 # compiled as one program each (eagerly, every operation would compile on its own)
-_ref = jax.jit(BD.block_dot_reference, static_argnums=(2, 3, 4))
+_ref = jax.jit(BS.block_dot_reference, static_argnums=(2, 3, 4))
 _xla_int8 = jax.jit(BD.block_dot_xla_int8, static_argnums=(2, 3, 4))
 
 DN = (((1,), (0,)), ((), ()))
@@ -76,13 +78,13 @@ def test_scale_exact_is_correctly_rounded_and_flushed():
   # hand-picked: a subnormal tie region, exactly 2**-126, just below it, overflow
   q[-10:] = [-149, -149, -150, -180, 120, -170, 0, -174, -128, 260]
   n, q = n.astype(np.int32), q.astype(np.int32)
-  got = np.asarray(jax.jit(BD.scale_exact)(jnp.asarray(n), jnp.asarray(q)))
+  got = np.asarray(jax.jit(BS.scale_exact)(jnp.asarray(n), jnp.asarray(q)))
   with np.errstate(over="ignore"):
     ref = (n.astype(np.float64) * np.ldexp(1.0, q.astype(np.int64))).astype(np.float32)
   ref = np.where(np.abs(ref) < np.float32(2**-126), np.copysign(np.float32(0), ref), ref)
   assert np.array_equal(_bits(got), _bits(ref))
-  assert np.isnan(BD.scale_exact(jnp.int32(3), jnp.int32(BD.NAN_Q)))
-  assert _bits(BD.scale_exact(jnp.int32(-1), jnp.int32(-140))) == 0x80000000  # -0.0
+  assert np.isnan(BS.scale_exact(jnp.int32(3), jnp.int32(BS.NAN_Q)))
+  assert _bits(BS.scale_exact(jnp.int32(-1), jnp.int32(-140))) == 0x80000000  # -0.0
 
 
 @pytest.mark.parametrize("fmt,fb,bits,g", [
@@ -106,7 +108,7 @@ def test_mxint8_significands_and_definition():
   x = x.at[0, :32].set(jnp.linspace(-63.97, 30.0, 32))  # -63.97 / 2**-1 -> -128
   a = F.quantize(x, F.mx("int8", 32, axis=1))
   b = F.quantize(_wide(rng, (64, 3), 3.0), F.mx("int8", 32, axis=0))
-  k, q = BD.split_significands(a, 32, 7)
+  k, q = BS.split_significands(a, 32, 7)
   assert int(k.min()) >= -128 and int(k.max()) <= 127 and int(k.min()) == -128
   back = np.asarray(k, np.float64) * np.exp2(np.asarray(q, np.float64))[..., None]
   assert np.array_equal(back.reshape(6, 64), np.asarray(a, np.float64))
@@ -131,25 +133,25 @@ def test_range_overflow_flush_and_nan():
   assert _same(out, _definition(a, b, 4))
   assert out[0, 0] == np.inf and _bits(out[1, 1]) == 0 and np.isnan(out[2]).all()
   assert out[3, 3] == np.float32(2.0**-118)
-  assert _bits(BD.scale_exact(jnp.int32(-4), jnp.int32(-130))) == 0x80000000  # -0.0
+  assert _bits(BS.scale_exact(jnp.int32(-4), jnp.int32(-130))) == 0x80000000  # -0.0
 
 
 def test_blocks_and_bounds():
-  assert BD.contraction_blocks(24, 24, 100) == 24
-  assert BD.contraction_blocks(100, 24, 100) == 24  # whole axis imposes nothing
-  assert BD.contraction_blocks(24, 16, 100) == 8
-  assert BD.contraction_blocks(1, 24, 100) == 1
-  assert BD.contraction_blocks(300, 500, 100) == 100
-  assert BD.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
-  assert BD.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
-  assert BD.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
-  assert BD.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
-  assert BD.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
+  assert BS.contraction_blocks(24, 24, 100) == 24
+  assert BS.contraction_blocks(100, 24, 100) == 24  # whole axis imposes nothing
+  assert BS.contraction_blocks(24, 16, 100) == 8
+  assert BS.contraction_blocks(1, 24, 100) == 1
+  assert BS.contraction_blocks(300, 500, 100) == 100
+  assert BS.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
+  assert BS.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
+  assert BS.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
+  assert BS.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
+  assert BS.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
   with pytest.raises(NotImplementedError, match="2-D"):
-    BD.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
-  BD.check_exact(2**17 - 1, 7, 7)
+    BS.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
+  BS.check_exact(2**17 - 1, 7, 7)
   with pytest.raises(ValueError, match="K-block 131072 with 7- and 7-bit"):
-    BD.check_exact(2**17, 7, 7)
+    BS.check_exact(2**17, 7, 7)
   with pytest.raises(ValueError, match="impl='nope'"):
     BD.block_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), 2, 7, 7, impl="nope")
 
