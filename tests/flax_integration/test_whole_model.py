@@ -8,6 +8,7 @@ policies asked for.
 
 import dataclasses
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -518,3 +519,75 @@ def test_report_direction_by_order_agrees_with_shapes():
     att = [i for i, (k, _) in enumerate(idents) if k in ("attention_qk", "attention_pv")]
     assert [by_shape[i] for i in att] == [by_order[i] for i in att]
     assert sorted(by_shape[i] for i in att) == ["dlhs", "dlhs", "drhs", "drhs", "fwd", "fwd"]
+
+
+def test_patterns_and_rules_that_match_no_module_with_a_matmul_are_errors():
+  """Every include/exclude/rules pattern must name a module with a matmul: one jaxlp wraps
+  (attention, Embed.attend, cells too), or one an unwrapped matmul is attributed to."""
+  v = lm_variables()
+  ok = jf.quantize_model(LinenLM(), HBFP, include=("Block_*", "Embed_0"),
+                         exclude="Block_1/attn", rules=[("Block_0/attn", BF16)])
+  paths = ok.quantized_paths(jax.random.key(0), TOKENS)
+  assert {"Block_0/attn", "Embed_0", "Block_1/attn/query"} <= set(paths)
+  assert "Block_1/attn" not in paths
+  assert ok._patterns_checked
+  want = r"matches no layer.*'Block_0/attn', 'Block_0/attn/query'.*'Embed_0'\]"
+  # a typo in a rule; a parent's path (patterns match whole paths: "Block_0/*" would do);
+  # checked by whichever call completes first, matmul_report included
+  for kw, bad in (({"rules": [("Block_0/attn", BF16), ("Block_0/atn", None)]},
+                   "rules[1]='Block_0/atn'"),
+                  ({"exclude": "Block_0"}, "exclude='Block_0'")):
+    for call in (lambda q: q.matmul_report(v, TOKENS),
+                 lambda q: q.quantized_paths(jax.random.key(0), TOKENS)):
+      with pytest.raises(ValueError, match="(?s)" + re.escape(bad) + " " + want):
+        call(jf.quantize_model(LinenLM(), HBFP, **kw))
+  # cells: linen's OptimizedLSTMCell is one module; LSTMCell's gates are Dense layers
+  x = jnp.ones((2, 5, 3))
+  for cell, good, bad in ((nn.OptimizedLSTMCell(4), "cell", "cell/*"),
+                          (nn.LSTMCell(4), "cell/*", "cell")):
+    q = jf.quantize_model(nn.RNN(cell), {"recurrent": BF16}, rules=[(good, None)])
+    assert q.quantized_paths(jax.random.key(0), x) == []
+    with pytest.raises(ValueError, match=re.escape(f"rules[0]={bad!r} matches no layer")):
+      jf.quantize_model(nn.RNN(cell), BF16, rules=[(bad, None)]).init(jax.random.key(0), x)
+  # a module with a raw matmul is a path too (the pattern makes it excluded): found by one
+  # marked trace, also under jit; listed in the message
+  xo = jnp.ones((3, 5))
+  vo = jax.eval_shape(Outer().init, jax.random.key(0), xo)
+  q = jf.quantize_model(Outer(), HBFP, exclude="gram")
+  jax.eval_shape(jax.jit(q.apply), vo, xo)
+  assert q._patterns_checked
+  q = jf.quantize_model(Outer(), HBFP, rules=[("gram/Dense_1", None)])
+  for _ in range(2):  # refused again: the first call did not complete
+    with pytest.raises(ValueError, match=re.escape(
+        "rules[0]='gram/Dense_1' matches no layer") + r".*\['gram/Dense_0', 'Dense_0', 'gram'\]"):
+      jax.eval_shape(jax.jit(q.apply), vo, xo)
+
+  # nnx: at quantize_model, the same paths (nnx: every Embed), before the model is changed
+  m = NnxLM(nnx.Rngs(0), layers=1)
+  q = jf.quantize_model(m, HBFP, include=("blocks/0/*", "embed"), exclude="blocks/0/attn",
+                        rules=[("blocks/0/fc*", None)])
+  assert isinstance(q.blocks[0].fc1.dot_general, R.TaggedOp)
+  for kw, bad in (({"rules": [("blocks/0/fc1", None), ("blocks/0/atn", BF16)]},
+                   "rules[1]='blocks/0/atn'"),
+                  ({"include": "blocks/0"}, "include='blocks/0'")):
+    with pytest.raises(ValueError, match=re.escape(bad) + r" matches no layer.*'blocks/0/attn', "
+                                         r"'blocks/0/fc1', 'blocks/0/fc2', 'embed'\]"):
+      jf.quantize_model(m, HBFP, copy=False, **kw)
+    assert m.blocks[0].attn.attention_fn is nnx.dot_product_attention
+    assert m.blocks[0].fc1.dot_general is jax.lax.dot_general
+
+  class NnxRaw(nnx.Module):
+    def __init__(self):
+      self.fc = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      y = self.fc(x)
+      return y.T @ y
+
+  # a raw matmul's module is found only by tracing example_args
+  with pytest.raises(ValueError, match=r"rules\[0\]='' matches no layer.*\['fc'\].*example_args"):
+    jf.quantize_model(NnxRaw(), HBFP, rules=[("", None)])
+  q = jf.quantize_model(NnxRaw(), HBFP, rules=[("", None)], example_args=(xo,))
+  assert jf.matmul_report(q, xo).excluded_ops()[0].path == ""
+  with pytest.raises(ValueError, match=r"exclude='f' matches no layer.*\['fc', ''\]$"):
+    jf.quantize_model(NnxRaw(), HBFP, exclude="f", example_args=(xo,))
