@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlp._util import cdiv
 from jaxlp.formats._block import MXFormat
 from jaxlp.formats._block_dot import check_exact, contraction_blocks, significand_bits
 from jaxlp.ops._dot_general import (
@@ -19,6 +18,7 @@ from jaxlp.ops._dot_general import (
   _exact_gemm,
   _fp8_gemm,
   _is_axis_blocked,
+  pad_segments,
   quantized_bilinear,
 )
 from jaxlp.ops._policy import DotPolicy
@@ -340,17 +340,6 @@ def _conv_plan(policy: DotPolicy, cv: _Conv):
   return plan
 
 
-def _segments(x, L: int, g: int):
-  """(R, K) -> (R, K'): each segment of L along K zero-padded to a multiple of g (so the
-  blocks of g never cross a segment boundary; zero padding adds nothing to any block)."""
-  R, K = x.shape
-  Lp = cdiv(L, g) * g if L else 0
-  if Lp == L:
-    return x
-  x = x.reshape(R, K // L, L)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, Lp - L))).reshape(R, (K // L) * Lp)
-
-
 def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
   """The three GEMMs of the convolution for ``policy.block_dot`` on im2col matrices."""
   ls, rs, os_ = (tuple(int(d) for d in t) for t in dn)
@@ -370,9 +359,10 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
   def gemm(name, a, bt):
     """a (M, K) . bt (Ncol, K).T with the plan's segments padded."""
     _, L, g = plan[name]
-    return ops[name](_segments(a, L, g), _segments(bt, L, g).T)
+    return ops[name](pad_segments(a, L, g), pad_segments(bt, L, g).T)
 
-  def fwd(l, r):
+  def fwd(l, r, key):
+    del key
     x, w = jnp.transpose(l, ls), jnp.transpose(r, rs)  # (N, C, *S), (O, C, *R)
     p = _im2col(x, cv)  # (N, C, T, *So)
     sp = tuple(range(3, 3 + nd))
@@ -386,7 +376,8 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
     y = jnp.transpose(y, (0, nd + 1, *range(1, nd + 1)))  # (N, O, *So)
     return jnp.transpose(y, inv(os_))
 
-  def dlhs(gr, r):
+  def dlhs(gr, r, key):
+    del key
     gc, w = jnp.transpose(gr, os_), jnp.transpose(r, rs)  # (N, O, *So), (O, C, *R)
     p = _grad_cols(gc, cv)  # (N, O, T, *S)
     sp = tuple(range(3, 3 + nd))
@@ -396,7 +387,8 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
     dx = jnp.transpose(dx, (0, nd + 1, *range(1, nd + 1)))  # (N, C, *S)
     return jnp.transpose(dx, inv(ls))
 
-  def drhs(l, gr):
+  def drhs(l, gr, key):
+    del key
     x, gc = jnp.transpose(l, ls), jnp.transpose(gr, os_)  # (N, C, *S), (N, O, *So)
     p = _im2col(x, cv)  # (N, C, T, *So)
     sp = tuple(range(3, 3 + nd))

@@ -65,6 +65,7 @@ from jaxlp.ops._block_dot import (
 FWD = "fwd"
 GRAD = "grad"
 HBFP_ACTIVATIONS = ("per_sample", "tiled")
+LAYOUTS = ("auto", "hbfp", "contraction")
 ALGORITHMS = ("naive", "kahan", "chunked")
 
 
@@ -273,6 +274,7 @@ class DotPolicy:
   gpu_impl: str = GPU_IMPL
   gpu_route: str = GPU_ROUTE
   fp8_gpu_impl: str = FP8_GPU_IMPL
+  layout: str = "auto"
 
   def __post_init__(self):
     for name in ("lhs", "rhs", "grad"):
@@ -286,6 +288,8 @@ class DotPolicy:
     check_gpu_choice(self.gpu_impl, GPU_IMPLS, "DotPolicy: gpu_impl")
     check_gpu_choice(self.gpu_route, GPU_ROUTES, "DotPolicy: gpu_route")
     check_gpu_choice(self.fp8_gpu_impl, FP8_GPU_IMPLS, "DotPolicy: fp8_gpu_impl")
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"DotPolicy: layout={self.layout!r} not in {LAYOUTS}")
 
   def gemm_operands(self) -> dict[str, tuple[tuple[str, Quant | None], ...]]:
     """GEMM name -> its two (slot, Quant or None) operands, ``"fwd"``/``"grad"`` resolved
@@ -336,7 +340,7 @@ class DotPolicy:
 
 def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sample", *,
                 weight_man_bits: int | None = None, rounding: str = "nearest",
-                block_dot: str | None = None) -> DotPolicy:
+                block_dot: str | None = None, layout: str = "auto") -> DotPolicy:
   """HBFP (BFP dot products, FP32 elsewhere), HBFPEmulator's two versions.
 
   * ``activations="per_sample"`` (HBFPEmulator v1.0, the README/paper description): the
@@ -384,6 +388,8 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
   """
   if activations not in HBFP_ACTIVATIONS:
     raise ValueError(f"hbfp_policy: activations={activations!r} not in {HBFP_ACTIVATIONS}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"hbfp_policy: layout={layout!r} not in {LAYOUTS}")
   if activations == "per_sample":
     act = Quant(hbfp_batched(man_bits), rounding)
     w = None if weight_man_bits is None else Quant(hbfp(weight_man_bits, tile), rounding)
@@ -391,7 +397,7 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     act = Quant(hbfp(man_bits, tile), rounding)
     wm = man_bits if weight_man_bits is None else weight_man_bits
     w = Quant(hbfp(wm, tile), rounding)
-  return DotPolicy(lhs=act, rhs=w, grad=act, block_dot=block_dot)
+  return DotPolicy(lhs=act, rhs=w, grad=act, block_dot=block_dot, layout=layout)
 
 
 @renamed_kwargs(elem="fmt", grad_elem="grad_fmt")

@@ -142,13 +142,6 @@ def test_blocks_and_bounds():
   assert BS.contraction_blocks(24, 16, 100) == 8
   assert BS.contraction_blocks(1, 24, 100) == 1
   assert BS.contraction_blocks(300, 500, 100) == 100
-  assert BS.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
-  assert BS.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
-  assert BS.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
-  assert BS.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
-  assert BS.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
-  with pytest.raises(NotImplementedError, match="2-D"):
-    BS.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
   BS.check_exact(2**17 - 1, 7, 7)
   with pytest.raises(ValueError, match="K-block 131072 with 7- and 7-bit"):
     BS.check_exact(2**17, 7, 7)
@@ -256,8 +249,6 @@ def test_exact_differs_from_emulation_only_in_rounding():
 
 def test_unsupported_ops_refuse():
   policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
-  with pytest.raises(NotImplementedError, match="block_dot='exact' supports only 2-D"):
-    jaxlp.dot_general(policy)(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), (((2,), (0,)), ((), ())))
   conv = jaxlp.conv_general_dilated(policy)
   with pytest.raises(NotImplementedError, match="feature_group_count=1"):
     conv(jnp.ones((1, 4, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID", feature_group_count=2)
