@@ -565,11 +565,35 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
   overrides the construction key. It plugs into ``flax.linen.Dense(dot_general=...)``,
   ``nnx.Linear(..., dot_general=...)`` and ``jnp.einsum(..., _dot_general=...)``.
 
-  Any dimension numbers and batch dimensions are supported. Axis-blocked formats (MX) are
-  blocked along each operand's contraction axis in each GEMM: forward lhs/rhs along the
+  Any dimension numbers are supported, in every mode of the policy. Axis-blocked formats (MX)
+  are blocked along each operand's contraction axis in each GEMM: forward lhs/rhs along the
   (paired) contracting dimension with the largest lhs index; in the dlhs GEMM the rhs and the
   gradient along the last rhs free dimension; in the drhs GEMM the lhs and the gradient along
-  the last lhs free dimension. Tile-blocked formats see the operands as given.
+  the last lhs free dimension. Tile-blocked formats see the operands in the policy's
+  ``layout`` (:class:`jaxlp.DotPolicy`: HBFPEmulator's (dim0, rest) view for plain 2-D
+  matrix products, the GEMM's matrix with one token per activation block otherwise).
+  Operands are quantized in their own layout: the stochastic-rounding noise of an element
+  comes from its flat index in the operand (``fold_in(key, slot)``).
+
+  Accumulator emulation and ``block_dot`` run each GEMM as a batch of 2-D GEMMs
+  ``C[b] = A[b] (M, K) . B[b] (K, N)``: b = the batch dimensions (in the order given), M / N
+  = the lhs / rhs free dimensions (ascending) flattened, K = the contracting dimensions
+  flattened with the pairs in ascending lhs-axis order (the dlhs GEMM contracts the rhs free
+  dimensions, the drhs GEMM the lhs free dimensions, each ascending). So a ``(B, S, F) . (F,
+  N)`` dot has the bits of the 2-D GEMM on the ``(B * S, F)`` reshape, and a dot with batch
+  dimensions the bits of one 2-D GEMM per batch index. Accumulator emulation calls
+  :func:`jaxlp.matmul` on ``(b, M, K) @ (b, K, N)`` (a stochastic accumulator's noise index
+  is the flat index of that result; GEMM i = fwd, dlhs, drhs draws from ``fold_in(key, 6 +
+  i)``). ``block_dot`` cuts K into K-blocks that are the operands' quantization blocks: the
+  coarsest blocks such that every K-block of every row of A and column of B lies within one
+  block of its operand's format, either blocks of g over the flattened K or, where that
+  gives longer blocks (blocks along the innermost contracting dimension d with d not a
+  multiple of the block length, e.g. MX blocks of 32 along a head dimension of 48), every
+  run of d cut into blocks of g, each run zero-padded to a multiple of g (zeros change no
+  exact dot). The K-blocks are summed in ascending order of the flattened K: ascending
+  (h, d-block) for contracting dimensions (h, d). Operands whose blocks run across the
+  contraction (e.g. per-token blocks in the weight-gradient GEMM, which contracts the
+  tokens) get K-blocks of 1 (each product rounded once, summed in K order: valid, slow).
 
   ``DotPolicy()`` (or None) returns the plain ``lax.dot_general`` computation (backward =
   plain autodiff).
@@ -581,10 +605,9 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
 
   Returns:
     The dot_general callable (its ``policy`` attribute holds the policy). Calling it raises
-    ``ValueError`` if the policy is stochastic and no key was given (or, with
-    ``block_dot="exact"``, if a K-block is too long for an exact int32 dot), and
-    ``NotImplementedError`` for accumulator emulation or ``block_dot`` on anything but a
-    2-D GEMM with one contracting dimension and no batch dimensions.
+    ``ValueError`` if the policy is stochastic and no key was given, or, with
+    ``block_dot="exact"``, if a K-block is too long for an exact int32 dot (the message
+    names the GEMM).
 
   Raises:
     TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` (or None).
