@@ -108,22 +108,30 @@ class _Viewed:
 
 def _quantize_view(x, fmt: BlockFormat, rounding, key, geom: SlotGeometry):
   """Tile format ``fmt`` on the contraction view ``geom.view`` of ``x`` (see SlotGeometry)."""
-  rows, cols = geom.view
+  rows, cols = (tuple(a) for a in geom.view)
   tile = view_tile(fmt, geom.weight)
-  perm = tuple(rows) + tuple(cols)
+  tr, tc = tile
   R = math.prod(x.shape[a] for a in rows)
   C = math.prod(x.shape[a] for a in cols)
-  if perm == tuple(range(x.ndim)):  # a reshape keeps every flat index (and the noise)
-    tr, tc = tile
-    if tr == 1:  # blocks along one axis of the 2-D view (the GPU's faster kernel family)
-      f2 = BlockFormat(fmt.man_bits, axis=1, block_size=tc, exponent=fmt.exponent,
+
+  def along(axis, block):  # one row per block: blocks of `block` along `axis`, in place
+    return BlockFormat(fmt.man_bits, axis=axis, block_size=block, exponent=fmt.exponent,
                        eps=fmt.eps)
-    else:
-      f2 = dataclasses.replace(fmt, tile=tile)
-    return quantize(x.reshape(R, C), f2, rounding, key=key).reshape(x.shape)
+
+  # The same blocks without a transpose where possible (a reshape keeps every flat index,
+  # and so the noise): blocks along the one contracting axis; the view as a reshape; the
+  # view as the transpose of a reshape (then the transposed tile of the reshape).
+  if tr == 1 and len(cols) == 1:
+    return quantize(x, along(cols[0], tc), rounding, key=key)
+  ident = tuple(range(x.ndim))
+  for order, shape2, t in ((rows + cols, (R, C), (tr, tc)), (cols + rows, (C, R), (tc, tr))):
+    if order == ident:
+      f2 = (along(1, t[1]) if t[0] == 1 else along(0, t[0]) if t[1] == 1
+            else dataclasses.replace(fmt, tile=t))
+      return quantize(x.reshape(shape2), f2, rounding, key=key).reshape(x.shape)
   xv, kw = prepare(x, fmt, rounding, key=key)
-  return spec_quantize_words(xv, kw, _Viewed(dataclasses.replace(fmt, tile=tile), perm,
-                                             len(rows)), rounding, None)
+  return spec_quantize_words(xv, kw, _Viewed(dataclasses.replace(fmt, tile=tile),
+                                             rows + cols, len(rows)), rounding, None)
 
 
 def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry):

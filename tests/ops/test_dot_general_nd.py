@@ -13,6 +13,8 @@ from jax import lax
 import jaxlp
 from jaxlp import formats as F
 from jaxlp.formats import _block_dot as BS
+from jaxlp.formats._quantize import key_words
+from jaxlp.formats._quantize import quantize_words as spec_words
 from jaxlp.ops import _dot_general as DG
 from jaxlp.ops._policy import Accum, DotPolicy, Quant
 
@@ -314,3 +316,25 @@ def test_k_changes_and_blocking():
   assert DG.k_changes((6, 4), ((0,), (1,), (1, None)), (0,)) == {1, 2, 3, 4, 5}
   assert DG.pad_segments(jnp.arange(6.0).reshape(1, 6), 3, 2).tolist() == [
       [0, 1, 2, 0, 3, 4, 5, 0]]
+
+
+def test_tiles_on_a_transposed_view_round_in_the_operands_own_layout():
+  """A weight (F, H, D) contracted over H: its (rows (F, D), columns H) view is no reshape
+  of the array, so the block maxima are taken on the transposed view and the rounding (and
+  its noise) stays in the weight's own layout: with nearest rounding the bits of quantizing
+  the transposed view; with tiles (1, 4) those of blocks of 4 along H, noise included."""
+  w = _data(11, (6, 8, 5))[0]
+  dn = (((1,), (1,)), ((), ()))  # x (B, H) . w (F, H, D)
+  geo = DG.dot_geometry(DG.dot_dims(dn, 2, 3), "contraction")["rhs"]
+  assert geo.view == ((0, 2), (1,)) and geo.weight
+  fmt = F.BlockFormat(4, tile=(3, 4))
+  got = jax.jit(lambda t: DG.quantize_operand(t, Quant(fmt), None, "rhs", geo))(w)
+  view = jnp.transpose(w, (0, 2, 1)).reshape(30, 8)
+  want = F.quantize(view, fmt).reshape(6, 5, 8).transpose(0, 2, 1)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  k = jax.random.key(3)
+  rows = F.BlockFormat(4, tile=(1, 4))
+  viewed = DG._Viewed(rows, (0, 2, 1), 2)
+  sr = jax.jit(lambda t: spec_words(t, jnp.stack(key_words(k)), viewed, "stochastic"))(w)
+  ref = F.quantize(w, F.BlockFormat(4, axis=1, block_size=4), "stochastic", key=k)
+  np.testing.assert_array_equal(_bits(sr), _bits(ref))
