@@ -309,3 +309,34 @@ def test_gpu_auto_splits_the_few_tile_gemms(M, K, N, g, split):
   text, triton = CL.lower_for_cuda(lambda a, b: BD.block_dot_gpu_auto(a, b, g, 7, 7), a, b)
   int8_dot = "xi8>" in text and "stablehlo.dot_general" in text
   assert (int8_dot, bool(triton)) == ((True, False) if split else (False, True))
+
+
+@pytest.mark.parametrize("policy", [
+    dataclasses.replace(jaxlp.mx_policy("int8", 32, block_dot="exact"), gpu_impl="pallas"),
+    jaxlp.mx_policy("int8", 32, block_dot="exact"),
+    jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"),
+], ids=["exact_pallas", "exact_auto", "fp8"])
+def test_batched_dot_general_lowers_for_cuda(policy):
+  """An attention-shaped dot ('bqhd,bkhd->bhqk': batch dims in the middle) runs one 2-D GEMM
+  per batch index (``jax.vmap``): under value_and_grad it lowers for CUDA with the policy's
+  GPU implementation -- the block GEMM kernels batched by Pallas, or batched int8 dots --
+  and no op Triton cannot compile (checked on the CPU; not run on a GPU here)."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
+  import cuda_lowering as CL  # noqa: PLC0415
+
+  dot = jaxlp.dot_general(policy)
+  attn = (((3,), (3,)), ((0, 2), (0, 2)))
+  q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.float32)
+  loss = lambda q, k: jnp.sum(dot(q, k, attn))
+  text, mods = CL.lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), q, q)
+  assert all(not CL.illegal_ops(m) for m in mods)
+  names = CL.kernel_names(mods)
+  if policy.block_dot == "fp8":
+    assert "jaxlp_fp8_block_gemm" in names
+  elif policy.gpu_impl == "pallas":
+    assert "jaxlp_block_gemm" in names
+  else:  # few tiles, 2 K-blocks: batched XLA int8 dots
+    assert not mods and "xi8>" in text
