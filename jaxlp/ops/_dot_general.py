@@ -495,10 +495,11 @@ def k_blocking(changes: set[int], K: int, inner: int) -> tuple[int, int]:
 
 def pad_segments(x, L: int, g: int):
   """``x`` (..., K) with each segment of L along the last axis zero-padded to a multiple of
-  g, so that the K-blocks of g never cross a segment (zeros add nothing to a block dot)."""
+  g, so that the K-blocks of g never cross a segment (zeros add nothing to a block dot).
+  One segment (L = K) needs none: its last K-block is just shorter."""
   K = x.shape[-1]
   Lp = cdiv(L, g) * g if L else 0
-  if Lp == L:
+  if Lp == L or L >= K:
     return x
   lead = x.shape[:-1]
   x = x.reshape(*lead, K // L, L)

@@ -316,6 +316,7 @@ def test_k_changes_and_blocking():
   assert DG.k_changes((6, 4), ((0,), (1,), (1, None)), (0,)) == {1, 2, 3, 4, 5}
   assert DG.pad_segments(jnp.arange(6.0).reshape(1, 6), 3, 2).tolist() == [
       [0, 1, 2, 0, 3, 4, 5, 0]]
+  assert DG.pad_segments(jnp.arange(6.0).reshape(1, 6), 6, 4).shape == (1, 6)  # one segment
 
 
 def test_tiles_on_a_transposed_view_round_in_the_operands_own_layout():
