@@ -20,6 +20,7 @@ from jaxlp.formats._block import qpytorch_block
 from jaxlp.formats._compat import qpytorch_float
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.torch._dlpack import check_quantize_dtype
+from jaxlp.torch._errors import BlockDimError, QuantizeTypeError, QuantizeValueError, check_tensor
 from jaxlp.torch._formats import QPyTorchFixedPoint
 from jaxlp.torch._quantize import (
     TORCH_FORMAT_TYPES,
@@ -49,20 +50,20 @@ def _format(ctor, *args):
 
 
 def _check(x, rounding, what):
-  if not isinstance(x, torch.Tensor):
-    raise TypeError(f"jaxlp.torch.{what}: x must be a torch.Tensor, got {type(x).__name__}")
-  check_quantize_dtype(x, what)
+  check_tensor(x, what)
   if rounding not in _QPT_ROUNDINGS:
-    raise ValueError(f"jaxlp.torch.{what}: rounding must be 'stochastic' or 'nearest', "
-                     f"got rounding={rounding!r}")
+    raise QuantizeValueError(f"jaxlp.torch.{what}: rounding must be 'stochastic' or "
+                             f"'nearest', got rounding={rounding!r}")
 
 
 def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=None):
   """QPyTorch's ``float_quantize(x, exp, man, rounding)`` (format :func:`qpytorch_float`).
 
   Nearest: round half away from zero, saturating, QPyTorch's subnormal trick, bit for bit.
-  ``man=23`` is the identity (QPyTorch's x86 CPU build flips the sign there: undefined
-  behaviour, not reproduced).
+  ``man=23`` keeps every fraction bit but still the format's exponent range (overflow
+  saturates, small values go to the subnormal grid), as for every other ``man``; ``(8, 23)``
+  is the identity. (QPyTorch's ``man=23`` is undefined behaviour: its x86 CPU build flips
+  the sign; not reproduced.)
 
   Args:
     x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
@@ -133,6 +134,10 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
             [ 0.0000, 96.0000]])
   """
   _check(x, rounding, "block_quantize")
+  if not isinstance(dim, int) or isinstance(dim, bool) or (dim != -1 and not 0 <= dim < x.dim()):
+    raise BlockDimError(
+        f"jaxlp.torch.block_quantize: dim must be -1 (one exponent for the whole tensor) or "
+        f"an axis in 0..{x.dim() - 1} of the {x.dim()}-d tensor, got dim={dim!r}")
   fmt = _format(qpytorch_block, wl, dim)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
@@ -210,6 +215,9 @@ def as_format(number, what="quantizer"):
   """
   if number is None or isinstance(number, TORCH_FORMAT_TYPES):
     return number
+  fmt = getattr(number, "format", None)  # jaxlp.torch.qtorch's numbers carry their format
+  if isinstance(fmt, TORCH_FORMAT_TYPES) and type(number).__module__.startswith("jaxlp."):
+    return fmt
   name = type(number).__name__
   if name == "FloatingPoint" and hasattr(number, "exp") and hasattr(number, "man"):
     return qpytorch_float(int(number.exp), int(number.man))
@@ -218,7 +226,7 @@ def as_format(number, what="quantizer"):
   if name == "FixedPoint" and all(hasattr(number, a) for a in ("wl", "fl", "clamp", "symmetric")):
     return QPyTorchFixedPoint(int(number.wl), int(number.fl), bool(number.clamp),
                               bool(number.symmetric))
-  raise TypeError(
+  raise QuantizeTypeError(
       f"jaxlp.torch.{what}: a number must be None, a jaxlp format or a qtorch Number "
       f"(FloatingPoint, BlockFloatingPoint, FixedPoint), got {number!r}")
 
@@ -284,8 +292,8 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
   hooks = tuple(backward_hooks)
   if clamping_grad_zero and fwd is not None:
     if not getattr(fwd, "clamp", False):
-      raise ValueError("jaxlp.torch.quantizer: clamping_grad_zero=True needs a clamping "
-                       f"fixed-point forward_number, got {fwd!r}")
+      raise QuantizeValueError("jaxlp.torch.quantizer: clamping_grad_zero=True needs a "
+                               f"clamping fixed-point forward_number, got {fwd!r}")
     fwd_unclamped = _unclamped(fwd)
 
   def _fwd(x):
@@ -332,7 +340,7 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
       return Rounding.apply(x)
     if fwd is None:
       return x
-    check_quantize_dtype(x, "quantizer")
+    check_tensor(x, "quantizer")
     return _fwd(x.contiguous())[0]
 
   return quantize

@@ -11,8 +11,9 @@ import torch
 
 from jaxlp.formats._quantize import FORMAT_TYPES, ROUNDINGS, key_words, random_bits
 from jaxlp.ops._quantize import quantize_words
-from jaxlp.torch import _triton
-from jaxlp.torch._dlpack import check_quantize_dtype, export_fast, import_fast, jax_device_of
+from jaxlp.torch import _cpu, _triton
+from jaxlp.torch._dlpack import export_fast, import_fast, jax_device_of
+from jaxlp.torch._errors import QuantizeValueError, TensorTypeError, check_tensor
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
 TORCH_FORMAT_TYPES = (*FORMAT_TYPES, QPyTorchFixedPoint)
@@ -26,10 +27,10 @@ def check_torch_format(fmt, rounding: str, what: str = "quantize") -> None:
         f"FixedPoint, mx(...), cpd_float(...), qpytorch_float(...), QPyTorchFixedPoint, ...), "
         f"got {fmt!r} of type {type(fmt).__name__}")
   if rounding not in ROUNDINGS:
-    raise ValueError(f"jaxlp.torch.{what}: unknown rounding={rounding!r}; expected one of "
-                     f"{ROUNDINGS}")
+    raise QuantizeValueError(f"jaxlp.torch.{what}: unknown rounding={rounding!r}; expected "
+                             f"one of {ROUNDINGS}")
   if rounding not in fmt.supported_roundings:
-    raise ValueError(
+    raise QuantizeValueError(
         f"jaxlp.torch.{what}: {type(fmt).__name__} supports rounding in "
         f"{fmt.supported_roundings}, got rounding={rounding!r}")
 
@@ -179,8 +180,8 @@ def executable(fmt, rounding: str, with_mask: bool, dtype, shape, device, config
   """
   del config  # only a cache key: the trace below reads the live settings
   if dtype not in _JAX_DTYPES:
-    raise TypeError(f"jaxlp.torch.quantize: tensor dtype must be torch.float32, torch.float16 "
-                    f"or torch.bfloat16, got dtype={dtype}")
+    raise TensorTypeError(f"jaxlp.torch.quantize: tensor dtype must be torch.float32, "
+                          f"torch.float16 or torch.bfloat16, got dtype={dtype}")
   jdev = jax_device_of(device)
   sharding = jax.sharding.SingleDeviceSharding(jdev)
   x = jax.ShapeDtypeStruct(tuple(shape), _JAX_DTYPES[dtype], sharding=sharding)
@@ -190,10 +191,21 @@ def executable(fmt, rounding: str, with_mask: bool, dtype, shape, device, config
 
 
 def _call(t, fmt, rounding, with_mask, key):
-  if t.is_cuda and _triton.available():  # the native path (same bits), where it applies
+  # the native paths (the spec's bits), where they apply
+  if t.is_cpu:
+    out = _cpu.quantize(t, fmt, rounding, key, with_mask)
+    if out is not None:
+      return out
+  elif t.is_cuda and _triton.available():
     out = _triton.quantize(t, fmt, rounding, key, with_mask)
     if out is not None:
       return out
+  return jax_route(t, fmt, rounding, key, with_mask)
+
+
+def jax_route(t, fmt, rounding, key, with_mask=False):
+  """``t`` quantized by the compiled JAX spec (what :func:`quantize` does where no native
+  path applies; tests use it as the reference of the native paths)."""
   exe, jdev, on_cpu = executable(fmt, rounding, with_mask, t.dtype, t.shape, t.device,
                                  _config())
   out = exe(import_fast(t, jdev), _NO_KEY if key is None else key)
@@ -271,9 +283,7 @@ def quantize(t, fmt, rounding: str = "nearest", *, generator=None, seed=None):
     >>> quantize(torch.tensor([0.1, 1.3]), E4M3, "stochastic", seed=0)
     tensor([0.1016, 1.2500])
   """
-  if not isinstance(t, torch.Tensor):
-    raise TypeError(f"jaxlp.torch.quantize: expected a torch.Tensor, got {type(t).__name__}")
-  check_quantize_dtype(t)
+  check_tensor(t, "quantize")
   check_torch_format(fmt, rounding)
   key = resolve_key(rounding, generator, seed)
   if torch.is_grad_enabled() and t.requires_grad:
