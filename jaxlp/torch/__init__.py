@@ -4,7 +4,8 @@
 * :func:`quantize`: any jaxlp format on a torch tensor, bit-identical to ``jaxlp.quantize``.
   CPU tensors of ``FloatFormat`` (presets), ``qpytorch_float``, ``cpd_float``,
   ``FixedPoint``, ``QPyTorchFixedPoint`` and ``qpytorch_block`` are rounded in NumPy on the
-  tensor's memory (``jaxlp/torch/_cpu.py``: nothing compiled, no cost per new shape); CUDA
+  tensor's memory up to 65536 elements (``jaxlp/torch/_cpu.py``: nothing compiled, no cost
+  per new shape), larger ones by the compiled spec with bucketed shapes; CUDA
   tensors of the same formats but ``cpd_float`` run Triton kernels on torch's current stream
   (``jaxlp/torch/_triton.py``; needs the ``triton`` package). Everything else goes through
   JAX.

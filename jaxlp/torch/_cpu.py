@@ -7,7 +7,10 @@ ms. Here the tensor's memory is read as uint32 bit patterns (``Tensor.numpy()``,
 and rounded with NumPy integer operations: nothing is compiled, so a new shape costs nothing
 more than a known one.
 
-What runs here (float32, float16 and bfloat16 CPU tensors below ``2**32`` elements):
+What runs here (float32, float16 and bfloat16 CPU tensors of at most
+``jaxlp.torch._quantize.NATIVE_MAX`` elements; larger ones go to the compiled spec with
+bucketed shapes, where XLA's fused multi-threaded loop is faster, but ``qpytorch_block`` with
+``dim >= 0``, which stays here at any size):
 :class:`~jaxlp.FloatFormat` (every preset, every rounding), ``qpytorch_float``
 (``float_quantize``), ``cpd_float`` (``jaxlp.torch.cpd``), :class:`~jaxlp.FixedPoint` (every
 rounding), :class:`~jaxlp.torch.QPyTorchFixedPoint` (``fixed_point_quantize``, with the clamp

@@ -326,3 +326,43 @@ def test_native_path_is_taken_and_the_rest_takes_jax(monkeypatch):
   jt.quantize(t, F.mx(F.E4M3FN, 8))
   jt.quantize(t.reshape(4, 8), F.BlockFormat(4, axis=-1, block_size=4))
   assert len(routed) == 2
+
+
+def test_large_tensors_take_the_bucketed_jax_route(monkeypatch):
+  """Above NATIVE_MAX elements the NumPy path's formats take the compiled spec on the flat
+  tensor padded to a size class: the spec's bits (same as the exact shape), and one compile
+  per size class, not per shape."""
+  traces = []
+  kernel = Q._kernel
+
+  def counting_kernel(*args):
+    traces.append(args[:3])
+    return kernel(*args)
+
+  monkeypatch.setattr(Q, "_kernel", counting_kernel)
+  rng = np.random.default_rng(8)
+  fmt = F.qpytorch_float(4, 3)
+  shapes = [(70001,), (7, 10001), (100, 701), (2, 3, 11667)]  # 65537 < n <= 81920: one class
+  assert len({Q.bucket(int(np.prod(s))) for s in shapes}) == 1
+  for shape in shapes:
+    x = torch.from_numpy((rng.standard_normal(shape) * 100).astype(np.float32))
+    for rounding in ("nearest", "stochastic"):
+      w = WORDS if rounding == "stochastic" else None
+      got = Q.quantize_raw(x, fmt, rounding, w)
+      assert got.shape == x.shape and got.is_contiguous()
+      want = F.quantize(jnp.asarray(x.numpy()), fmt, rounding,
+                        key=jax.random.key(SEED) if w is not None else None)
+      _assert_bits(got.numpy(), np.asarray(want), x.numpy(), f"{shape} {rounding}")
+  assert len(traces) == 2, traces  # nearest and stochastic, once each
+  # the mask of QPyTorch's fixed point, a one-block qpytorch_block and half inputs too
+  x = torch.from_numpy((rng.standard_normal(70000) * 10).astype(np.float32))
+  q, m = Q.quantize_raw_mask(x, QPyTorchFixedPoint(8, 4), "stochastic", WORDS)
+  rq, rm = Q.jax_route(x, QPyTorchFixedPoint(8, 4), "stochastic", WORDS, True)
+  assert torch.equal(q, rq) and torch.equal(m, rm) and m.any()
+  for fmt, t in ((F.qpytorch_block(6), x), (F.E4M3, x.to(torch.bfloat16)),
+                 (F.qpytorch_block(6, 0), x.reshape(700, 100))):
+    iv = torch.int16 if t.dtype == torch.bfloat16 else torch.int32
+    for rounding in ("nearest", "stochastic"):
+      w = WORDS if rounding == "stochastic" else None
+      got = Q.quantize_raw(t, fmt, rounding, w)
+      assert torch.equal(got.view(iv), Q.jax_route(t, fmt, rounding, w).view(iv)), fmt
