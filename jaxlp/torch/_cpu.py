@@ -781,7 +781,7 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
   inv_scale = np.float32(2.0 ** (wl - 2))
 
   def fast(bits, rand, shape):
-    if dim == -1 and rounding == "nearest":
+    if dim == -1:
       return whole(bits, rand, shape)
     mxs = _block_maxima(bits & ABS, shape, dim)
     if (int(np.maximum.reduce(mxs, axis=None)) >= (252 << 23)
@@ -819,7 +819,7 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
     return q
 
   def whole(bits, rand, shape):
-    # dim = -1, nearest: the same operations with the one block's constants as scalars, and
+    # dim = -1: the same operations with the one block's constants as scalars, and (nearest)
     # the clip only where the largest magnitude could round up to 2**(E + 1)
     x = bits.view(np.float32)
     m = max(float(np.maximum.reduce(x)), -float(np.minimum.reduce(x)))  # NaN: fails below
@@ -827,6 +827,20 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
       return full(bits, rand, shape)
     e = math.frexp(m)[1] - 1  # E = floor(log2 m), exact
     base = np.float32(6.0 * 2.0**e)
+    if rounding != "nearest":
+      y = x + base
+      y -= base
+      np.abs(y, out=y)
+      y *= np.float32(2.0 ** (wl - 2 - e))
+      n = np.floor(y)
+      y -= n
+      y *= _TWO32
+      n += rand < y.astype(_U)
+      np.minimum(n, cv, out=n)
+      n *= np.float32(2.0 ** (e + 2 - wl))
+      q = n.view(_U)
+      q |= (q + ABS) & bits & SIGN  # the sign where the result is not zero
+      return q
     v = x + base
     if drop:
       vb = v.view(_U)
@@ -922,8 +936,20 @@ def quantize(t, fmt, rounding: str, words, with_mask: bool = False):
   caller then takes the JAX route). ``words``: the uint32[2] key data of a stochastic call.
 
   The caller has checked ``t``'s dtype and layout (float32, float16 or bfloat16, strided)."""
-  run = runner(fmt, rounding)
+  hit = _RUNNERS.get((id(fmt), rounding))
+  if hit is not None and hit[0] is fmt:
+    run = hit[1]
+  else:
+    run = runner(fmt, rounding)
+    if len(_RUNNERS) >= 1024:
+      _RUNNERS.clear()
+    _RUNNERS[(id(fmt), rounding)] = (fmt, run)
   return None if run is None else run(t, words, with_mask)
+
+
+# (id(fmt), rounding) -> (fmt, runner): the runner of a format object seen before, without
+# hashing the dataclass; the entry holds the format, so its id cannot be reused meanwhile
+_RUNNERS: dict = {}
 
 
 _F32 = torch.float32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -49,16 +50,31 @@ def seed_words(seed: int) -> np.ndarray:
   return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
+_DRAW = threading.local()  # a per-thread int64[2] buffer for the draws below
+
+
+def draw_ints(generator=None) -> tuple[int, int]:
+  """Two uint32 words drawn from a torch RNG (see :func:`draw_key`), as Python ints.
+
+  The draw is ``torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)``'s,
+  made into a per-thread buffer (``Tensor.random_``: the same values, the same advance of
+  the generator, without allocating a tensor)."""
+  if generator is not None:
+    if not isinstance(generator, torch.Generator):
+      raise TypeError(f"jaxlp.torch: generator must be a torch.Generator, got {generator!r}")
+    if generator.device.type != "cpu":
+      w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
+                        device=generator.device)
+      return tuple(w.tolist())
+  buf = getattr(_DRAW, "buf", None)
+  if buf is None:
+    buf = _DRAW.buf = torch.empty(2, dtype=torch.int64)
+  return tuple(buf.random_(0, 2**32, generator=generator).tolist())
+
+
 def draw_words(generator=None) -> np.ndarray:
   """Two uint32 words drawn from a torch RNG (see :func:`draw_key`), as numpy."""
-  if generator is not None and not isinstance(generator, torch.Generator):
-    raise TypeError(f"jaxlp.torch: generator must be a torch.Generator, got {generator!r}")
-  if generator is not None and generator.device.type != "cpu":
-    w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
-                      device=generator.device).cpu()
-  else:
-    w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)
-  return w.numpy().astype(np.uint32)
+  return np.array(draw_ints(generator), np.uint32)
 
 
 def _typed(words: np.ndarray):
@@ -124,14 +140,15 @@ def draw_key(generator=None):
 
 
 def resolve_key(rounding, generator, seed):
-  """The key for one stochastic call (None when not stochastic)."""
+  """The key data of one stochastic call (None when not stochastic): two uint32 words, as a
+  numpy array (``seed``) or a tuple of ints (a draw)."""
   if generator is not None and seed is not None:
     raise ValueError("jaxlp.torch: pass either generator= or seed=, not both")
   if rounding != "stochastic":
     return None
   if seed is not None:
     return seed_words(seed)
-  return draw_words(generator)
+  return draw_ints(generator)
 
 
 def _kernel(fmt, rounding, with_mask, x, key):
@@ -254,7 +271,7 @@ def jax_route(t, fmt, rounding, key, with_mask=False):
   path applies; tests use it as the reference of the native paths)."""
   exe, jdev, on_cpu = executable(fmt, rounding, with_mask, t.dtype, t.shape, t.device,
                                  _config())
-  out = exe(import_fast(t, jdev), _NO_KEY if key is None else key)
+  out = exe(import_fast(t, jdev), _NO_KEY if key is None else np.asarray(key, np.uint32))
   if with_mask:
     return export_fast(out[0], on_cpu), export_fast(out[1], on_cpu)
   return export_fast(out, on_cpu)

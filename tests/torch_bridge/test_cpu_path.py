@@ -189,7 +189,18 @@ def _block_inputs(seed=0):
   y[11, 2] = -np.inf
   r = _random(256 * 512, seed).reshape(256, 512)
   r[(r & 0x7F800000) == 0x7F800000] &= np.uint32(0xBFFFFFFF)  # finite: clear an exponent bit
-  return {"scales": x, "specials": y, "random": r.view(np.float32)}
+  # inputs for the fast paths (every block maximum's exponent in [-100, 124]): ties, zeros,
+  # subnormals next to normal values, and maxima at both ends of that range
+  g = rng.standard_normal((n, n)).astype(np.float32)
+  g[::5, ::3] = 0.0
+  g[1::7, ::4] = np.float32(-1e-40)
+  g[2, :6] = [1.0, 2.0**-7, -3 * 2.0**-7, 0.5 + 2.0**-9, -(0.5 + 2.0**-9), 1.9999999]
+  top = (g.astype(np.float64) * 2.0**123).astype(np.float32)
+  top[0, 0] = np.float32(2.0**125 * 0.9999999)  # the largest magnitude still below 2**125
+  bottom = (g.astype(np.float64) * 2.0**-99).astype(np.float32)
+  bottom[0, 0] = np.float32(2.0**-100)
+  return {"scales": x, "specials": y, "random": r.view(np.float32), "randn": g, "top": top,
+          "bottom": bottom}
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
