@@ -10,8 +10,9 @@ run twice (what a new shape costs: the JAX route compiled every new (format, rou
 and kept 256, so a 300-shape loop paid 16-19 s per pass).
 
 Every number is the MEDIAN of ``--reps`` repetitions (each the mean of 50 calls for the
-per-call rows, one call for the large rows, one pass for the shape loop): the machines are
-shared, so medians, not bests. ``OptimLP``'s per-call cost is also given over the plain
+per-call rows, one call for the large rows, one pass for the shape loop), jaxlp's and
+QPyTorch's repetitions taken in turns: the machines are shared, so medians, not bests, under
+the same load. ``OptimLP``'s per-call cost is also given over the plain
 ``torch.optim.SGD`` step it wraps, timed in the same run (its own row).
 
 Goals. CPU (the NumPy path of ``jaxlp/torch/_cpu.py``): <= 2x QPyTorch's time at 100
@@ -73,6 +74,26 @@ def _times(fn, reps, sync, inner):
 def _time(fn, reps, sync, inner):
   """The median of :func:`_times`."""
   return statistics.median(_times(fn, reps, sync, inner))
+
+
+def _interleaved(fns, reps, sync, inner):
+  """Median per-call times of ``fns`` (None entries give None), timed in turns: repetition
+  k of every function before repetition k + 1 of any, so that a shared machine's load falls
+  on all of them alike."""
+  live = [f for f in fns if f is not None]
+  for f in live:
+    for _ in range(3):
+      f()  # warm-up: builds / first calls
+  sync()
+  times = {id(f): [] for f in live}
+  for _ in range(reps):
+    for f in live:
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        f()
+      sync()
+      times[id(f)].append((time.perf_counter() - t0) / inner)
+  return [None if f is None else statistics.median(times[id(f)]) for f in fns]
 
 
 def _launchers():
@@ -348,7 +369,7 @@ def main():
         tsgd = _time(_sgd_step(x), reps, sync, inner)
         print(f"| torch.optim.SGD step alone (OptimLP's baseline) | - | {n} | "
               f"{tsgd * scale:.1f} {unit} |{' - |' if cuda or with_jax else ''} - | - | - |")
-      tj = _time(jf, reps, sync, inner)
+      tj, tq = _interleaved([jf, qf], reps, sync, inner)
       extra = ""
       if cuda:
         tjit = _time_with(launchers, jf, reps, sync, inner)
@@ -356,7 +377,6 @@ def main():
       if with_jax:
         with _jax_route():
           extra = f" {_time(jf, reps, sync, inner) * scale:.1f} {unit} |"
-      tq = _time(qf, reps, sync, inner) if qf is not None else None
       goal = _goal(n, dev.type, args.small)
       if name == "OptimLP step" and n == small_n:
         goal = f"{goal}; <= 50 us over SGD: {(tj - tsgd) * 1e6:+.1f} us"

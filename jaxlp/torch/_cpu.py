@@ -106,13 +106,22 @@ def key_words(w0: int, w1: int) -> tuple[int, int]:
   """
   k2 = w0 ^ w1 ^ 0x1BD11BDA
   a, b, c = w0 * _BOTH, w1 * _BOTH, k2 * _BOTH
-  x0, x1 = a, (b + _L1) & _M2  # counters (0, 0) and (0, 1), plus the first key injection
-  for i, (ka, kb) in enumerate(((b, c), (c, a), (a, b), (b, c), (c, a))):
-    for r in _ROT[i % 2]:
-      x0 = (x0 + x1) & _M2
-      x1 = (((x1 << r) | (x1 >> (32 - r))) & _M2) ^ x0
-    x0 = (x0 + ka) & _M2
-    x1 = (x1 + kb + (i + 1) * _BOTH) & _M2
+  m = _M2
+  x0, x1 = a, (b + _L1) & m  # counters (0, 0) and (0, 1), plus the first key injection
+  # five times four rounds (rotations r0..r3), each followed by a key injection (ka, kb + i)
+  for ka, kb, (r0, r1, r2, r3) in ((b, c + _BOTH, _ROT[0]), (c, a + 2 * _BOTH, _ROT[1]),
+                                   (a, b + 3 * _BOTH, _ROT[0]), (b, c + 4 * _BOTH, _ROT[1]),
+                                   (c, a + 5 * _BOTH, _ROT[0])):
+    x0 = (x0 + x1) & m
+    x1 = (((x1 << r0) | (x1 >> (32 - r0))) & m) ^ x0
+    x0 = (x0 + x1) & m
+    x1 = (((x1 << r1) | (x1 >> (32 - r1))) & m) ^ x0
+    x0 = (x0 + x1) & m
+    x1 = (((x1 << r2) | (x1 >> (32 - r2))) & m) ^ x0
+    x0 = (x0 + x1) & m
+    x1 = (((x1 << r3) | (x1 >> (32 - r3))) & m) ^ x0
+    x0 = (x0 + ka) & m
+    x1 = (x1 + kb) & m
   w = x0 ^ x1
   return w & _M32, w >> 64
 

@@ -78,12 +78,16 @@ def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=N
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``exp`` / ``man`` is
-      not an int in range.
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``exp`` / ``man`` is not an int in range.
 
   Example:
     >>> import torch
@@ -117,12 +121,18 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, ``wl`` is not an int in
-      2..23, or ``dim`` is below -1 or not below ``x.dim()``.
+    BlockDimError: ``dim`` is below -1 or not below ``x.dim()`` (a ``ValueError``; also an
+      ``IndexError``, as torch's "Dimension out of range").
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``wl`` is not an int in 2..23.
 
   Example:
     >>> import torch
@@ -161,13 +171,17 @@ def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stoch
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``wl`` / ``fl`` is
-      out of range (see :class:`QPyTorchFixedPoint`); TypeError also when ``clamp`` or
-      ``symmetric`` is not a bool.
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``wl`` / ``fl`` is out of range (see :class:`QPyTorchFixedPoint`);
+      TypeError also when ``clamp`` or ``symmetric`` is not a bool.
 
   Example:
     >>> import torch
@@ -200,7 +214,8 @@ def as_format(number, what="quantizer"):
     The jaxlp format (``number`` itself when it already is one), or None.
 
   Raises:
-    TypeError: ``number`` is none of the above.
+    QuantizeTypeError: ``number`` is none of the above (a ``TypeError`` and an
+      ``AssertionError``, as QPyTorch's check).
     ValueError: the QPyTorch number's parameters are out of range for the jaxlp format.
 
   Example:
@@ -263,12 +278,14 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
     raises a ``TypeError`` when a quantized tensor is not float32, float16 or bfloat16.
 
   Raises:
-    TypeError: a number is not None, a jaxlp format or a QPyTorch number (see
-      :func:`as_format`), or ``generator`` is not a ``torch.Generator`` (raised on the
-      first stochastic call).
-    ValueError: a rounding is unknown or unsupported by its format, a number's parameters
-      are out of range, or ``clamping_grad_zero=True`` with a forward number that is not a
-      clamping fixed-point format.
+    QuantizeTypeError: a number is not None, a jaxlp format or a QPyTorch number (see
+      :func:`as_format`; a ``TypeError`` and an ``AssertionError``).
+    TypeError: ``generator`` is not a ``torch.Generator`` (raised on the first stochastic
+      call).
+    QuantizeValueError: a rounding is unknown or unsupported by its format, or
+      ``clamping_grad_zero=True`` with a forward number that is not a clamping fixed-point
+      format (a ``ValueError`` and an ``AssertionError``).
+    ValueError: a number's parameters are out of range.
 
   Example:
     >>> import torch
@@ -356,7 +373,7 @@ class Quantizer(torch.nn.Module):
       ``backward_hooks``, ``generator``).
 
   Raises:
-    TypeError, ValueError: as :func:`quantizer`.
+    QuantizeTypeError, QuantizeValueError, TypeError, ValueError: as :func:`quantizer`.
 
   Example:
     >>> import torch

@@ -522,3 +522,17 @@ def test_cpdtorch_dist_util_in_one_process(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
   finally:
     dist.destroy_process_group()
+
+
+def test_migration_page_example_runs():
+  """docs/migration.rst's example runs as written (and gives QPyTorch's bits)."""
+  import pathlib  # noqa: PLC0415
+  import re  # noqa: PLC0415
+
+  page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "migration.rst").read_text()
+  (code,) = re.findall(r"\.\. code-block:: python\n\n(.*?)\n\n``", page, flags=re.S)
+  ns: dict = {}
+  exec(compile("\n".join(line[3:] for line in code.splitlines()), "migration.rst", "exec"), ns)  # noqa: S102
+  assert torch.equal(ns["q"], jt.float_quantize(ns["x"], 5, 2, "nearest"))
+  ns["w"].grad = torch.ones(10)
+  ns["opt"].step()
