@@ -241,7 +241,7 @@ def _shape_loop(jt, qq, n_shapes, reps, only, with_jax):
   shapes = [(1 + i % 20, 1 + i // 20, 8) for i in range(n_shapes)]
   xs = [torch.randn(s) for s in shapes]
   print(f"\n# a loop over {n_shapes} distinct shapes ({shapes[0]} ... {shapes[-1]}), "
-        f"twice; median of {reps} repetitions, seconds per pass")
+        f"twice; median of {reps} repetitions (the JAX route: one), seconds per pass")
   jax_col = " JAX route pass 1 | JAX route pass 2 |" if with_jax else ""
   print(f"| entry point | rounding | jaxlp.torch pass 1 | jaxlp.torch pass 2 |{jax_col} "
         "QPyTorch pass 1 | QPyTorch pass 2 |")
@@ -251,7 +251,7 @@ def _shape_loop(jt, qq, n_shapes, reps, only, with_jax):
     if only is not None and name not in only:
       continue
 
-    def passes(side, k=k):
+    def passes(side, k=k, reps=reps):
       first, second = [], []
       for _ in range(reps):
         fns = [_shape_cases(jt, qq, x)[k][side] for x in xs]
@@ -267,9 +267,9 @@ def _shape_loop(jt, qq, n_shapes, reps, only, with_jax):
     tj = passes(2)
     cells = [f"{tj[0]:.4f} s", f"{tj[1]:.4f} s"]
     if with_jax:
-      if name == "float_quantize":  # the JAX route compiles each shape: one entry point
-        with _jax_route():
-          tr = passes(2)
+      if name == "float_quantize":  # the JAX route compiles each shape: one entry point,
+        with _jax_route():          # one repetition
+          tr = passes(2, reps=1)
           cells += [f"{tr[0]:.2f} s", f"{tr[1]:.2f} s"]
       else:
         cells += ["-", "-"]

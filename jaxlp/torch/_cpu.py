@@ -450,17 +450,24 @@ def _qpytorch_float(fmt: QPyTorchFloat, rounding: str):
   s_f = np.float32(2.0**min_exp)
   inf_lim = int(INF) if E == 8 else nosat
 
+  sub_u = _U(sub_lim)
+  span = nosat - sub_lim
+
   def fast(bits, rand):
     mag = bits & ABS
-    mn = int(np.minimum.reduce(mag))
-    mx = int(np.maximum.reduce(mag)) if E < 8 or mn < sub_lim else 0
     add = add_of(rand)
-    if mn >= sub_lim and mx < nosat:
+    if E < 8:
+      # every magnitude in [sub_lim, nosat) <=> mag - sub_lim (wrapping) below the span
+      inside = int(np.maximum.reduce(mag - sub_u)) < span
+    else:
+      inside = int(np.minimum.reduce(mag)) >= sub_lim
+    if inside:
       if not drop:
         return bits.copy()
       out = bits + add
       out &= keep
       return out
+    mx = int(np.maximum.reduce(mag))
     if mx > inf_lim or (E == 8 and not _ieee_subnormals()):
       return full(bits, rand)  # a NaN (or, exp < 8, an inf or a possible saturation)
     x = bits.view(np.float32)
@@ -628,10 +635,18 @@ def _scaled_fast(fl, rounding, full, bounds, qpytorch=False, with_mask=False):
     return full
   hi_b, lo_b = bounds if bounds else (_U(0x7F7FFFFF), _U(0xFF7FFFFF))
   hi_f, lo_f = float(hi_b.view(np.float32)), float(lo_b.view(np.float32))
+  # |x| <= inside: no clamp, no overflow, no NaN. The bounds are multiples of 2**-fl (float32
+  # values at least 2**-fl apart there), so x <= hi rounds to at most hi (every rounding here
+  # is monotone and moves x by less than 2**-fl), and hi <= |lo|.
+  inside = min(int(hi_b & ABS), int(lo_b & ABS)) if bounds else (
+      (min(254, 254 - fl) << 23) | 0x7FFFFF)
 
   def fast(bits, rand):
     if not _ieee_subnormals():
       return full(bits, rand)
+    if int(np.maximum.reduce(bits & ABS)) <= inside:
+      q = core(bits, rand)
+      return (q, None) if with_mask else q
     # an overflow of y (inf, or NaN for stochastic rounding's fraction) gives an infinite
     # result, and a NaN input a NaN: both are found in the result's range below
     with np.errstate(all="ignore"):
