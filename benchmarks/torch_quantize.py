@@ -22,8 +22,8 @@ first. CUDA (the Triton kernels): >= 1.5x QPyTorch's throughput at 16M, <= 50 us
 JAX route every CPU call took before; slow in the shape loop: it compiles).
 
 Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N]
-       [--sizes A,B,..] [--shapes S] [--reps R] [--only NAMES] [--profile]
-       [--with-jax-route]
+       [--sizes A,B,..] [--shapes S] [--reps R] [--stat median|min] [--only NAMES]
+       [--profile] [--with-jax-route]
 
 ``--profile`` also runs each timed jaxlp entry point 2000 times at 4K elements under
 ``cProfile`` and prints its ten most expensive functions (own time per call): where a
@@ -71,9 +71,14 @@ def _times(fn, reps, sync, inner):
   return out
 
 
+#: How repetitions are summarised (``--stat``): the median (default) or the fastest.
+STAT = {"median": statistics.median, "min": min}
+_stat = statistics.median
+
+
 def _time(fn, reps, sync, inner):
-  """The median of :func:`_times`."""
-  return statistics.median(_times(fn, reps, sync, inner))
+  """The median (``--stat``) of :func:`_times`."""
+  return _stat(_times(fn, reps, sync, inner))
 
 
 def _interleaved(fns, reps, sync, inner):
@@ -93,7 +98,7 @@ def _interleaved(fns, reps, sync, inner):
         f()
       sync()
       times[id(f)].append((time.perf_counter() - t0) / inner)
-  return [None if f is None else statistics.median(times[id(f)]) for f in fns]
+  return [None if f is None else _stat(times[id(f)]) for f in fns]
 
 
 def _launchers():
@@ -241,7 +246,7 @@ def _shape_loop(jt, qq, n_shapes, reps, only, with_jax):
   shapes = [(1 + i % 20, 1 + i // 20, 8) for i in range(n_shapes)]
   xs = [torch.randn(s) for s in shapes]
   print(f"\n# a loop over {n_shapes} distinct shapes ({shapes[0]} ... {shapes[-1]}), "
-        f"twice; median of {reps} repetitions (the JAX route: one), seconds per pass")
+        f"twice; {_stat.__name__} of {reps} repetitions (the JAX route: one), seconds per pass")
   jax_col = " JAX route pass 1 | JAX route pass 2 |" if with_jax else ""
   print(f"| entry point | rounding | jaxlp.torch pass 1 | jaxlp.torch pass 2 |{jax_col} "
         "QPyTorch pass 1 | QPyTorch pass 2 |")
@@ -262,7 +267,7 @@ def _shape_loop(jt, qq, n_shapes, reps, only, with_jax):
           for f in fns:
             f()
           out.append(time.perf_counter() - t0)
-      return statistics.median(first), statistics.median(second)
+      return _stat(first), _stat(second)
 
     tj = passes(2)
     cells = [f"{tj[0]:.4f} s", f"{tj[1]:.4f} s"]
@@ -303,7 +308,11 @@ def main():
                   help="profile each timed jaxlp entry point at 4K elements (cProfile)")
   ap.add_argument("--with-jax-route", action="store_true",
                   help="also time the JAX route (the NumPy path off) of CPU calls")
+  ap.add_argument("--stat", choices=tuple(STAT), default="median",
+                  help="summary of the repetitions (default: median)")
   args = ap.parse_args()
+  global _stat
+  _stat = STAT[args.stat]
   if args.sizes:
     sizes = [int(v) for v in args.sizes.split(",")]
   else:
@@ -328,7 +337,7 @@ def main():
         f"torch {torch.__version__} jax {jax.__version__} threads {torch.get_num_threads()} "
         f"device={args.device} {time.strftime('%Y-%m-%d')}")
   print(f"# formats: float E{EXP}M{MAN} (QPyTorch FloatingPoint), block wl={WL_BLOCK} "
-        f"(one block), fixed wl={WL_FIXED} fl={FL_FIXED}; every time the median of {reps} "
+        f"(one block), fixed wl={WL_FIXED} fl={FL_FIXED}; every time the {args.stat} of {reps} "
         "repetitions (per-call rows: each the mean of 50 calls; large rows: of 1 call, CUDA "
         "10); speed-up = QPyTorch's time / jaxlp's")
   cuda = args.device == "cuda"
