@@ -278,6 +278,12 @@ class QPyTorchBlock:
   reproduced exactly with integer ops. A block whose max is a float32 subnormal has base 0
   in QPyTorch (degenerate); jaxlp reproduces that case too.
 
+  The rule is the same for every block exponent E (the rebase constant is never formed in
+  float32): scaling a block by a power of two scales its result. QPyTorch differs where the
+  largest magnitude is >= 2**126: its ``6 * 2**E`` overflows float32 and every element comes
+  out near -1.7e38 (E = 126) or -3.4e38 (E = 127). ``wl = 23`` drops no fraction bit of the
+  rebased value (QPyTorch's wl = 23 shifts by -1, undefined behaviour).
+
   Raises:
     ValueError: ``wl`` not an int in 2..23 or ``dim`` not -1 or a non-negative int (and,
       from :func:`jaxlp.formats.quantize`, a ``dim`` out of range for the array).
@@ -330,7 +336,9 @@ class QPyTorchBlock:
     # applied to x's own pattern, and a carry into the exponent field clips (QPyTorch's clip
     # with a zero max exponent).
     rb = bits
-    if rounding == "nearest":
+    if wl == 23:  # no fraction bit dropped: nothing to round
+      pass
+    elif rounding == "nearest":
       rb = rb + B.u32(1 << (22 - wl))
     else:
       rb = rb + ((rand >> B.u32(32 - (23 - wl))) & B.u32((1 << (23 - wl)) - 1))
