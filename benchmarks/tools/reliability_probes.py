@@ -26,9 +26,11 @@ The exit status is 1 when a probe is not ok, 0 otherwise (2 for bad options).
 The gradient oracles use small integer operands (every product and sum is exact in float32),
 so ``jaxlp.matmul``'s documented default derivative (``grad="fp32"``: ``dA = g B^T``,
 ``dB = A^T g``, forward mode ``dA B + A dB``) must equal numpy's bit for bit. The compressor
-probes run each of the 11 compressors (named ``vmap`` of 4 workers, one (16, 12) leaf,
-``min_size=1``): a clean step, the step with the bad value in worker 1, then a clean step
-from the state the bad step left; the oracle is the engine's non-finite policy (issue 49,
+probes run each of the 11 compressors with its default settings (named ``vmap`` of 4
+workers, one (64, 64) leaf, ``min_size=1``): from the state of one clean step, the step with
+the bad value (a NaN or ±inf at 18 places: workers 0, 1, 3, elements 0, 1, 5, 100, 2048,
+4095 -- whether a reduction keeps a NaN depends on where it meets it), then a clean step
+from the state the bad step left. The oracle is the engine's non-finite policy (issue 49,
 deliverable 2): a NaN/inf anywhere makes the leaf's result non-finite on every worker (the
 same bits everywhere), the state stays finite and the next clean step is finite; finite
 values of ±3e38 give finite results (PowerSGD, whose unscaled products overflow there, may
@@ -192,19 +194,21 @@ def _batch():
 
 # -- compressors: the non-finite policy ------------------------------------------------------
 W = 4
-LEAF = (16, 12)
-BAD_AT = (1, 3, 5)  # worker, row, column
-COMPRESSORS = {  # the 11 compressors of jaxlp.parallel.compressors
-    "cast_bf16": lambda C: C.cast("bf16"), "powersgd": lambda C: C.powersgd(2),
-    "cgx": lambda C: C.cgx(4, 64), "qsgd": lambda C: C.qsgd(15, 64),
-    "onebit": lambda C: C.onebit(), "tbq": lambda C: C.tbq(0.5),
-    "terngrad": lambda C: C.terngrad(), "topk": lambda C: C.topk(0.1),
-    "randomk": lambda C: C.randomk(0.25), "dgc": lambda C: C.dgc(0.1, sample_rate=0.5),
-    "graddrop": lambda C: C.graddrop(0.8, sample_rate=0.5),
+LEAF = (64, 64)
+#: (worker, flat element) of the bad value: where a reduction meets it first, last, midway
+#: (a NaN's fate in a max/min reduction depends on its position)
+BAD_AT = [(w, i) for w in (0, 1, 3) for i in (0, 1, 5, 100, 2048, 4095)]
+COMPRESSORS = {  # the 11 compressors of jaxlp.parallel.compressors, default settings
+    "cast_bf16": lambda C: C.cast("bf16"), "powersgd": lambda C: C.powersgd(),
+    "cgx": lambda C: C.cgx(), "qsgd": lambda C: C.qsgd(), "onebit": lambda C: C.onebit(),
+    "tbq": lambda C: C.tbq(), "terngrad": lambda C: C.terngrad(), "topk": lambda C: C.topk(),
+    "randomk": lambda C: C.randomk(), "dgc": lambda C: C.dgc(), "graddrop": lambda C: C.graddrop(),
 }
 CASES = {
-    "nan": "a NaN in worker 1", "+inf": "+inf in worker 1", "-inf": "-inf in worker 1",
-    "big_one": "worker 1's leaf all ±3e38 (random signs)",
+    "nan": f"a NaN in one worker (each of {len(BAD_AT)} places)",
+    "+inf": f"+inf in one worker (each of {len(BAD_AT)} places)",
+    "-inf": f"-inf in one worker (each of {len(BAD_AT)} places)",
+    "big_one": "one worker's leaf all ±3e38 (random signs; workers 0, 1, 3 in turn)",
     "big_all": "every worker's leaf ±3e38 (random signs)",
 }
 #: compressors whose documented policy gives a NaN step (not a finite one) for ±3e38
@@ -212,25 +216,36 @@ CASES = {
 MAY_OVERFLOW = {"powersgd"}
 
 
-def _gradients(case, seed):
+def _inputs(case, rng):
+  """[(label, gradients)] of a case: one per place of the bad value."""
   import numpy as np
 
-  rng = np.random.default_rng(seed)
-  g = rng.standard_normal((W,) + LEAF).astype(np.float32)
-  signs = np.where(rng.random((W,) + LEAF) < 0.5, 3e38, -3e38).astype(np.float32)
+  def normal():
+    return rng.standard_normal((W,) + LEAF).astype(np.float32)
+
+  def signs():
+    return np.where(rng.random(LEAF) < 0.5, 3e38, -3e38).astype(np.float32)
+
+  out = []
   if case in ("nan", "+inf", "-inf"):
-    g[BAD_AT] = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}[case]
+    for w, i in BAD_AT:
+      g = normal()
+      g[w].reshape(-1)[i] = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}[case]
+      out.append((f"worker {w} element {i}", g))
   elif case == "big_one":
-    g[1] = signs[1]
-  elif case == "big_all":
-    g = signs
-  return g
+    for w in (0, 1, 3):
+      g = normal()
+      g[w] = signs()
+      out.append((f"worker {w}", g))
+  else:
+    out.append(("all workers", np.stack([signs() for _ in range(W)])))
+  return out
 
 
 @functools.cache
 def _compressor_runs(name):
-  """{case: (result, new state, next clean result)} as numpy, or an exception (one jitted
-  program per compressor, every case through it)."""
+  """{case: [(label, result, new state's float arrays, next clean result)]} as numpy (one
+  jitted program per compressor; every input starts from the state of one clean step)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -253,22 +268,22 @@ def _compressor_runs(name):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.floating)]
 
+  rng = np.random.default_rng(0)
+  _, st1 = step(rng.standard_normal((W,) + LEAF).astype(np.float32), st0)  # non-zero residuals
   res = {}
-  for i, case in enumerate(CASES):
-    _, st1 = step(_gradients("clean", 10 * i), st0)  # a clean step: non-zero residuals
-    out, st2 = step(_gradients(case, 10 * i + 1), st1)
-    nxt, _ = step(_gradients("clean", 10 * i + 2), st2)
-    res[case] = (np.asarray(out), floats(st2), np.asarray(nxt))
+  for case in CASES:
+    res[case] = []
+    for label, g in _inputs(case, rng):
+      out, st2 = step(g, st1)
+      nxt, _ = step(rng.standard_normal((W,) + LEAF).astype(np.float32), st2)
+      res[case].append((label, np.asarray(out), floats(st2), np.asarray(nxt)))
   return res
 
 
-def _compressor_probe(name, case):
+def _judge(name, case, out, state, nxt):
+  """(what happened, verdict) of one input."""
   import numpy as np
 
-  try:
-    out, state, nxt = _compressor_runs(name)[case]
-  except Exception as e:  # noqa: BLE001
-    return _line(e), CRASH
   bits = out.view(np.uint32)
   same = all(np.array_equal(bits[0], bits[w]) for w in range(W))
   bad_workers = [w for w in range(W) if not np.isfinite(out[w]).all()]
@@ -286,6 +301,19 @@ def _compressor_probe(name, case):
       return got + " (the documented overflow: a NaN step)", OK
     return got, WRONG
   return got, OK if len(bad_workers) == W and state_ok and next_ok else WRONG
+
+
+def _compressor_probe(name, case):
+  try:
+    runs = _compressor_runs(name)[case]
+  except Exception as e:  # noqa: BLE001
+    return _line(e), CRASH
+  judged = [(label, *_judge(name, case, *rest)) for label, *rest in runs]
+  bad = [(label, got) for label, got, verdict in judged if verdict != OK]
+  if not bad:
+    return f"{len(judged)} input(s): {judged[0][1]}", OK
+  return (f"{len(bad)} of {len(judged)} input(s) wrong; first, {bad[0][0]}: {bad[0][1]}",
+          WRONG)
 
 
 for _name in COMPRESSORS:
@@ -320,7 +348,7 @@ def _state_probe(kind):
 
 for _kind, _what in (("empty", "state ()"),
                      ("other_compressor", "a cgx state given to topk"),
-                     ("other_shapes", "a state built for an (8, 8) leaf, tree (16, 12)")):
+                     ("other_shapes", f"a state built for an (8, 8) leaf, tree {LEAF}")):
   probe(f"compress.state.{_kind}",
         f"compressed_allreduce with {_what}: TypeError/ValueError naming the state")(
       functools.partial(_state_probe, _kind))
