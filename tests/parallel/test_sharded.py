@@ -273,9 +273,7 @@ def test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8(cpu_devices):
   check_cases(run_vmap(rs_fn(A2A_CASES, w), data), A2A_CASES, data, w)
   w = 8
   cases = {k: A2A_CASES[k] for k in ("e4m3", "mxfp4", "int8-blocks")}
-  data = make_data(w, seed=7)
-  ref = run_vmap(rs_fn(cases, w), data)
-  check_cases(ref, cases, data, w)
+  data = make_data(w, seed=7)  # (vmap == oracle above; here shard_map == oracle)
   check_cases(run_shard_map(rs_fn(cases, w), data, w), cases, data, w)
 
 
