@@ -58,7 +58,7 @@ from jax import lax
 
 from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
-from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._block import BlockFormat, MXFormat, is_axis_blocked
 
 INT32_MAX = 2**31 - 1
 #: Q of a block holding a non-finite value (any Qa + Qb >= NAN_Q // 2 gives NaN partials).
@@ -90,7 +90,7 @@ def block_length(fmt, shape, axis: int, eff_axis: int | None) -> int:
   Raises NotImplementedError for tile-blocked formats on operands that are not 2-D.
   """
   n = shape[axis]
-  if isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None):
+  if is_axis_blocked(fmt):
     a = (fmt.axis if eff_axis is None else eff_axis) % len(shape)
     if a != axis:
       return 1

@@ -25,11 +25,6 @@ from jaxlp.formats import _bits as B
 
 U32 = jnp.uint32
 I32 = jnp.int32
-#: The number of quotient bits :func:`div_mag` computes (>= 26: 24 kept, a guard bit, and
-#: a 27th bit when the significand quotient is >= 1).
-_QUOTIENT_BITS = 27
-
-
 def normalize(mag):
   """``(sig, e)`` with ``mag``'s value ``= sig * 2**(e - 23)``, ``sig`` in ``[2**23, 2**24)``.
 
@@ -44,7 +39,7 @@ def normalize(mag):
   return sig, e
 
 
-def pack_rne(m, e, sticky):
+def pack_rne(m, e, sticky, top=None):
   """Bits of the float32 nearest (ties to even) to ``(m + t) * 2**e``, ``t`` in ``[0, 1)``.
 
   Args:
@@ -52,6 +47,8 @@ def pack_rne(m, e, sticky):
       wherever ``sticky`` can be set (every caller here gives 24..30).
     e: int32 exponent of ``m``'s least significant bit.
     sticky: bool, True where ``t > 0`` (bits below ``m`` that were dropped).
+    top: the index of ``m``'s top set bit (int32) where the caller knows it cheaply; None
+      computes it.
 
   Returns:
     uint32 float32 bits: normal, subnormal (gradual underflow) or +inf on overflow; zero
@@ -59,7 +56,7 @@ def pack_rne(m, e, sticky):
   """
   m = jnp.asarray(m, U32)
   e = jnp.asarray(e, I32)
-  t = B.top_bit(m)
+  t = B.top_bit(m) if top is None else top
   big_e = t + e  # exponent of the leading bit
   qe = jnp.maximum(big_e, -126) - 23  # exponent of the result's last place
   d = jnp.maximum(qe - e, 0)  # bits of m below the last place (>= 0 for every caller here)
@@ -78,14 +75,13 @@ def pack_rne(m, e, sticky):
   return jnp.where(m == 0, B.u32(0), bits)
 
 
-def mul_mag(a, b):
-  """Bits of ``fl32(a * b)`` for finite non-negative float32 magnitude bits ``a``, ``b``.
+def mul_sig(sa, ea, sb, eb):
+  """Bits of ``fl32(a * b)`` from :func:`normalize`'d operands ``(sa, ea)``, ``(sb, eb)``.
 
   The 48-bit product of the two 24-bit significands is formed from 12-bit limbs (every
-  partial product below 2**24), then rounded once by :func:`pack_rne`.
+  partial product below 2**24), then rounded once by :func:`pack_rne`. A zero operand
+  (``sig = 0``) gives 0.
   """
-  sa, ea = normalize(a)
-  sb, eb = normalize(b)
   m12 = B.u32(0xFFF)
   a1, a0 = sa >> B.u32(12), sa & m12
   b1, b0 = sb >> B.u32(12), sb & m12
@@ -93,31 +89,94 @@ def mul_mag(a, b):
   low = a0 * b0 + ((mid & m12) << B.u32(12))  # < 2**25
   hi = a1 * b1 + (mid >> B.u32(12)) + (low >> B.u32(24))  # product >> 24, < 2**24
   low = low & B.u32(0xFFFFFF)  # product mod 2**24
-  m = (hi << B.u32(6)) | (low >> B.u32(18))  # product >> 18: 28 or 29 significant bits
+  m = (hi << B.u32(6)) | (low >> B.u32(18))  # product >> 18: top bit 28 or 29
   sticky = (low & B.u32(0x3FFFF)) != 0
-  out = pack_rne(m, ea + eb - 28, sticky)
-  return jnp.where((a == 0) | (b == 0), B.u32(0), out)
+  top = 28 + (m >> B.u32(29)).astype(I32)
+  out = pack_rne(m, ea + eb - 28, sticky, top)
+  return jnp.where((sa == 0) | (sb == 0), B.u32(0), out)
+
+
+def mul_mag(a, b):
+  """Bits of ``fl32(a * b)`` for finite non-negative float32 magnitude bits ``a``, ``b``."""
+  return mul_sig(*normalize(a), *normalize(b))
+
+
+def mul_narrow(q, k: int, sb, eb):
+  """Bits of ``fl32(q * b)`` where the float32 magnitude bits ``q`` are normal with at most
+  ``k + 1`` significant bits (``k <= 6``, static; e.g. an E2M1 value) or zero, and ``b`` is
+  :func:`normalize`'d: one small integer product, no limbs."""
+  c = ((q & B.u32(B.FRAC_MASK)) >> B.u32(23 - k)) | B.u32(1 << k)  # q = c * 2**(eq - k)
+  eq = (q >> B.u32(23)).astype(I32) - 127
+  m = c * sb  # < 2**(k + 25) <= 2**31
+  top = (23 + k) + (m >> B.u32(24 + k)).astype(I32)
+  out = pack_rne(m, eq - k + eb - 23, False, top)
+  return jnp.where((q == 0) | (sb == 0), B.u32(0), out)
+
+
+def narrow_bits(v: float) -> int | None:
+  """``k`` such that the float32 constant ``v > 0`` has at most ``k + 1`` significant bits,
+  if ``k <= 4`` (a divisor :func:`div_narrow` takes), else None."""
+  bits = B.f32_bits(v)
+  if not 0 < (bits >> 23) < 255:  # zero, subnormal or not finite
+    return None
+  sig = bits & B.FRAC_MASK
+  k = 24 - (sig & -sig).bit_length() if sig else 0
+  return k if k <= 4 else None
+
+
+def div_narrow(a, b, k: int):
+  """Bits of ``fl32(a / b)`` for finite non-negative magnitude bits ``a`` and a non-zero
+  divisor ``b`` whose significand has at most ``k + 1`` significant bits (``k <= 4``,
+  static): an integer division of ``a``'s significand (shifted to give 26-27 quotient bits)
+  by ``b``'s ``k + 1``-bit one. ``b`` may be a Python float (a constant divisor, which the
+  compiler turns into a multiplication) or bits (e.g. a UE4M3 or E8M0 scale)."""
+  if not 0 <= k <= 4:
+    raise ValueError(f"div_narrow: k must be in 0..4, got {k}")
+  sa, ea = normalize(a)
+  if isinstance(b, float):
+    bits = B.f32_bits(b)
+    d, eb = ((bits & B.FRAC_MASK) | (1 << 23)) >> (23 - k), (bits >> 23) - 127
+  else:
+    sb, eb = normalize(b)
+    d = sb >> B.u32(23 - k)  # b = d * 2**(eb - k), 2**k <= d < 2**(k + 1)
+  n = sa << B.u32(k + 3)  # < 2**31
+  q = n // d  # in [2**25, 2**27)
+  rem = n - q * d
+  top = 25 + (q >> B.u32(26)).astype(I32)
+  out = pack_rne(q, ea - eb - 26, rem != 0, top)
+  return jnp.where(a == 0, B.u32(0), out)
+
+
+def _div_stage(n, x, sb, rcp):
+  """``(q, r)`` with ``q = floor(x * 2**13 / sb)`` and ``r = x * 2**13 - q * sb`` exactly, for
+  uint32 ``0 <= x < 2**24``, ``n = (x << 13) mod 2**32`` and ``rcp`` ~ ``1 / sb`` (float32):
+  a float estimate, then one exact integer correction either way (the estimate is within
+  2**-7 of the quotient, so its floor is off by at most one)."""
+  est = jnp.floor(x.astype(jnp.float32) * jnp.float32(8192.0) * rcp).astype(I32)
+  q = jnp.maximum(est, 0).astype(U32)
+  # the remainder is in (-sb, 2 sb), inside int32: computed modulo 2**32, read as signed
+  r = lax.bitcast_convert_type(n - q * sb, I32)
+  sbi = lax.bitcast_convert_type(sb, I32)
+  low, high = r < 0, r >= sbi
+  q = jnp.where(low, q - B.u32(1), jnp.where(high, q + B.u32(1), q))
+  r = jnp.where(low, r + sbi, jnp.where(high, r - sbi, r))
+  return q, lax.bitcast_convert_type(r, U32)
 
 
 def div_mag(a, b):
   """Bits of ``fl32(a / b)`` for finite non-negative float32 magnitude bits, ``b != 0``.
 
-  Restoring long division of the 24-bit significands to 27 quotient bits plus a sticky bit
-  from the remainder, rounded once by :func:`pack_rne`.
+  The 27-bit significand quotient ``floor(sa * 2**26 / sb)`` is found in two 13-bit stages,
+  each a float32 estimate corrected exactly with integer remainders (so the float division's
+  own accuracy -- Triton's is approximate -- does not matter), then rounded once with the
+  remainder as sticky bit by :func:`pack_rne`.
   """
   sa, ea = normalize(a)
   sb, eb = normalize(b)
-  shape = jnp.broadcast_shapes(jnp.shape(sa), jnp.shape(sb))
-
-  def step(_, rq):
-    r, q = rq
-    bit = r >= sb
-    return jnp.where(bit, r - sb, r) << B.u32(1), (q << B.u32(1)) | bit.astype(U32)
-
-  # A loop, not unrolled: its results are materialized, so XLA cannot fuse (and recompute)
-  # the division into a broadcasting consumer -- a block scale used by 16 elements was
-  # recomputed 16 times and the fused program took minutes to compile (measured).
-  r, q = lax.fori_loop(0, _QUOTIENT_BITS, step,
-                       (jnp.broadcast_to(sa, shape), jnp.zeros(shape, U32)))
-  out = pack_rne(q, ea - eb - (_QUOTIENT_BITS - 1), r != 0)
+  rcp = jnp.float32(1.0) / jnp.maximum(sb, B.u32(1)).astype(jnp.float32)
+  q1, r1 = _div_stage(sa << B.u32(13), sa, sb, rcp)
+  q2, r2 = _div_stage(r1 << B.u32(13), r1, sb, rcp)
+  q = (q1 << B.u32(13)) + q2  # in [2**25, 2**27)
+  top = 25 + (q >> B.u32(26)).astype(I32)
+  out = pack_rne(q, ea - eb - 26, r2 != 0, top)
   return jnp.where(a == 0, B.u32(0), out)

@@ -20,7 +20,15 @@ import numpy as np
 from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
 from jaxlp.formats._float_format import FloatFormat
-from jaxlp.formats._fparith import div_mag, mul_mag
+from jaxlp.formats._fparith import (
+    div_mag,
+    div_narrow,
+    mul_mag,
+    mul_narrow,
+    mul_sig,
+    narrow_bits,
+    normalize,
+)
 from jaxlp.formats._presets import E2M1FN, E4M3FN
 
 #: Block-scale formats: ``"ue4m3"`` (E4M3FN values used as unsigned scales, NVFP4),
@@ -39,6 +47,13 @@ _ONE_BITS = 0x3F800000
 
 def _is_int(v):
   return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _div_const(a, c: float):
+  """``fl(a / c)`` for a float32 constant ``c``: one integer division where ``c``'s
+  significand is narrow (6, 2688 = 21 * 2**7, ...), else long division."""
+  k = narrow_bits(c)
+  return div_mag(a, B.u32(_bits_of(c))) if k is None else div_narrow(a, c, k)
 
 
 def _bits_of(v: float) -> int:
@@ -275,8 +290,7 @@ class ScaledBlockFormat:
     one = B.u32(_ONE_BITS)
     if not self.tensor_scale:
       return jnp.stack([one, one])
-    den = B.u32(_bits_of(self.elem.max_normal * UE4M3_MAX))
-    g = div_mag(jnp.minimum(amax, B.u32(_FLT_MAX_BITS)), den)
+    g = _div_const(jnp.minimum(amax, B.u32(_FLT_MAX_BITS)), self.elem.max_normal * UE4M3_MAX)
     g = jnp.maximum(g, B.u32(_bits_of(TENSOR_SCALE_MIN)))
     inv = div_mag(one, g)
     g = jnp.where(B.is_finite_mag(amax), g, B.u32(B.QNAN_BITS))
@@ -284,7 +298,7 @@ class ScaledBlockFormat:
 
   def block_scale(self, mxb, g):
     """Bits of the block scale ``sb`` (steps 2-3) from block-max bits ``mxb`` and ``g``."""
-    bs = div_mag(jnp.minimum(mxb, B.u32(_FLT_MAX_BITS)), B.u32(_bits_of(self.elem.max_normal)))
+    bs = _div_const(jnp.minimum(mxb, B.u32(_FLT_MAX_BITS)), self.elem.max_normal)
     s = div_mag(bs, g) if self.tensor_scale else bs
     if self.scale_fmt == "ue4m3":
       s = jnp.clip(s, B.u32(_bits_of(UE4M3_MIN)), B.u32(_bits_of(UE4M3_MAX)))
@@ -294,23 +308,38 @@ class ScaledBlockFormat:
     return jnp.clip(s, B.u32(_bits_of(2.0**-126)), B.u32(_FLT_MAX_BITS))
 
   def scale_chain(self, mxb, tw):
-    """``(sb, r, t, ok)`` of every block (steps 2-5): the block scale ``sb``, the encode factor
-    ``r = fl(fl(1/g) / sb)``, the decode scale ``t = fl(g * sb)`` (uint32 bits) and ``ok``
-    (False where the block or the tensor holds inf or NaN), from the block-max bits ``mxb``
-    and the :meth:`tensor_words` ``tw``."""
+    """``(sb, r, t, ok)`` of every block (steps 2-5) from its block-max bits ``mxb`` and the
+    :meth:`tensor_words` ``tw``: the block scale ``sb`` (uint32 bits), the encode factor
+    ``r = fl(fl(1/g) / sb)`` and the decode scale ``t = fl(g * sb)`` (each
+    :func:`~jaxlp.formats._fparith.normalize`'d: ``(sig, exp)``), and ``ok`` (False where the
+    block or the tensor holds inf or NaN)."""
     g = tw[0]
     g_nan = B.is_nan_mag(g)
     g = jnp.where(g_nan, B.u32(_ONE_BITS), g)
     sb = self.block_scale(mxb, g)
-    return sb, div_mag(tw[1], sb), mul_mag(g, sb), B.is_finite_mag(mxb) & ~g_nan
+    # UE4M3 scales have 4 significant bits, E8M0 scales 1: one integer division each
+    k = {"ue4m3": E4M3FN.man_bits, "e8m0": 0}.get(self.scale_fmt)
+    r = normalize(div_mag(tw[1], sb) if k is None else div_narrow(tw[1], sb, k))
+    t = normalize(mul_mag(g, sb))
+    return sb, r, t, B.is_finite_mag(mxb) & ~g_nan
 
   def round_elements(self, bits, r, rounding, rand, rand_bits):
-    """Bits of the elements ``q`` (step 4) of float32 ``bits`` given the encode factor ``r``
-    of their blocks (broadcastable)."""
+    """Bits of the elements ``q`` (step 4) of float32 ``bits`` given the normalized encode
+    factor ``r`` of their blocks (broadcastable)."""
     mag = bits & B.u32(B.ABS_MASK)
-    y = mul_mag(jnp.where(B.is_finite_mag(mag), mag, B.u32(0)), r)
+    y = mul_sig(*normalize(jnp.where(B.is_finite_mag(mag), mag, B.u32(0))), *r)
     y = y | (bits & B.u32(B.SIGN_MASK))
     return self.elem._round_bits(y, rounding, rand, rand_bits, saturate=True)
+
+  def decode_elements(self, q, t):
+    """Bits of ``fl(q * t)`` (step 5) for element bits ``q`` and normalized decode scales
+    ``t`` (broadcastable)."""
+    qm = q & B.u32(B.ABS_MASK)
+    if self.elem.man_bits <= 6:  # q has at most man_bits + 1 significant bits
+      out = mul_narrow(qm, self.elem.man_bits, *t)
+    else:
+      out = mul_sig(*normalize(qm), *t)
+    return out | (q & B.u32(B.SIGN_MASK))
 
   def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits):
     """Quantize float32 ``bits`` laid out as ``(..., B)`` blocks (steps 2-5).
@@ -319,8 +348,7 @@ class ScaledBlockFormat:
     :meth:`tensor_words` of the tensor; ``rand``: noise words (broadcastable to ``bits``).
     """
     _, r, t, ok = self.scale_chain(mxb, tw)
-    q = self.round_elements(bits, r, rounding, rand, rand_bits)
-    out = mul_mag(q & B.u32(B.ABS_MASK), t) | (q & B.u32(B.SIGN_MASK))
+    out = self.decode_elements(self.round_elements(bits, r, rounding, rand, rand_bits), t)
     return jnp.where(ok, out, B.u32(B.QNAN_BITS))
 
   def _blocked(self, x, rand):
@@ -428,8 +456,10 @@ def _decode_impl(q, s, g, fmt):
   qb = fmt.to_blocks(B.to_bits(q), q.shape)
   sb = fmt._scales_to_blocks(B.to_bits(s), q.shape)
   gb = B.to_bits(g)
-  t = mul_mag(gb & B.u32(B.ABS_MASK), sb & B.u32(B.ABS_MASK))
-  out = mul_mag(qb & B.u32(B.ABS_MASK), t) | (qb & B.u32(B.SIGN_MASK))
+  t = normalize(mul_mag(gb & B.u32(B.ABS_MASK), sb & B.u32(B.ABS_MASK)))
+  qm = qb & B.u32(B.ABS_MASK)
+  out = mul_sig(*normalize(jnp.where(B.is_finite_mag(qm), qm, B.u32(0))), *t)
+  out = out | (qb & B.u32(B.SIGN_MASK))
   bad = B.is_nan_mag(qb & B.u32(B.ABS_MASK)) | B.is_nan_mag(gb & B.u32(B.ABS_MASK))
   out = jnp.where(bad, B.u32(B.QNAN_BITS), out)
   return B.from_bits(fmt.from_blocks(out, q.shape))

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._block import MXFormat, is_axis_blocked
 from jaxlp.formats._block_dot import (
     block_length,
     check_exact,
@@ -43,7 +43,7 @@ class SlotGeometry(NamedTuple):
 
 
 def _is_axis_blocked(fmt) -> bool:
-  return isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None)
+  return is_axis_blocked(fmt)  # mx, BlockFormat(axis=...), 1-D nvfp4 (the formats' protocol)
 
 
 def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry):

@@ -153,6 +153,37 @@ def test_stochastic_block_programs_hold_at_most_4096_elements():
     _same_bits(out, F.quantize(x, F.hbfp(4, 16), r, key=KEY))
 
 
+@pytest.mark.parametrize("fmt,shape", [
+    (F.nvfp4(), (5, 70)), (F.nvfp4(tensor_scale=False), (3, 2, 33)),
+    (F.nvfp4(tile=16), (40, 35)), (F.nvfp4(tile=(4, 8)), (2, 8, 19)), (F.nvfp4(tile=4), (9,)),
+    (F.ScaledBlockFormat(F.E2M3FN, block_size=8, scale_fmt="e8m0", tensor_scale=False),
+     (6, 20)),
+    (F.ScaledBlockFormat(F.E4M3FN, block_size=4, scale_fmt="fp32", tensor_scale=False),
+     (3, 9)),
+], ids=repr)
+def test_scaled_block_formats(fmt, shape):
+  """The two-level kernel (tensor scale computed before it, block scales in it) == the spec;
+  ``_awkward`` holds inf and NaN, which make the whole two-level tensor NaN, so the finite
+  variant is checked too."""
+  x = _awkward(shape, seed=12)
+  _check(x, fmt, ("nearest", "stochastic"), block_size=2)
+  _check(jnp.where(jnp.isfinite(x), x, 0.5), fmt, ("nearest", "stochastic", "up"), block_size=2)
+
+
+def test_scaled_block_kernel_tiny_and_zero_tensors():
+  """Tensors whose scale chain underflows (amax 1e-38, all-subnormal) or is zero."""
+  for x in (jnp.zeros((4, 32)), _awkward((4, 32), seed=13) * 1e-38,
+            jnp.full((3, 16), 1e-40).at[0, 0].set(-3e-39)):
+    x = jnp.where(jnp.isfinite(x), x, 0.0)
+    _check(x, F.nvfp4(), ("nearest", "up", "stochastic"), block_size=2)
+
+
+@pytest.mark.parametrize("rule", F.SCALE_RULES)
+def test_mx_scale_rules(rule):
+  _check(_awkward((9, 40), seed=14), F.mx(F.E2M1FN, 8, scale_rule=rule),
+         ("nearest", "stochastic"), block_size=2)
+
+
 @pytest.mark.parametrize("fmt", [F.mx(F.E4M3FN, 8), F.hbfp(6, 4)], ids=repr)
 def test_block_all_roundings(fmt):
   _check(_awkward((9, 20), seed=10), fmt, ROUNDINGS, block_size=2)
@@ -166,6 +197,11 @@ def test_block_awkward_shapes(shape):
 def test_unsupported_and_errors():
   x = jnp.ones((4, 8))
   assert not supports(F.mx(F.E4M3FN, axis=0), x.shape)
+  assert not supports(F.nvfp4(axis=0), x.shape)
+  assert not supports(F.nvfp4(tile=3), (2, 4, 8))  # tiles would straddle two leading indices
+  assert supports(F.nvfp4(tile=2), (2, 4, 8)) and supports(F.nvfp4(tile=16), (4, 8))
+  with pytest.raises(ValueError, match="out of range"):
+    pq(x, F.nvfp4(axis=3), interpret=True)
   assert not supports(F.BlockFormat(4), x.shape)  # whole-tensor block
   assert not supports(F.qpytorch_block(8), x.shape)
   with pytest.raises(ValueError, match="no kernel"):
