@@ -424,7 +424,9 @@ class MXFormat:
   ``1 / max``; on the power-of-two boundaries of every OCP element format both agree).
   Each element is ``elem``'s saturating cast of ``x / X``, computed exactly as a rounding of
   x onto elem's grid scaled by ``X``. An all-zero block gives zeros; a block containing inf
-  or NaN gives NaN.
+  or NaN gives NaN. No finite input gives an infinity: where ``max * X`` exceeds float32
+  (a scale rounded up for ``amax`` near FLT_MAX), elements saturate at the largest float32
+  on the scaled grid, ``(2 - 2**-m) * 2**127`` (torchao's dequantization gives inf there).
 
   ``elem`` is one of the element types the OCP spec defines: ``E4M3FN``, ``E5M2`` (MXFP8),
   ``E3M2FN``, ``E2M3FN`` (MXFP6), ``E2M1FN`` (MXFP4), or ``"int8"`` (MXINT8: two's

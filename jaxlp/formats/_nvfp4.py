@@ -90,7 +90,9 @@ class ScaledBlockFormat:
      ``elem`` with the requested rounding, saturating at ``±E``: ``q = elem(clamp(y, -E, E))``
      (``"stochastic"`` noise as in :func:`jaxlp.formats.quantize`; the scales are always
      rounded to nearest).
-  5. Decode (the value :func:`jaxlp.formats.quantize` returns): ``fl(q * fl(g * sb))``.
+  5. Decode (the value :func:`jaxlp.formats.quantize` returns): ``fl(q * fl(g * sb))``,
+     saturating at ``FLT_MAX`` (the roundings of ``g`` and ``g * sb`` could otherwise push
+     ``6 * t`` one ulp past it for ``|x|`` within an ulp of ``FLT_MAX``).
 
   Steps 1-5 are the operations of torchao's ``NVFP4Tensor`` (``per_tensor_amax_to_scale``,
   ``nvfp4_quantize``, ``dequantize``), float32 op for float32 op, including its clamp of the
@@ -339,6 +341,7 @@ class ScaledBlockFormat:
       out = mul_narrow(qm, self.elem.man_bits, *t)
     else:
       out = mul_sig(*normalize(qm), *t)
+    out = jnp.minimum(out, B.u32(_FLT_MAX_BITS))  # no inf from finite input (step 5)
     return out | (q & B.u32(B.SIGN_MASK))
 
   def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits):
