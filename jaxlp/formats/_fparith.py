@@ -147,36 +147,25 @@ def div_narrow(a, b, k: int):
   return jnp.where(a == 0, B.u32(0), out)
 
 
-def _div_stage(n, x, sb, rcp):
-  """``(q, r)`` with ``q = floor(x * 2**13 / sb)`` and ``r = x * 2**13 - q * sb`` exactly, for
-  uint32 ``0 <= x < 2**24``, ``n = (x << 13) mod 2**32`` and ``rcp`` ~ ``1 / sb`` (float32):
-  a float estimate, then one exact integer correction either way (the estimate is within
-  2**-7 of the quotient, so its floor is off by at most one)."""
-  est = jnp.floor(x.astype(jnp.float32) * jnp.float32(8192.0) * rcp).astype(I32)
-  q = jnp.maximum(est, 0).astype(U32)
-  # the remainder is in (-sb, 2 sb), inside int32: computed modulo 2**32, read as signed
-  r = lax.bitcast_convert_type(n - q * sb, I32)
-  sbi = lax.bitcast_convert_type(sb, I32)
-  low, high = r < 0, r >= sbi
-  q = jnp.where(low, q - B.u32(1), jnp.where(high, q + B.u32(1), q))
-  r = jnp.where(low, r + sbi, jnp.where(high, r - sbi, r))
-  return q, lax.bitcast_convert_type(r, U32)
-
-
 def div_mag(a, b):
   """Bits of ``fl32(a / b)`` for finite non-negative float32 magnitude bits, ``b != 0``.
 
-  The 27-bit significand quotient ``floor(sa * 2**26 / sb)`` is found in two 13-bit stages,
-  each a float32 estimate corrected exactly with integer remainders (so the float division's
-  own accuracy -- Triton's is approximate -- does not matter), then rounded once with the
-  remainder as sticky bit by :func:`pack_rne`.
+  Long division of the 24-bit significands in base 2**8 with integer divisions (each
+  numerator ``r * 2**8 < 2**32`` over the 24-bit divisor gives 8 exact quotient bits), to
+  ``floor(sa * 2**26 / sb)`` -- 26 or 27 bits -- with the remainder as sticky bit, rounded
+  once by :func:`pack_rne`. No float division (Triton's is approximate, and the backend's
+  op allow-list has none).
   """
   sa, ea = normalize(a)
   sb, eb = normalize(b)
-  rcp = jnp.float32(1.0) / jnp.maximum(sb, B.u32(1)).astype(jnp.float32)
-  q1, r1 = _div_stage(sa << B.u32(13), sa, sb, rcp)
-  q2, r2 = _div_stage(r1 << B.u32(13), r1, sb, rcp)
-  q = (q1 << B.u32(13)) + q2  # in [2**25, 2**27)
+  sb = jnp.maximum(sb, B.u32(1))  # b == 0 is the caller's to exclude; no division by 0
+  q = jnp.zeros(jnp.broadcast_shapes(jnp.shape(sa), jnp.shape(sb)), U32)
+  r = sa
+  for bits in (8, 8, 8, 2):  # quotient digits of 8, 8, 8 and 2 bits: sa * 2**26 / sb
+    n = r << B.u32(bits)
+    d = n // sb
+    r = n - d * sb
+    q = (q << B.u32(bits)) | d
   top = 25 + (q >> B.u32(26)).astype(I32)
-  out = pack_rne(q, ea - eb - 26, r2 != 0, top)
+  out = pack_rne(q, ea - eb - 26, r != 0, top)
   return jnp.where(a == 0, B.u32(0), out)

@@ -57,6 +57,11 @@ MAX_PROGRAM_ELEMENTS = 16384
 #: CPU) 15.0 s at 16,384 elements per program, 0.9 s at 4,096 (the elementwise kernel's
 #: :data:`DEFAULT_BLOCK_SIZE`). GPU throughput of the two: not measured.
 MAX_PROGRAM_ELEMENTS_STOCHASTIC = 4096
+#: The same for two-level block formats (``nvfp4()``), whose per-element integer multiplies
+#: Triton also unrolls for each element a thread holds: sm_90 compile of ``nvfp4(tile=16)``
+#: (Triton 3.9, 2-core CPU, loaded) 45 s at 16,384 elements per program. GPU throughput:
+#: not measured.
+MAX_PROGRAM_ELEMENTS_SCALED = 2048
 #: Largest block (elements sharing one exponent) the block kernel handles.
 MAX_BLOCK_ELEMENTS = 4096
 #: Arrays smaller than this are left to the XLA-fused spec by :func:`can_use_pallas_quantize`.
@@ -316,6 +321,8 @@ def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
   blocks = x2.reshape(R // tr, tr, C // tc, tc).transpose(0, 2, 1, 3).reshape(nb, tr * tc)
   width = next_pow2(tr * tc)
   cap = MAX_PROGRAM_ELEMENTS_STOCHASTIC if rounding == "stochastic" else MAX_PROGRAM_ELEMENTS
+  if isinstance(fmt, ScaledBlockFormat):
+    cap = MAX_PROGRAM_ELEMENTS_SCALED
   br = block_rows or program_rows(fmt, x.shape, cap)
   nbp = round_up(nb, br)
   blocks = jnp.pad(blocks, ((0, nbp - nb), (0, width - tr * tc)))

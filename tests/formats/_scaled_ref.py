@@ -63,7 +63,8 @@ def scaled_block_reference(x, *, elem="E2M1FN", elem_max=6.0, block_size=16, axi
 
   1. g = max(fl(amax / (E * 448)), 2**-121) (or 1); 2. s = fl(fl(amax_b / E) / g);
   3. sb = E4M3FN(clamp(s, 2**-6, 448)) | 2**ceil(log2 s) | clamp(s, 2**-126, FLT_MAX);
-  4. q = elem(clamp(fl(x * fl(fl(1 / g) / sb)), -E, E)); 5. fl(q * fl(g * sb)).
+  4. q = elem(clamp(fl(x * fl(fl(1 / g) / sb)), -E, E)); 5. fl(q * fl(g * sb)), saturating
+  at FLT_MAX.
   A tensor (two-level) or block (one-level) holding inf or NaN gives NaN.
   """
   x = np.asarray(x, F32)
@@ -91,6 +92,8 @@ def scaled_block_reference(x, *, elem="E2M1FN", elem_max=6.0, block_size=16, axi
     y = np.clip(b * r, -E, E)
     q = _cast(y, dt)
     out = q * (g * sb)
+    fmax = F32(np.finfo(F32).max)
+    out = np.clip(out, -fmax, fmax)  # step 5 saturates at FLT_MAX
     bad = ~np.isfinite(amax_b) | (not np.isfinite(amax) if tensor_scale else False)
     out = np.where(bad, F32(np.nan), out)
     q = np.where(bad, F32(np.nan), q)

@@ -141,7 +141,7 @@ def test_stochastic_block_programs_hold_at_most_4096_elements():
   real = PQ.pl.pallas_call
 
   def spy(kernel, **kw):
-    calls.append((kw["grid"], kw["in_specs"][1].block_shape))
+    calls.append((kw["grid"], kw["in_specs"][-1].block_shape))
     return real(kernel, **kw)
 
   x = _awkward((64, 80), seed=11)
@@ -153,29 +153,33 @@ def test_stochastic_block_programs_hold_at_most_4096_elements():
     _same_bits(out, F.quantize(x, F.hbfp(4, 16), r, key=KEY))
 
 
-@pytest.mark.parametrize("fmt,shape", [
-    (F.nvfp4(), (5, 70)), (F.nvfp4(tensor_scale=False), (3, 2, 33)),
-    (F.nvfp4(tile=16), (40, 35)), (F.nvfp4(tile=(4, 8)), (2, 8, 19)), (F.nvfp4(tile=4), (9,)),
+@pytest.mark.parametrize("fmt,shape,roundings", [
+    (F.nvfp4(), (5, 70), ("nearest", "stochastic")),
+    (F.nvfp4(tensor_scale=False), (3, 2, 33), ("nearest",)),
+    (F.nvfp4(tile=16), (40, 35), ("stochastic",)), (F.nvfp4(tile=(4, 8)), (2, 8, 19),
+                                                     ("stochastic",)),
+    (F.nvfp4(tile=4), (9,), ("nearest",)),
     (F.ScaledBlockFormat(F.E2M3FN, block_size=8, scale_fmt="e8m0", tensor_scale=False),
-     (6, 20)),
+     (6, 20), ("nearest",)),
     (F.ScaledBlockFormat(F.E4M3FN, block_size=4, scale_fmt="fp32", tensor_scale=False),
-     (3, 9)),
+     (3, 9), ("toward_zero",)),
 ], ids=repr)
-def test_scaled_block_formats(fmt, shape):
-  """The two-level kernel (tensor scale computed before it, block scales in it) == the spec;
-  ``_awkward`` holds inf and NaN, which make the whole two-level tensor NaN, so the finite
-  variant is checked too."""
+def test_scaled_block_formats(fmt, shape, roundings):
+  """The two-level kernel (tensor scale computed before it, block scales in it) == the spec
+  (finite inputs: a two-level tensor holding inf or NaN is all NaN, checked below)."""
   x = _awkward(shape, seed=12)
-  _check(x, fmt, ("nearest", "stochastic"), block_size=2)
-  _check(jnp.where(jnp.isfinite(x), x, 0.5), fmt, ("nearest", "stochastic", "up"), block_size=2)
+  _check(jnp.where(jnp.isfinite(x), x, 0.5), fmt, roundings, block_size=2)
 
 
-def test_scaled_block_kernel_tiny_and_zero_tensors():
-  """Tensors whose scale chain underflows (amax 1e-38, all-subnormal) or is zero."""
-  for x in (jnp.zeros((4, 32)), _awkward((4, 32), seed=13) * 1e-38,
-            jnp.full((3, 16), 1e-40).at[0, 0].set(-3e-39)):
-    x = jnp.where(jnp.isfinite(x), x, 0.0)
-    _check(x, F.nvfp4(), ("nearest", "up", "stochastic"), block_size=2)
+def test_scaled_block_kernel_special_tensors():
+  """Non-finite input, and tensors whose scale chain underflows (amax 1e-38, subnormal) or
+  is zero; all of shape (4, 32): one compiled program per format. ``"up"`` turns any
+  non-zero scaled element into a non-zero result."""
+  x = _awkward((4, 32), seed=13)
+  for v in (x, jnp.zeros((4, 32)), jnp.where(jnp.isfinite(x), x, 0.0) * 1e-38,
+            jnp.full((4, 32), 1e-40).at[0, 0].set(-3e-39)):
+    for fmt in (F.nvfp4(), F.nvfp4(tensor_scale=False)):
+      _check(v, fmt, ("up",), block_size=2)
 
 
 @pytest.mark.parametrize("rule", F.SCALE_RULES)
