@@ -451,7 +451,7 @@ class MXFormat:
     Array([ 8.960000e+02,  1.000000e+00,  1.015625e-01, -1.015625e-01], dtype=float32)
     >>> # rceil: 1000 / 448 = 2.23 -> scale 4; 1000 / 4 = 250 rounds to 256 (spacing 16)
     >>> F.quantize(jnp.array([1000.0, 1.0]), F.mx(F.E4M3FN, 2, scale_rule="rceil"))
-    Array([1024.,    1.], dtype=float32)
+    Array([1.024e+03, 1.000e+00], dtype=float32)
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0, 2023, §5-6. Mishra et al., "Recipes

@@ -19,12 +19,13 @@ with gradual underflow (numpy, PyTorch on CPU). Everything is elementwise on ``u
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlp.formats import _bits as B
 
 U32 = jnp.uint32
 I32 = jnp.int32
+
+
 def normalize(mag):
   """``(sig, e)`` with ``mag``'s value ``= sig * 2**(e - 23)``, ``sig`` in ``[2**23, 2**24)``.
 
