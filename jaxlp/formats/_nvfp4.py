@@ -102,12 +102,16 @@ class ScaledBlockFormat:
   ``8e-36``; jaxlp gives zeros and finite values; the bound changes ``g`` only where
   ``amax < 2688 * 2**-121``, about ``1.0e-33``), and non-finite input: a tensor holding
   ``±inf`` or NaN has no tensor scale and becomes all NaN (with ``tensor_scale=False``: only
-  the blocks holding one, as in OCP MX). TransformerEngine's reference computes the same
-  scales with the reciprocal ``448 * 6 / amax`` (its "global encode scale") and can differ in
-  the last bit of ``g`` and so, rarely, in the elements; jaxlp follows torchao's division.
+  the blocks holding one, as in OCP MX). Since ``g >= 2**-121`` and ``sb >= 2**-6``,
+  ``r <= 2**127``: with nearest rounding ``|x| <= 2**-129`` always quantizes to zero.
+  TransformerEngine's reference computes the scales with the reciprocal ``448 * 6 / amax``
+  (its "global encode scale") and without the lower clamp of the UE4M3 scale, so it can
+  differ in the last bit of ``g`` and, rarely, in the elements; jaxlp follows torchao.
 
-  float16/bfloat16 inputs are widened exactly, quantized in float32 and the result is cast
-  back (torchao instead rounds its decode scale to the input dtype).
+  float16/bfloat16 inputs are widened exactly, quantized in float32 and the decoded result
+  is rounded (nearest-even) to the input dtype. For bfloat16 this is what torchao does (its
+  ``nvfp4_quantize`` widens to float32, ``dequantize`` casts the float32 product), so the
+  bits agree; torchao refuses float16 input, and jaxlp applies the same widening to it.
 
   Args:
     elem: element format (a :class:`FloatFormat`; ``E2M1FN`` for NVFP4).

@@ -74,6 +74,20 @@ def test_nvfp4_dequantized_values(two_level):
     _ref.assert_same_bits(_qj(jnp.asarray(x), fmt), want, x, f"nvfp4 {two_level=} {name}")
 
 
+def test_nvfp4_bfloat16():
+  """bfloat16 in, bfloat16 out: both widen to float32 and round the float32 decode back.
+  (torchao 0.18 refuses float16 input; jaxlp widens it the same way, tested against the
+  step-by-step reference in tests/formats/test_nvfp4.py.)"""
+  fmt = F.nvfp4()
+  for name in ("normal*1e-06", "normal*1", "normal*10000", "outliers", "zeros+subnormals"):
+    t = torch.from_numpy(FAMILIES[name]).to(torch.bfloat16)
+    n = NVFP4Tensor.to_nvfp4(t, per_tensor_scale=per_tensor_amax_to_scale(t.abs().max()))
+    want = n.dequantize(torch.bfloat16).float().numpy()
+    got = _qj(jnp.asarray(t.float().numpy()).astype(jnp.bfloat16), fmt)
+    assert got.dtype == jnp.bfloat16
+    _ref.assert_same_bits(got.astype(jnp.float32), want, msg=f"bfloat16 {name}")
+
+
 def test_nvfp4_parts():
   """The block scales (torchao's float8_e4m3fn ``scale``) and tensor scale, and the
   elements (``qdata``, decoded through the dequantization with unit scales)."""
