@@ -139,7 +139,7 @@ class ScaledBlockFormat:
     >>> # -> s = 0.11666667 rounds to the UE4M3 value 0.1171875
     >>> F.quantize(jnp.array([1.0, 0.3, -2.5, 3.0, 0.7, 0.1, 0.2, -0.05]), fmt)
     Array([ 1.        ,  0.25      , -2.        ,  3.        ,  0.703125  ,
-            0.1171875 ,  0.1757812 , -0.05859375], dtype=float32)
+            0.1171875 ,  0.17578125, -0.05859375], dtype=float32)
 
   References:
     NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv:2509.25149, 2025 (§2:

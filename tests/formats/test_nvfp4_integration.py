@@ -1,6 +1,7 @@
 """NVFP4 and MX scale rules wherever a format is accepted: jaxlp.quantize, DotPolicy and the
-layers (emulation: quantize, then the float32 GEMM), optax transforms, the torch bridge; and
-clear refusals where a block format cannot go (compressor wire formats, psum, exact GEMMs)."""
+layers (emulation: quantize, then the float32 GEMM), optax transforms, compressor wire formats
+(cast), the torch bridge; and clear refusals where a block format cannot go (2-D tiles on the
+wire, psum's partial sums, exact GEMMs)."""
 
 import jax
 import jax.numpy as jnp
@@ -89,14 +90,103 @@ def test_optax_transforms_take_nvfp4():
   assert isinstance(tx, optax.GradientTransformation)
 
 
-def test_compressor_cast_and_psum_refuse_block_formats():
-  """A block format has no per-element storage code: it cannot be a cast compressor's wire
-  format, nor the rounding of a psum's partial sums; both say so."""
+def _wire_cases():
+  x = RNG.standard_normal(1001).astype(np.float32)
+  x[::97] *= 1e4  # outlier blocks
+  x[32:48] = 0.0
+  x[50] = -0.0
+  x[60:64] *= np.float32(1e-39)  # subnormals
+  return x
+
+
+@pytest.mark.parametrize("fmt", [
+    F.nvfp4(), F.nvfp4(tensor_scale=False),
+    F.ScaledBlockFormat(F.E2M1FN, block_size=32, scale_fmt="e8m0", tensor_scale=False),
+    F.ScaledBlockFormat(F.E4M3FN, block_size=8, scale_fmt="fp32", tensor_scale=False),
+    F.ScaledBlockFormat(F.E2M3FN, block_size=16, tensor_scale=True),
+], ids=repr)
+def test_block_scaled_formats_are_compressor_wire_formats(fmt):
+  """cast(nvfp4()): element codes + block-scale codes + the tensor scale on the wire;
+  decode(encode(x)) == quantize(x, fmt) bit for bit, wire_bytes == the payload's bytes."""
   from jaxlp.parallel import compressors
 
+  c = compressors.cast(fmt)
+  x = _wire_cases()
+  p, _ = jax.jit(c.encode)(jnp.asarray(x), (), None)
+  out = jax.jit(lambda p: c.decode(p, (1001,)))(p)
+  _ref.assert_same_bits(out, F.quantize(jnp.asarray(x), fmt), x, repr(fmt))
+  n, nb = 1001, -(-1001 // fmt.block_size)
+  elem = n * (fmt.elem.bits // 8) + -(-n * (fmt.elem.bits % 8) // 8)
+  want = elem + nb * (4 if fmt.scale_fmt == "fp32" else 1) + 4 * fmt.tensor_scale
+  assert compressors.payload_nbytes(p) == c.wire_bytes((n,)) == want
+  if fmt == F.nvfp4():
+    assert want == 501 + 63 + 4  # 4 bits per element, 1 byte per 16, 4 per tensor
+    assert p["scales"].dtype == np.uint8 and p["elements"]["rest"].dtype == np.uint8
+
+
+def test_nonfinite_gradients_on_the_nvfp4_wire():
+  from jaxlp.parallel import compressors
+
+  x = np.ones(64, np.float32)
+  x[20] = np.inf
+  for fmt in (F.nvfp4(), F.nvfp4(tensor_scale=False),
+              F.ScaledBlockFormat(F.E2M1FN, 16, scale_fmt="e8m0", tensor_scale=False)):
+    c = compressors.cast(fmt)
+    out = np.asarray(jax.jit(lambda v, c=c: c.decode(c.encode(v, ())[0], (64,)))(x))
+    _ref.assert_same_bits(out, F.quantize(jnp.asarray(x), fmt), x, repr(fmt))
+    assert np.isnan(out[16:32]).all() and np.isnan(out).all() == fmt.tensor_scale
+
+
+def test_nvfp4_cast_reduction_is_the_decoded_sum_over_w():
+  """compressed_allreduce / reduce_gradients with cast(nvfp4()): per worker, the gradient
+  leaf quantized as a flat vector; the decoded values summed in rank order, divided by W."""
+  from jaxlp.parallel import compressors
+  from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
+
+  c = compressors.cast(F.nvfp4())
+  w = 2
+  g = jnp.asarray(RNG.standard_normal((w, 12, 30)).astype(np.float32))
+  st = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape),
+                              init_compression_state(c, jnp.zeros((12, 30))))
+  out, _ = jax.jit(jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", c, min_size=0),
+                            axis_name="i"))(g, st)
+  q = np.asarray(jax.vmap(lambda v: F.quantize(v.reshape(-1), F.nvfp4()).reshape(v.shape))(g))
+  acc = q[0]
+  for r in range(1, w):
+    acc = acc + q[r]
+  want = acc / np.float32(w)
+  for r in range(w):
+    _ref.assert_same_bits(out[r], want, msg=f"worker {r}")
+
+
+def test_nvfp4_wire_format_in_the_torch_ddp_hook_codec():
+  """The DDP hook's codec (payload -> one byte string per rank, gathered, decoded, summed in
+  rank order) carries cast(nvfp4()): the sum of the ranks' quantized gradients."""
+  pytest.importorskip("torch", reason="the DDP hook needs torch")
+  from jaxlp.parallel import compressors
+  from jaxlp.torch import ddp
+
+  c = compressors.cast(F.nvfp4())
+  n = 200
+  encode, decode_sum, st = ddp._codec(c, n)
+  xs = [jnp.asarray(RNG.standard_normal(n).astype(np.float32) * s) for s in (1.0, 1e3)]
+  wires = [encode(x, st, None)[0] for x in xs]
+  assert wires[0].dtype == jnp.uint8 and wires[0].shape == (c.wire_bytes((n,)),)
+  got = decode_sum(jnp.stack(wires))
+  want = F.quantize(xs[0], F.nvfp4()) + F.quantize(xs[1], F.nvfp4())
+  _ref.assert_same_bits(got, want, msg="hook codec")
+
+
+def test_compressor_refusals_and_psum_refuses_block_formats():
+  """2-D tiles cannot be a wire format (a compressor sees the flat gradient); MX is not a
+  cast wire format (yet); a block format cannot round a psum's partial sums."""
+  from jaxlp.parallel import compressors
+
+  with pytest.raises(ValueError, match="2-D tiles"):
+    compressors.cast(F.nvfp4(tile=16))
+  with pytest.raises(ValueError, match="not a FloatFormat"):
+    compressors.cast(F.mx(F.E2M1FN))
   for fmt in (F.nvfp4(), F.mx(F.E2M1FN)):
-    with pytest.raises(ValueError, match="not a FloatFormat"):
-      compressors.cast(fmt)
     with pytest.raises(TypeError, match="elementwise format"):
       jaxlp.parallel.psum(A, "i", fmt=fmt)
 
