@@ -112,9 +112,12 @@ def test_block_scaled_formats_are_compressor_wire_formats(fmt):
 
   c = compressors.cast(fmt)
   x = _wire_cases()
-  p, _ = jax.jit(c.encode)(jnp.asarray(x), (), None)
-  out = jax.jit(lambda p: c.decode(p, (1001,)))(p)
-  _ref.assert_same_bits(out, F.quantize(jnp.asarray(x), fmt), x, repr(fmt))
+  def run(v):
+    p = c.encode(v, ())[0]
+    return p, c.decode(p, (1001,)), F.quantize(v, fmt)
+
+  p, out, want_q = jax.jit(run)(x)
+  _ref.assert_same_bits(out, want_q, x, repr(fmt))
   n, nb = 1001, -(-1001 // fmt.block_size)
   elem = n * (fmt.elem.bits // 8) + -(-n * (fmt.elem.bits % 8) // 8)
   want = elem + nb * (4 if fmt.scale_fmt == "fp32" else 1) + 4 * fmt.tensor_scale
@@ -125,16 +128,21 @@ def test_block_scaled_formats_are_compressor_wire_formats(fmt):
 
 
 def test_nonfinite_gradients_on_the_nvfp4_wire():
+  """inf in one block: the UE4M3 (0x7F) and E8M0 (0xFF) NaN scale codes make that block NaN
+  (one-level); a two-level tensor's NaN tensor scale makes it all NaN. One program."""
   from jaxlp.parallel import compressors
 
   x = np.ones(64, np.float32)
   x[20] = np.inf
-  for fmt in (F.nvfp4(), F.nvfp4(tensor_scale=False),
-              F.ScaledBlockFormat(F.E2M1FN, 16, scale_fmt="e8m0", tensor_scale=False)):
-    c = compressors.cast(fmt)
-    out = np.asarray(jax.jit(lambda v, c=c: c.decode(c.encode(v, ())[0], (64,)))(x))
-    _ref.assert_same_bits(out, F.quantize(jnp.asarray(x), fmt), x, repr(fmt))
-    assert np.isnan(out[16:32]).all() and np.isnan(out).all() == fmt.tensor_scale
+  fmts = (F.nvfp4(), F.nvfp4(tensor_scale=False),
+          F.ScaledBlockFormat(F.E2M1FN, 16, scale_fmt="e8m0", tensor_scale=False))
+  cs = [compressors.cast(f) for f in fmts]
+  outs = jax.jit(lambda v: [(c.decode(c.encode(v, ())[0], (64,)), F.quantize(v, c.fmt))
+                            for c in cs])(x)
+  for fmt, (got, want) in zip(fmts, outs, strict=True):
+    _ref.assert_same_bits(got, want, x, repr(fmt))
+    got = np.asarray(got)
+    assert np.isnan(got[16:32]).all() and np.isnan(got).all() == fmt.tensor_scale
 
 
 def test_nvfp4_cast_reduction_is_the_decoded_sum_over_w():
@@ -148,9 +156,12 @@ def test_nvfp4_cast_reduction_is_the_decoded_sum_over_w():
   g = jnp.asarray(RNG.standard_normal((w, 12, 30)).astype(np.float32))
   st = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (w,) + a.shape),
                               init_compression_state(c, jnp.zeros((12, 30))))
-  out, _ = jax.jit(jax.vmap(lambda g, s: compressed_allreduce(g, s, "i", c, min_size=0),
-                            axis_name="i"))(g, st)
-  q = np.asarray(jax.vmap(lambda v: F.quantize(v.reshape(-1), F.nvfp4()).reshape(v.shape))(g))
+  def step(g, s):  # the reduction and, as the reference, this worker's flat quantization
+    out, _ = compressed_allreduce(g, s, "i", c, min_size=0)
+    return out, F.quantize(g.reshape(-1), F.nvfp4()).reshape(g.shape)
+
+  out, q = jax.jit(jax.vmap(step, axis_name="i"))(g, st)
+  q = np.asarray(q)
   acc = q[0]
   for r in range(1, w):
     acc = acc + q[r]
