@@ -14,10 +14,11 @@ from jaxlp.formats._block import BlockFormat, MXFormat, QPyTorchBlock
 from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
 
 ROUNDINGS = B.ROUNDINGS
 FORMAT_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint, BlockFormat, QPyTorchBlock,
-                MXFormat)
+                MXFormat, ScaledBlockFormat)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -65,7 +66,8 @@ def check_format(fmt, rounding: str = "nearest") -> None:
   if not isinstance(fmt, FORMAT_TYPES):
     raise TypeError(
         f"quantize: fmt must be a jaxlp format (FloatFormat, BlockFormat, FixedPoint, mx(...), "
-        f"cpd_float(...), qpytorch_float(...), ...), got {fmt!r} of type {type(fmt).__name__}")
+        f"nvfp4(...), cpd_float(...), qpytorch_float(...), ...), got {fmt!r} of type "
+        f"{type(fmt).__name__}")
   if rounding not in ROUNDINGS:
     raise ValueError(f"quantize: unknown rounding={rounding!r}; expected one of {ROUNDINGS}")
   if rounding not in fmt.supported_roundings:
@@ -205,8 +207,9 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
       widened exactly to float32, rounded, and cast back (exact whenever the format fits in
       the input dtype; otherwise the result is rounded once more to the input dtype).
     fmt: a jaxlp format: :class:`FloatFormat` (or a preset such as ``E4M3``),
-      :class:`BlockFormat`, :class:`FixedPoint`, ``mx(...)``, ``cpd_float(...)``,
-      ``qpytorch_float(...)``, ``qpytorch_block(...)``.
+      :class:`BlockFormat`, :class:`FixedPoint`, ``mx(...)``, ``nvfp4(...)``
+      (:class:`ScaledBlockFormat`), ``cpd_float(...)``, ``qpytorch_float(...)``,
+      ``qpytorch_block(...)``.
     rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``,
       ``"up"``, ``"down"`` or ``"stochastic"``. Compatibility formats define their own
       ``"nearest"`` (QPyTorch: ties away) and support fewer modes.
