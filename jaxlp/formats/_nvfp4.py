@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
+from jaxlp.formats._args import element_index, prepare_array
 from jaxlp.formats._float_format import FloatFormat
 from jaxlp.formats._fparith import (
     div_mag,
@@ -405,9 +406,10 @@ class ScaledBlockFormat:
       (Array([-3., -2., -2., -1.], dtype=float32), Array([448.], dtype=float32), \
 Array(0.00074405, dtype=float32))
     """
-    from jaxlp.formats._quantize import element_index, prepare
-
-    x, kw = prepare(x, self, rounding, key=key, rand_bits=rand_bits)
+    if rounding not in B.ROUNDINGS or rounding not in self.supported_roundings:
+      raise ValueError(f"quantize: {type(self).__name__} supports rounding in "
+                       f"{self.supported_roundings}, got rounding={rounding!r}")
+    x, kw = prepare_array(x, rounding, key=key, rand_bits=rand_bits)
     self.check_shape(x.shape)
     if rounding == "stochastic":
       rand = B.hash_bits(kw[0], kw[1], element_index(x.shape))
