@@ -278,8 +278,8 @@ def test_nonfinite_policy(name, mode, cpu_devices):
 
 def test_psum_and_reduce_gradients_follow_the_policy():
   """NaN or ±inf in one worker's leaf: that leaf NaN on every worker, the other leaf exact;
-  ±inf in a format that saturates it (FixedPoint, E4M3 with saturation) is not hidden.
-  (``psum(aps=True)``: tests/parallel/test_aps.py.)"""
+  ±inf in a format that saturates it (FixedPoint, E4M3 with saturation) is not hidden;
+  ``psum_two_level`` likewise. (``psum(aps=True)``: tests/parallel/test_aps.py.)"""
   rng = np.random.default_rng(0)
   base = {"a": rng.standard_normal((W, 5, 6)).astype(np.float32),
           "b": rng.standard_normal((W, 7)).astype(np.float32)}
@@ -303,6 +303,12 @@ def test_psum_and_reduce_gradients_follow_the_policy():
     return {n: f(x) for n, f in reducers.items()}
 
   out = jax.jit(jax.vmap(jax.vmap(run, axis_name="w")))(g)
+  # CPD's two-level reduction (2 ranks x 2 emulated nodes), in the saturating format
+  two = jax.vmap(jax.vmap(lambda x: PL.psum_two_level(x, "node", "rank", fmt=sat),
+                          axis_name="node"), axis_name="rank")
+  g2 = jax.tree_util.tree_map(lambda a: a.reshape((a.shape[0], 2, 2) + a.shape[2:]), g)
+  out["psum_two_level_sat"] = jax.tree_util.tree_map(
+      lambda a: a.reshape((a.shape[0], W) + a.shape[3:]), jax.jit(jax.vmap(two))(g2))
   for n, o in out.items():
     a, b = np.asarray(o["a"]), np.asarray(o["b"])
     for c in range(3):
