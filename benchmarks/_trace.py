@@ -1,6 +1,6 @@
 """Where a jitted program's device time goes: its most expensive XLA ops and source lines.
 
-Used by ``layers.py --trace-top N`` and ``compression.py --trace-top N``. :func:`trace_ops`
+Used by ``layers.py --trace-top N`` and ``compressors.py --trace-top N``. :func:`trace_ops`
 runs a function under ``jax.profiler.trace`` and reads the trace's JSON: on a GPU the device's
 "XLA Ops" line (else its stream kernels, named by their ``hlo_op``), on the CPU the XLA
 threads' thunks (thread time: threads overlap). :func:`hlo_sources` names each op of the

@@ -1,4 +1,6 @@
-"""What a compressed reduction costs before its first step: the seconds to trace, lower and
+"""Seconds to trace, lower and compile a compressed gradient reduction for a whole model.
+
+What a compressed reduction costs before its first step: the seconds to trace, lower and
 compile ``reduce_gradients(axis, compressor=...)``'s update for a whole model's gradients, with
 W workers emulated by a named ``vmap`` (as ``jaxlp train --workers W`` runs them), per leaf
 (the default) and with leaves fused into buckets (``bucket_mb``).
@@ -10,8 +12,9 @@ Each row is one program, traced, lowered and compiled once in this process (no p
 compilation cache is read or written: JAX's own cache is switched off for the run), after the
 fp32 row has warmed up JAX itself. JAX's in-memory caches do carry over between rows (e.g. the
 traces of jaxlp's jitted helpers for a shape already seen), so a row can trace a little faster
-than it would as the first program of a fresh process. The per-leaf program encodes every compressed leaf on its
-own, so its size grows with the number of leaves; a bucket encodes a fused vector once.
+than it would as the first program of a fresh process. The per-leaf program encodes every
+compressed leaf on its own, so its size grows with the number of leaves; a bucket encodes a
+fused vector once.
 ``--model small``: ResNet-18's leaves with the first two dimensions divided by 8, one of each
 shape; ``--model tiny`` (three leaves) is the CI smoke run.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
@@ -46,8 +49,8 @@ DEFAULT = "cgx4,qsgd7,topk,powersgd2"
 
 
 def _shapes(model):
-  spec = importlib.util.spec_from_file_location("_jaxlp_bench_compression",
-                                                _os.path.join(_here, "compression.py"))
+  spec = importlib.util.spec_from_file_location("_jaxlp_bench_compressors",
+                                                _os.path.join(_here, "compressors.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   if model == "tiny":

@@ -6,7 +6,7 @@
 #
 # Each step has its own time limit, and a step that fails or times out does not stop the
 # others. Every log ends with the step's exit status. The checks (what the H200 runs of
-# 2026-11-27 left open; benchmarks/RESULTS.md, top). Settled there and not repeated: the
+# 2026-11-27 left open; benchmarks/RESULTS.md, goals table). Settled there and not repeated: the
 # compressors' bucketed rows and the "radix" selection schedule (not adopted), the torch
 # bridge's speed table, and gpu_impl="auto" against "pallas" (auto adopted: 37.8 against
 # 53.2 ms per exact ResNet-18 step, same bits).
@@ -14,7 +14,7 @@
 #                  now the default, "xla_int8") give the CPU reference's bits
 #   train_exact_gpu  issue 18, item 5: the exact MLP run's GPU half with the default "auto"
 #                  (its small GEMMs are now batched int8 dots), its folder kept in OUTDIR
-#                  (compare it with a CPU run here: exact_train_check.py --compare)
+#                  (compare it with a CPU run here: tools/exact_train_check.py --compare)
 #   layers         issue 18: the exact ResNet-18 step (default "auto") against fp32, traced
 #                  with command buffers off: where its 37.8 ms go now (its compile took 131 s)
 #   census         issue 18: each exact GEMM shape of that step timed alone with its count per
@@ -84,7 +84,7 @@ step block_gpu_bits 60 "$py" -m pytest -q -p no:cacheprovider tests/ops/test_blo
 # the exact MLP run's GPU half (same bits as the CPU with "pallas" on the H200, 2026-11-27;
 # now "auto"); its folder comes back in OUTDIR: compare it here with
 #   python -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 --out /tmp/cpu_run   # the CPU
-#   python benchmarks/exact_train_check.py --compare OUTDIR/exact_mlp /tmp/cpu_run
+#   python benchmarks/tools/exact_train_check.py --compare OUTDIR/exact_mlp /tmp/cpu_run
 step train_exact_gpu 45 "$py" -m jaxlp train --hbfp 8 --exact-blocks --epochs 2 \
   --out "$out/exact_mlp"
 # the exact ResNet-18 step with the default "auto" (37.8 ms against fp32's 18.5-19.5 on the
@@ -106,7 +106,7 @@ step optimlp_profile 40 "$py" benchmarks/torch_quantize.py --device cuda --small
 step torch_ddp_example 45 "$py" examples/torch_mnist_ddp.py --smoke
 # PowerSGD r2 as the engine runs it with bucket_mb (batched=True: one square matrix per
 # bucket) next to the per-leaf row that reached 0.17x of the copy (62 leaves: launch-bound)
-step compression_powersgd 35 "$py" benchmarks/compression.py --model resnet18 --repeats 3 \
+step compression_powersgd 35 "$py" benchmarks/compressors.py --model resnet18 --repeats 3 \
   --bucket-mb 25 --only powersgd2,powersgd2_batched
 # the DDP hooks on CUDA buckets (12 of 22 did not run within the last call's 80 s)
 step torch_ddp_cuda 80 "$py" -m pytest -q -p no:cacheprovider tests/torch_bridge/test_torch_ddp.py \

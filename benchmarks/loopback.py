@@ -55,7 +55,7 @@ import sys
 import tempfile
 import time
 
-# keep this file's folder off sys.path (benchmarks/compression.py shadows a module jax imports)
+# keep this script's folder off sys.path: no script name may shadow a module a dependency imports
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0]) == _HERE:
   sys.path.pop(0)
@@ -85,8 +85,8 @@ def _compressor(name):
 def shapes_for(model):
   """Gradient leaf shapes: ResNet-18's real layers, scaled down for small/tiny."""
   import importlib.util
-  spec = importlib.util.spec_from_file_location("_jaxlp_bench_compression",
-                                                os.path.join(_HERE, "compression.py"))
+  spec = importlib.util.spec_from_file_location("_jaxlp_bench_compressors",
+                                                os.path.join(_HERE, "compressors.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   s = mod.resnet18_shapes()

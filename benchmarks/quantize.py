@@ -14,8 +14,8 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 

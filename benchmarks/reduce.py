@@ -1,4 +1,4 @@
-"""Benchmark of jaxlp.parallel.psum variants vs plain lax.psum on 8 forced CPU devices.
+"""jaxlp.parallel.psum variants (ring, chain, tree; packed, APS, Kahan) vs lax.psum, 8 CPU devices.
 
 Usage: python benchmarks/reduce.py [--small] [--sizes 1000000 10000000] [--reps 3] [--json F]
 
@@ -12,8 +12,8 @@ jaxlp.parallel.payload_bytes; lax.psum counted as a float32 ring all-reduce). Th
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 

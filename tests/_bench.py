@@ -1,6 +1,5 @@
-"""Load a script of ``benchmarks/`` as a module, for the tests of the benchmarks (the folder is
-not a package, and it is kept off ``sys.path``: one of its scripts is named like a module that
-jax's dependencies import)."""
+"""Load a script of ``benchmarks/`` (or of ``benchmarks/tools/``) as a module, for the tests of
+the benchmarks (the scripts are run as files, with their folder kept off ``sys.path``)."""
 
 import importlib.util
 import os
@@ -8,10 +7,19 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def benchmark_path(name: str) -> str:
+  """The file of benchmark or tool ``name``: ``benchmarks/<name>.py``, else
+  ``benchmarks/tools/<name>.py``."""
+  for folder in ("benchmarks", os.path.join("benchmarks", "tools")):
+    path = os.path.join(ROOT, folder, f"{name}.py")
+    if os.path.exists(path):
+      return path
+  raise FileNotFoundError(f"no benchmarks/{name}.py or benchmarks/tools/{name}.py")
+
+
 def load_benchmark(name: str):
-  """``benchmarks/<name>.py`` as a fresh module (its ``if __name__ == "__main__"`` not run)."""
-  spec = importlib.util.spec_from_file_location(
-      f"benchmark_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+  """The script of :func:`benchmark_path` as a fresh module (its ``__main__`` part not run)."""
+  spec = importlib.util.spec_from_file_location(f"benchmark_{name}", benchmark_path(name))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/block_programs.py --small (in this process): both program sizes
+"""Smoke test of benchmarks/tools/block_programs.py --small (in this process): both program sizes
 of the stochastic block kernel give the same bits, the times read "not measured" off a GPU,
 and bad counts are refused."""
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from _bench import load_benchmark
+from _bench import benchmark_path, load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,9 +35,9 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
     own = args[2:args.index("--")] if "--" in args else args[2:]  # after "--": passed on
     for flag in (a for a in own if a.startswith("--")):
       assert flag in helptext, (name, flag)
-    if args[1] == "benchmarks/compression.py":  # known compressors
+    if args[1] == "benchmarks/compressors.py":  # known compressors
       names = args[args.index("--only") + 1].split(",")
-      known = load_benchmark("compression").COMPRESSORS
+      known = load_benchmark("compressors").COMPRESSORS
       assert len(set(names)) == len(names) and set(names) <= set(known), names
     if args[1] == "benchmarks/torch_quantize.py" and "--only" in args:  # known entry points
       only = cmd.split("--only ")[1].split(" --")[0].split(",")
@@ -46,5 +46,5 @@ def test_gpu_checks_dry_run_lists_steps_with_known_flags():
 
 
 def load_benchmark_source(name):
-  with open(os.path.join(ROOT, "benchmarks", f"{name}.py")) as f:
+  with open(benchmark_path(name)) as f:
     return f.read()

@@ -55,8 +55,9 @@ def test_check_reports_a_mismatch():
 
 def test_ptx_per_mac_benchmark_runs():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ptx_per_mac.py"), "--small"],
-                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  script = ROOT / "benchmarks" / "tools" / "ptx_per_mac.py"
+  proc = subprocess.run([sys.executable, str(script), "--small"], capture_output=True, text=True,
+                        timeout=300, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   gemm, block = proc.stdout.split("# exact block GEMM")
   rows = [line for line in gemm.splitlines() if line.startswith("  ") and "MAC" not in line]

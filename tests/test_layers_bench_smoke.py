@@ -184,7 +184,7 @@ def test_a_failing_trace_is_reported_not_raised(capsys):
 
 
 def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_after():
-  """--no-command-buffers (layers.py, compression.py) adds XLA:GPU's empty command-buffer list
+  """--no-command-buffers (layers.py, compressors.py) adds XLA:GPU's empty command-buffer list
   to XLA_FLAGS before JAX starts a backend, and says so in the header; once a backend has
   started the helper refuses (the flag would be ignored silently)."""
   import jax

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/sparse_select.py: every case in every schedule prints a row with
+"""Smoke test of benchmarks/tools/sparse_select.py: every case in every schedule prints a row with
 its ratio to the copy row, and bad options are refused."""
 
 import pytest

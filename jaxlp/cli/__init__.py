@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from jaxlp.training import ORDERS, TrainConfig
+from jaxlp.training._loop import INT_MAX, SEED_MAX, TILE_MAX
 
 DEFAULT_COMPARE = [
     "fp32=",
@@ -22,13 +23,18 @@ DEFAULT_COMPARE = [
 ]
 
 
+_SEED_WHY = " (JAX's PRNG seeds are 32-bit: a larger seed would repeat a smaller one)"
+#: files ``jaxlp compare`` writes into --out beside the run folders
+_COMPARE_FILES = ("summary.json", "accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png")
+
+
 class _Parser(argparse.ArgumentParser):
   def error(self, message):  # exit code 2 and one line naming the flag (argparse's contract)
     self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int(lo: int):
-  """argparse type: an int >= lo (the error names the flag through argparse)."""
+def _int(lo: int, hi: int = INT_MAX, why: str = ""):
+  """argparse type: an int in lo..hi (the error names the flag through argparse)."""
   def parse(text):
     try:
       v = int(text)
@@ -36,6 +42,8 @@ def _int(lo: int):
       raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if v < lo:
       raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+    if v > hi:
+      raise argparse.ArgumentTypeError(f"must be at most {hi}{why}, got {v}")
     return v
 
   parse.__name__ = "int"
@@ -95,7 +103,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=_int(1), default=None, metavar="MANT",
                  help="HBFP mantissa bits (activations, weights and gradients in tiles)")
-  g.add_argument("--tile", type=_int(0), default=None,
+  g.add_argument("--tile", type=_int(0, TILE_MAX, " (0 = one exponent per tensor)"),
+                 default=None,
                  help="HBFP tile size (default 24; 0 = one exponent per tensor); only with "
                       "--hbfp or --policy hbfp8/hbfp12")
   g.add_argument("--weight-man", type=_int(1), default=None, metavar="MANT",
@@ -122,7 +131,8 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                  help="warm-up epochs of --schedule triangle")
   g.add_argument("--momentum", type=_float(0.0, hi=1.0), default=0.9)
   g.add_argument("--weight-decay", type=_float(0.0), default=0.0)
-  g.add_argument("--seed", type=_int(0), default=0)
+  g.add_argument("--seed", type=_int(0, SEED_MAX, _SEED_WHY), default=0,
+                 help=f"random seed, 0..{SEED_MAX} (default 0)")
   g.add_argument("--max-steps-per-epoch", type=_int(1), default=None, help=argparse.SUPPRESS)
   if with_out:
     g = p.add_argument_group("run folder")
@@ -132,7 +142,10 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
     g.add_argument("--resume", action="store_true",
                    help="continue DIR's run: every flag must equal its config.json, except "
                         "--epochs (may grow) and --quiet")
-    g.add_argument("--overwrite", action="store_true", help="replace the run in DIR")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run in DIR: every check runs first, and the old run is "
+                        "deleted only once the new run's first checkpoint is written (it is "
+                        "put back if the new run fails or is interrupted before)")
     g.add_argument("--migrate-pickle", action="store_true",
                    help="with --resume: convert DIR's checkpoint.pkl of an older jaxlp (a "
                         "pickle: loading it can run code, so only for files you trust) to "
@@ -160,17 +173,44 @@ def _parse_compare_spec(spec: str):
   return name.strip(), shlex.split(flags)
 
 
+def _check_compare_names(names, out):
+  """Each configuration's run folder is ``out/NAME``: refuse names that are empty, leave
+  ``out``, are hidden or one of compare's own files, or give two configurations one folder."""
+  seen: dict[str, str] = {}
+  for name in names:
+    if not name:
+      raise ValueError("--config: a configuration needs a name (NAME=FLAGS), got an empty one")
+    if any(c in name for c in "/\\") or os.path.isabs(name):
+      raise ValueError(f"--config {name!r}: a configuration name is the name of its run folder "
+                       f"in --out {out}; it may not contain / or \\")
+    if name.startswith("."):
+      raise ValueError(f"--config {name!r}: a configuration name is the name of its run folder "
+                       f"in --out {out}; it may not start with '.'")
+    folder = _safe(name)
+    if folder in _COMPARE_FILES:
+      raise ValueError(f"--config {name!r}: {folder} is a file compare writes in --out {out}; "
+                       "choose another name")
+    key = folder.casefold()  # one folder on case-insensitive file systems
+    if key in seen:
+      other = seen[key]
+      what = ("is given twice" if other == name else
+              f"and {other!r} would share the run folder {os.path.join(out, folder)}")
+      raise ValueError(f"--config {name!r} {what}; give every configuration its own name")
+    seen[key] = name
+
+
 def _cmd_compare(args) -> int:
-  from jaxlp.training import plot_runs, train
+  from jaxlp.training import _runs, plot_runs, train
+  from jaxlp.training._loop import check_flags
 
   specs = args.config or DEFAULT_COMPARE
   out = args.out or "runs/compare"
-  os.makedirs(out, exist_ok=True)
   base = [a for a in args.base_flags]
-  results = []
-  for spec in specs:
-    name, flags = _parse_compare_spec(spec)
-    sub = _Parser(prog="jaxlp compare --config")
+  parsed = [_parse_compare_spec(spec) for spec in specs]
+  _check_compare_names([n for n, _ in parsed], out)
+  runs = []
+  for name, flags in parsed:  # every configuration is checked before the first run
+    sub = _Parser(prog=f"jaxlp compare --config {name}")
     _add_train_args(sub, with_out=False)
     try:
       a = sub.parse_args(base + flags)
@@ -179,31 +219,46 @@ def _cmd_compare(args) -> int:
     cfg = _config_from_args(a)
     cfg.out = os.path.join(out, _safe(name))
     cfg.quiet = True
-    cfg.overwrite = args.overwrite
-    print(f"[{len(results) + 1}/{len(specs)}] {name}: {' '.join(base + flags) or '(defaults)'}",
-          flush=True)
-    hist = train(cfg)
-    results.append((name, cfg.out, hist))
-    last = hist[-1]
-    print(f"      final test acc {last['test_accuracy']:.4f}  loss {last['train_loss']:.4f}  "
-          f"{sum(h['seconds'] for h in hist):.1f}s", flush=True)
-  print()
-  hdr = f"{'config':<14}{'final acc':>10}{'best acc':>10}{'final loss':>12}{'wire MB':>10}" \
-        f"{'seconds':>9}"
-  print(hdr)
-  print("-" * len(hdr))
-  for name, _, hist in results:
-    print(f"{name:<14}{hist[-1]['test_accuracy']:>10.4f}"
-          f"{max(h['test_accuracy'] for h in hist):>10.4f}{hist[-1]['train_loss']:>12.4f}"
-          f"{sum(h['wire_bytes'] for h in hist) / 1e6:>10.2f}"
-          f"{sum(h['seconds'] for h in hist):>9.1f}")
-  with open(os.path.join(out, "summary.json"), "w") as f:
-    json.dump([{"config": n, "dir": d, "final_test_accuracy": h[-1]["test_accuracy"],
-                "best_test_accuracy": max(x["test_accuracy"] for x in h)}
-               for n, d, h in results], f, indent=2)
-  if not args.no_plot:
-    paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])
-    print("\nplots: " + ", ".join(paths))
+    try:
+      check_flags(cfg)
+    except (ValueError, TypeError) as e:
+      raise type(e)(f"--config {name}: {e}") from None
+    runs.append((name, flags, cfg))
+  results = []
+  with _runs.RunLock(out):  # one compare per output folder; each run locks its own folder
+    for name, flags, cfg in runs:
+      if args.resume:  # finished runs are reused, interrupted ones continue
+        cfg = _runs.continue_or_replace(cfg, args.overwrite)
+      else:
+        cfg.overwrite = args.overwrite
+      print(f"[{len(results) + 1}/{len(runs)}] {name}: {' '.join(base + flags) or '(defaults)'}",
+            flush=True)
+      try:
+        hist = train(cfg)
+      except KeyboardInterrupt as e:
+        e.config = name  # for the message of main()
+        raise
+      results.append((name, cfg.out, hist))
+      last = hist[-1]
+      print(f"      final test acc {last['test_accuracy']:.4f}  loss {last['train_loss']:.4f}  "
+            f"{sum(h['seconds'] for h in hist):.1f}s", flush=True)
+    print()
+    hdr = f"{'config':<14}{'final acc':>10}{'best acc':>10}{'final loss':>12}{'wire MB':>10}" \
+          f"{'seconds':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, _, hist in results:
+      print(f"{name:<14}{hist[-1]['test_accuracy']:>10.4f}"
+            f"{max(h['test_accuracy'] for h in hist):>10.4f}{hist[-1]['train_loss']:>12.4f}"
+            f"{sum(h['wire_bytes'] for h in hist) / 1e6:>10.2f}"
+            f"{sum(h['seconds'] for h in hist):>9.1f}")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+      json.dump([{"config": n, "dir": d, "final_test_accuracy": h[-1]["test_accuracy"],
+                  "best_test_accuracy": max(x["test_accuracy"] for x in h)}
+                 for n, d, h in results], f, indent=2)
+    if not args.no_plot:
+      paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])
+      print("\nplots: " + ", ".join(paths))
   return 0
 
 
@@ -214,6 +269,9 @@ def _seeds(text):
     raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
   if not seeds or any(v < 0 for v in seeds) or len(set(seeds)) != len(seeds):
     raise argparse.ArgumentTypeError(f"expected distinct seeds >= 0, got {text!r}")
+  if max(seeds) > SEED_MAX:
+    raise argparse.ArgumentTypeError(f"seeds must be at most {SEED_MAX}{_SEED_WHY}, got "
+                                     f"{max(seeds)}")
   return seeds
 
 
@@ -293,26 +351,21 @@ def jax_path(path) -> str:
 
 
 def _cmd_bench(args) -> int:
-  import subprocess
+  """``python -m benchmarks --run [--small] [NAME...]`` of the source checkout (the one front
+  door; ``python -m benchmarks`` lists the benchmarks), loaded by file path so that a
+  ``benchmarks`` package installed elsewhere is never picked up."""
+  import importlib.util
 
   here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  bdir = os.path.join(here, "benchmarks")
-  if not os.path.isdir(bdir):
+  front = os.path.join(here, "benchmarks", "__main__.py")
+  if not os.path.isfile(front):
     print("jaxlp bench: error: benchmarks/ folder not found (run from a source checkout)",
           file=sys.stderr)
     return 2
-  names = args.only or sorted(f[:-3] for f in os.listdir(bdir)
-                              if f.endswith(".py") and not f.startswith("_"))
-  rc = 0
-  for n in names:
-    path = os.path.join(bdir, n + ".py")
-    if not os.path.exists(path):
-      print(f"jaxlp bench: error: no benchmark {n!r}", file=sys.stderr)
-      return 2
-    print(f"== {n} ==", flush=True)
-    cmd = [sys.executable, path] + (["--small"] if args.small else [])
-    rc |= subprocess.call(cmd)
-  return rc
+  spec = importlib.util.spec_from_file_location("_jaxlp_benchmarks", front)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.main(["--run", *(["--small"] if args.small else []), *(args.only or [])])
 
 
 def _cmd_formats(args) -> int:
@@ -342,7 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
   pc.add_argument("--out", default=None, metavar="DIR", help="output folder (runs/compare)")
   pc.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
   pc.add_argument("--overwrite", action="store_true",
-                  help="replace the runs of an earlier compare in the output folder")
+                  help="replace the runs of an earlier compare in the output folder (with "
+                       "--resume: only those whose flags differ)")
+  pc.add_argument("--resume", action="store_true",
+                  help="continue an earlier (interrupted) compare in the output folder: "
+                       "finished runs are reused, interrupted ones continue, missing ones start")
   pc.add_argument("base_flags", nargs=argparse.REMAINDER,
                   help="flags shared by every configuration, after '--', e.g. -- --epochs 5")
   pc.set_defaults(func=_cmd_compare)
@@ -389,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
   pb = sub.add_parser("bench", help="run the benchmark suite and print its tables")
   pb.add_argument("--small", action="store_true", help="CI-sized inputs")
   pb.add_argument("--only", nargs="+", metavar="NAME",
-                  help="benchmark names (files in benchmarks/)")
+                  help="benchmark names (listed by: python -m benchmarks)")
   pb.set_defaults(func=_cmd_bench)
 
   pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")
@@ -400,9 +457,49 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _is_flag(token: str, flag: str) -> bool:
+  """``token`` is ``flag`` or an abbreviation argparse accepts for it."""
+  return token == flag or (len(token) > 2 and token.startswith("--") and flag.startswith(token))
+
+
+def _resume_command(argv) -> str:
+  """The command line that continues an interrupted ``train``/``compare``/``reproduce``."""
+  cmd, rest = argv[0], list(argv[1:])
+  own = rest[:rest.index("--")] if "--" in rest else rest  # compare: before the shared flags
+  if cmd == "train":
+    rest = [a for a in rest if not _is_flag(a, "--overwrite")]
+    if not any(_is_flag(a, "--resume") for a in own):
+      rest.append("--resume")
+  elif cmd == "compare" and not any(_is_flag(a, "--resume") for a in own):
+    rest.insert(0, "--resume")
+  return "jaxlp " + shlex.join([cmd] + rest)
+
+
+def _interrupted(command: str, argv, e: KeyboardInterrupt) -> str:
+  """The one line for Ctrl-C."""
+  from jaxlp.training._runs import Interrupted
+
+  head = f"jaxlp {command}: interrupted"
+  if not isinstance(e, Interrupted):  # outside a run
+    return head + (f"; resume with: {_resume_command(argv)}"
+                   if command in ("compare", "reproduce") else "")
+  where = f" of configuration {e.config}" if getattr(e, "config", None) else ""
+  if e.out is not None and command == "reproduce":
+    where = f" of the run in {e.out}"
+  at = f" at epoch {e.epoch}{where}" if e.epoch else f" before training started{where}"
+  saved = f" ({e.saved} finished epoch(s) saved in {e.out})" if e.saved and e.out else ""
+  if command in ("compare", "reproduce") or (e.out is not None and e.resumable):
+    return f"{head}{at}{saved}; resume with: {_resume_command(argv)}"
+  if e.out is None:
+    return f"{head}{at} (no --out: nothing was saved)"
+  return f"{head}{at}; " + (e.note or f"nothing was written to {e.out}")
+
+
 def main(argv=None) -> int:
   """Run the ``jaxlp`` command; returns the exit code (2 and one line on stderr for a user
-  error: a bad flag, configuration, data or run folder)."""
+  error: a bad flag, configuration, data or run folder; 130 and one line saying how to resume
+  for Ctrl-C)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
   parser = build_parser()
   args = parser.parse_args(argv)
   if args.command is None:
@@ -411,11 +508,14 @@ def main(argv=None) -> int:
     args.base_flags = args.base_flags[1:]
   try:
     return args.func(args)
-  except (ValueError, TypeError, OSError, ImportError) as e:
+  except (ValueError, TypeError, OSError, ImportError, MemoryError) as e:
     # user errors: the library's messages name the flag or file; OSError's name the file
     msg = " ".join(str(e).split()) or type(e).__name__
     print(f"jaxlp {args.command}: error: {msg}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt as e:
+    print(_interrupted(args.command, argv, e), file=sys.stderr, flush=True)
+    return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

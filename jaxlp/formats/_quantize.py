@@ -95,6 +95,26 @@ def key_words(key) -> tuple[jax.Array, jax.Array]:
   return w[0], w[1]
 
 
+def split_key(key):
+  """``(data, impl)`` of a PRNG key (typed or legacy uint32; None gives ``(None, None)``), so
+  that it can cross a ``custom_vjp``/``custom_jvp`` boundary as a plain array;
+  :func:`join_key` rebuilds it."""
+  if key is None:
+    return None, None
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(key), jax.random.key_impl(key)
+  return jnp.asarray(key), None
+
+
+def join_key(data, impl):
+  """The key :func:`split_key` took apart (a typed key, or the legacy uint32 key data)."""
+  if data is None:
+    return None
+  if impl is None:
+    return jax.random.wrap_key_data(data)
+  return jax.random.wrap_key_data(data, impl=impl)
+
+
 def typed_key(key, who: str):
   """``key`` as a typed scalar PRNG key: a ``jax.random.key(...)`` passes unchanged; a legacy
   uint32[2] ``PRNGKey`` (which ``jax.random`` still accepts) is wrapped, with the same key data

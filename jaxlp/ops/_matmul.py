@@ -24,7 +24,7 @@ from jaxlp.pallas._matmul import matmul as _kernel_matmul
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
            rounding: str = "nearest", key=None, dimension_numbers=None,
-           preferred_element_type=None, bias=None):
+           preferred_element_type=None, bias=None, grad: str = "fp32"):
   """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
 
   Same arguments and bits as :func:`matmul_reference` (documented there). On a GPU it runs
@@ -34,6 +34,29 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
   computation is compiled for (``lax.platform_dependent``), so arrays on a CPU device
   always take the reference. On a GPU, a ``"chunked"`` kernel sums inside a chunk in the
   matrix unit's order (naive/kahan: same bits everywhere).
+
+  Derivative (``grad``; the roundings themselves have no useful derivative, so one is
+  defined, never a silent zero). With ``g`` the output cotangent and ``A``, ``B`` the
+  operands in the ``(batch, M, K) @ (batch, K, N)`` form:
+
+  * ``grad="fp32"`` (default): the derivative of the exact product, as if every rounding were
+    the identity (the straight-through rule of :func:`jaxlp.quantize`): ``dA = g @ B^T`` and
+    ``dB = A^T @ g`` as float32 GEMMs (``Precision.HIGHEST``), ``d bias = g``; forward mode
+    gives ``dA @ B + A @ dB (+ d bias)``, the same GEMMs. ``jax.grad``, ``jax.jvp``,
+    ``jax.vmap``, ``jax.jit`` and higher orders all work.
+  * ``grad="emulate"``: the backward GEMMs run through the same emulation (same ``mul``,
+    ``acc``, ``algorithm``, ``chunk``, ``rounding``, accumulator starting at +0), as
+    ``DotPolicy``'s ``dlhs_acc``/``drhs_acc`` do: ``dA = matmul(g, B^T)``,
+    ``dB = matmul(A^T, g)``, ``d bias = g``. With ``rounding="stochastic"`` the ``dA`` GEMM
+    draws its noise from ``jax.random.fold_in(key, 1)`` and the ``dB`` GEMM from
+    ``fold_in(key, 2)`` (the forward keeps ``key``): deterministic, and the three GEMMs'
+    noise is independent. Second derivatives repeat the rule (keys folded again). A
+    ``jax.custom_vjp``: reverse mode only, ``jax.jvp`` raises JAX's ``TypeError`` ("can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function").
+
+  Either way, cotangents of broadcast batch dimensions (and of a broadcast ``bias``) are
+  summed in float32, and a float16/bfloat16 operand gets the float32 cotangent rounded to its
+  dtype. The kernel (:func:`jaxlp.pallas.matmul`) has the same derivative and bits.
 
   Args:
     a, b: float32/float16/bfloat16 operands.
@@ -45,20 +68,22 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     dimension_numbers: None (``a (..., M, K) @ b (..., K, N)``) or ``lax.dot_general``'s.
     preferred_element_type: output dtype.
     bias: optional initial accumulator value.
+    grad: the derivative: ``"fp32"`` (default) or ``"emulate"`` (see above).
 
   Returns:
     The product, shaped as ``lax.dot_general`` would shape it.
 
   Raises:
     DTypeError: ``a`` or ``b`` is not float32, float16 or bfloat16 (e.g. a numpy float64
-      array; the same rule and error type as :func:`jaxlp.quantize`).
+      array or an integer array; the same rule and error type as :func:`jaxlp.quantize`).
     TypeError: a ``dimension_numbers`` entry that is not an int.
-    ValueError: a ``dimension_numbers`` axis out of range or named twice; an unknown
-      ``algorithm``; a ``mul``/``acc`` that is not an elementwise
+    ValueError: a ``dimension_numbers`` axis out of range or named twice; operands with
+      ndim < 2 and no ``dimension_numbers``; contracting (or paired batch) dimensions of
+      different sizes; batch dimensions that do not broadcast (all three name both shapes);
+      an unknown ``algorithm`` or ``grad``; a ``mul``/``acc`` that is not an elementwise
       format or does not support ``rounding``; ``chunk`` missing or not a positive int for
       ``"chunked"``, given for another algorithm, or ``"chunked"`` with ``mul``;
-      ``"stochastic"`` without ``key``; operands with ndim < 2 and no
-      ``dimension_numbers``.
+      ``"stochastic"`` without ``key``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -73,11 +98,21 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     >>> # chunks of 4: 256 + (1 + 1 + 1) = 259 -> 260, then 260 + 1 -> 260 (tie, to even)
     >>> jaxlp.matmul(a, b, acc=F.BF16, algorithm="chunked", chunk=4)
     Array([[260.]], dtype=float32)
+    >>> # d/dx of sum(x @ w) is g @ w^T with g = [[1, 1]]: 256 + 1, summed in float32 ...
+    >>> import jax
+    >>> x, w = jnp.ones((1, 1)), jnp.array([[256.0, 1.0]])
+    >>> jax.grad(lambda x: jaxlp.matmul(x, w, acc=F.BF16).sum())(x)
+    Array([[257.]], dtype=float32)
+    >>> # ... or in the same BF16 accumulator (grad="emulate"): 256 + 1 is a tie, to 256
+    >>> jax.grad(lambda x: jaxlp.matmul(x, w, acc=F.BF16, grad="emulate").sum())(x)
+    Array([[256.]], dtype=float32)
   """
   a, b = G.operands(a, b, dimension_numbers)
   kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding,
-            dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type)
+            dimension_numbers=dimension_numbers, preferred_element_type=preferred_element_type,
+            grad=grad)
   G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
+  G.check_grad(grad)
   if not kernel_applies(a.shape, b.shape, algorithm=algorithm, chunk=chunk):
     return matmul_reference(a, b, key=key, bias=bias, **kw)
   if dimension_numbers is not None:  # hashable (a static argument of the dispatch)
@@ -104,7 +139,8 @@ def _dispatch(a, b, key, bias, static):
 
 def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
                      chunk: int | None = None, rounding: str = "nearest", key=None,
-                     dimension_numbers=None, preferred_element_type=None, bias=None):
+                     dimension_numbers=None, preferred_element_type=None, bias=None,
+                     grad: str = "fp32"):
   """Matrix product with every product rounded to ``mul`` and every partial sum to ``acc``.
 
   Per output element (k strictly ascending, s = +0.0 initially, or the ``bias``):
@@ -144,20 +180,22 @@ def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
       (``D = A B + C`` of a matrix unit), converted exactly to float32 and NOT rounded to
       ``acc`` first (pass ``jaxlp.quantize(bias, acc)`` if it must be an ``acc`` value); the
       first addition rounds. With ``K = 0`` the result is the bias.
+    grad: the derivative, ``"fp32"`` or ``"emulate"`` (see :func:`matmul`).
 
   Returns:
     The product, shaped as ``lax.dot_general`` would shape it.
   """
-  a, b = G.operands(a, b, dimension_numbers)
-  G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
-  dt = G.out_dtype(a, b, preferred_element_type)
-  A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
+  kw = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding)
+  return G.gemm_call(functools.partial(_reference_gemm, **kw), a, b, key=key,
+                     dimension_numbers=dimension_numbers,
+                     preferred_element_type=preferred_element_type, bias=bias, grad=grad, **kw)
+
+
+def _reference_gemm(A, Bm, s0, kw, *, mul, acc, algorithm, chunk, rounding):
+  """The emulated GEMM on canonical operands: A (Bt, M, K) @ Bm (Bt, K, N) float32, s0 the
+  (Bt, M, N) initial accumulator, kw the (2,) uint32 key words; returns S (Bt, M, N)."""
   Bt, M, K = A.shape
   N = Bm.shape[2]
-  s0 = G.bias_init(bias, out_shape, Bt, M, N)
-  if Bt * M * N == 0 or K == 0:
-    return s0.reshape(out_shape).astype(dt)
-  kw = G.key_array(key, rounding)
   o_idx = G.output_index(jnp.arange(Bt)[:, None, None], jnp.arange(M)[None, :, None],
                          jnp.arange(N)[None, None, :], M, N)
   # hash_guard: an always-zero word no compiler can prove zero is XORed into each fp32
@@ -190,4 +228,4 @@ def matmul_reference(a, b, *, mul=None, acc=None, algorithm: str = "naive",
         return G.kahan_step(ctx, carry, a_col, b_row, t), None
 
       (s, _), _ = lax.scan(body, (s0, jnp.zeros_like(s0)), xs)
-  return s.reshape(out_shape).astype(dt)
+  return s

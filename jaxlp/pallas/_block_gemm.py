@@ -1,5 +1,6 @@
 """Pallas kernel of the exact block GEMM (``DotPolicy(block_dot="exact")``) on tensor cores:
-the same bits as ``block_dot_reference`` in ``jaxlp/ops/_block_dot.py``.
+the same bits as ``block_dot_reference`` in ``jaxlp/formats/_block_dot.py`` (the definition,
+below this module; the dispatch that calls the kernel is ``jaxlp/ops/_block_dot.py``).
 
 The integer significands and the per-(row, K-block) / per-(K-block, column) exponents are
 split off in jnp (``split_significands``). Grid (M tiles, N tiles); each program owns a
@@ -49,7 +50,7 @@ K-blocks. The bf16 route (``route="auto"``, the default through ``GPU_ROUTE`` in
 ``jaxlp/ops/_block_dot.py``) ran at 103-115 TFLOP/s for HBFP8 and 172-197 for MXINT8; the
 int8 route at 35 and 52. That run is also what confirms the bf16 route's premise: the
 hardware keeps float32's 24 bits in the bf16 MMA's accumulation. Static counts on the sm_90
-compile (``benchmarks/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
+compile (``benchmarks/tools/ptx_per_mac.py``): RESULTS.md. bm, bn are powers of two >= 16.
 """
 
 from __future__ import annotations
@@ -64,7 +65,13 @@ from jax.experimental import pallas as pl
 
 from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.formats import _bits as B
-from jaxlp.ops import _block_dot as BD
+from jaxlp.formats._block_dot import (
+    accumulate,
+    check_operands,
+    scale_exact,
+    split_blocks,
+    split_significands,
+)
 
 #: q range of the fast scaling (see the kernel): a nonzero |n| < 2**31 times 2**q is a normal
 #: float32 for -126 <= q <= 96, so ``fl32(n) * 2**q`` equals ``scale_exact(n, q)`` there (and
@@ -134,9 +141,9 @@ def _int8_kernel(nb: int, gp: int, c: int, bm: int, bn: int, from_bf16: bool = F
       # two instructions per output instead of scale_exact's integer rounding.
       fast = (jnp.min(qa) + jnp.min(qb) >= FAST_Q_MIN) & (jnp.max(qa) + jnp.max(qb) <= FAST_Q_MAX)
       return lax.cond(fast, lambda: n.astype(jnp.float32) * B.from_bits(B.pow2_bits(q)),
-                      lambda: BD.scale_exact(n, q))
+                      lambda: scale_exact(n, q))
 
-    return lax.fori_loop(1, nb, lambda t, s: BD.accumulate(s, partial(t)), partial(0))
+    return lax.fori_loop(1, nb, lambda t, s: accumulate(s, partial(t)), partial(0))
 
   def kernel(route_ref, qa_ref, qb_ref, ka_ref, kb_ref, *rest):
     o_ref = rest[-1]  # before it, when present, the bf16 kernel's output (aliased)
@@ -245,7 +252,7 @@ def _prepare_one(x, g: int, bits: int, rows: int):
   """:func:`_prepare` of one operand ``x`` (R, K), K-major: ``k`` (rows, nb, g), ``q``
   (rows, nb)."""
   R = x.shape[0]
-  k, q = BD.split_significands(x, g, bits)
+  k, q = split_significands(x, g, bits)
   # a block's significands are all zero exactly when its magnitudes are (the largest one's
   # significand has its top bit set); testing the input lets XLA fuse this reduction with
   # the exponents' instead of reading the significands again
@@ -258,7 +265,7 @@ def tile_routes(a, b, g: int, bits_a: int, bits_b: int, *, block_m: int | None =
   """The route :func:`block_gemm` (``route="auto"``) takes per output tile: (M tiles,
   N tiles) int32, 1 = bf16, 0 = int8 (all 0 where :func:`bf16_route_ok` is false)."""
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  BD._check(a, b, g, bits_a, bits_b)
+  check_operands(a, b, g, bits_a, bits_b)
   bf16 = bf16_route_ok(g, bits_a, bits_b)
   bm, bn = _tiles(a.shape[0], b.shape[1], block_m, block_n, bf16)
   _, qa, _, qb = _prepare(a, b, g, bits_a, bits_b, bm, bn)
@@ -304,7 +311,7 @@ def prep_bf16_rows(a, g: int, bits: int, shift: int, rows: int, *, interpret: bo
     def block(t, carry):
       ok = row_ok & (col < g) & (t * g + col < K)
       x = plt.load(a_ref.at[:, pl.ds(t * g, W)], mask=ok, other=0.0)
-      k, q, nonzero = BD.split_blocks(x, bits)
+      k, q, nonzero = split_blocks(x, bits)
       q = jnp.where(nonzero, q, 0)
       scale = B.from_bits(B.pow2_bits(bf16_scale(q, shift)))[:, None]
       v = (k.astype(jnp.float32) * scale).astype(jnp.bfloat16)
@@ -378,7 +385,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
                block_m: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                route: str = "auto", prep: str | None = None):
-  """``a`` (M, K) . ``b`` (K, N) with the exact block bits (``jaxlp/ops/_block_dot.py``).
+  """``a`` (M, K) . ``b`` (K, N) with the exact block bits (``jaxlp/formats/_block_dot.py``).
 
   Args:
     a, b: float32 values of block formats with ``bits_a`` / ``bits_b`` (<= 7) significand
@@ -404,7 +411,7 @@ def block_gemm(a, b, g: int, bits_a: int, bits_b: int, *, interpret: bool = Fals
       unknown route.
   """
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  BD._check(a, b, g, bits_a, bits_b)
+  check_operands(a, b, g, bits_a, bits_b)
   if max(bits_a, bits_b) > 7:
     raise ValueError(f"block_gemm: int8 significands need <= 7 bits, got {bits_a} and {bits_b}")
   if route not in ROUTES:

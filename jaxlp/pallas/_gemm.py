@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlp.formats import _bits as B
-from jaxlp.formats._quantize import DTypeError, check_format, is_elementwise
+from jaxlp.formats._quantize import DTypeError, check_format, is_elementwise, join_key, split_key
 
 ALGORITHMS = ("naive", "kahan", "chunked")
 ROUNDINGS_PER_STEP = {"naive": 2, "kahan": 5, "chunked": 1}
@@ -40,7 +40,11 @@ def operands(a, b, dimension_numbers):
   out = []
   for name, x in (("a", a), ("b", b)):
     in_dtype = getattr(x, "dtype", None)
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    try:
+      x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    except (TypeError, ValueError):
+      raise TypeError(f"matmul: {name} must be a float32, float16 or bfloat16 array, got "
+                      f"{type(x).__name__} {x!r:.80}") from None
     dt = x.dtype if in_dtype is None else jnp.dtype(in_dtype)
     if dt not in _FLOAT_DTYPES or x.dtype not in _FLOAT_DTYPES:
       raise DTypeError(f"matmul: {name} must be float32, float16 or bfloat16, got "
@@ -77,8 +81,10 @@ def operands(a, b, dimension_numbers):
 
 def check_args(a, b, mul, acc, algorithm, chunk, rounding, key):
   """Validate the GEMM arguments (shared by the reference and the kernel)."""
-  if algorithm not in ALGORITHMS:
+  if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
     raise ValueError(f"matmul: algorithm must be one of {ALGORITHMS}, got {algorithm=}")
+  if not isinstance(rounding, str) or rounding not in B.ROUNDINGS:
+    raise ValueError(f"matmul: unknown rounding={rounding!r}; expected one of {B.ROUNDINGS}")
   for name, x in (("a", a), ("b", b)):
     if jnp.dtype(x.dtype) not in _FLOAT_DTYPES:
       raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, got "
@@ -115,7 +121,16 @@ def canonicalize(a, b, dimension_numbers):
     if a.ndim < 2 or b.ndim < 2:
       raise ValueError(f"matmul: a and b need ndim >= 2 without dimension_numbers, got "
                        f"a.shape={a.shape}, b.shape={b.shape}")
-    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if a.shape[-1] != b.shape[-2]:
+      raise ValueError(f"matmul: contracting dimension mismatch: a.shape[-1]={a.shape[-1]} but "
+                       f"b.shape[-2]={b.shape[-2]} (a @ b contracts the last axis of a with the "
+                       f"second-to-last of b): a.shape={a.shape}, b.shape={b.shape}")
+    try:
+      batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+      raise ValueError(f"matmul: the batch dimensions of a.shape={a.shape} and b.shape={b.shape} "
+                       f"(all but the last two: {a.shape[:-2]} and {b.shape[:-2]}) do not "
+                       "broadcast") from None
     a = jnp.broadcast_to(a, batch + a.shape[-2:])
     b = jnp.broadcast_to(b, batch + b.shape[-2:])
     nb = len(batch)
@@ -123,12 +138,15 @@ def canonicalize(a, b, dimension_numbers):
   (lc, rc), (lb, rb) = dimension_numbers
   lc, rc, lb, rb = (tuple(int(d) % n for d in ds) for ds, n in
                     ((lc, a.ndim), (rc, b.ndim), (lb, a.ndim), (rb, b.ndim)))
-  if len(lc) != len(rc) or len(lb) != len(rb):
-    raise ValueError(f"matmul: bad dimension_numbers={dimension_numbers}")
-  for x, y in ((lc, rc), (lb, rb)):
-    if tuple(a.shape[d] for d in x) != tuple(b.shape[d] for d in y):
-      raise ValueError(f"matmul: dimension mismatch for dimension_numbers={dimension_numbers}: "
-                       f"a.shape={a.shape}, b.shape={b.shape}")
+  for what, x, y in (("contracting", lc, rc), ("batch", lb, rb)):
+    if len(x) != len(y):
+      raise ValueError(f"matmul: dimension_numbers={dimension_numbers} pairs {len(x)} lhs "
+                       f"{what} dimension(s) with {len(y)} rhs {what} dimension(s)")
+    for dl, dr in zip(x, y):
+      if a.shape[dl] != b.shape[dr]:
+        raise ValueError(f"matmul: {what} dimension mismatch for dimension_numbers="
+                         f"{dimension_numbers}: a.shape[{dl}]={a.shape[dl]} but b.shape[{dr}]="
+                         f"{b.shape[dr]} (a.shape={a.shape}, b.shape={b.shape})")
   lf = tuple(d for d in range(a.ndim) if d not in lc + lb)
   rf = tuple(d for d in range(b.ndim) if d not in rc + rb)
   batch = tuple(a.shape[d] for d in lb)
@@ -173,6 +191,127 @@ def key_array(key, rounding):
     return jnp.zeros((2,), jnp.uint32)
   from jaxlp.formats._quantize import key_words
   return jnp.stack(key_words(key))
+
+
+# ---------------------------------------------------------------------------------------
+# The derivative (shared by reference and kernel)
+# ---------------------------------------------------------------------------------------
+#: Values of the ``grad`` argument of :func:`jaxlp.matmul` / :func:`jaxlp.pallas.matmul`.
+GRADS = ("fp32", "emulate")
+
+
+def check_grad(grad):
+  if not isinstance(grad, str) or grad not in GRADS:
+    raise ValueError(f"matmul: grad must be one of {GRADS}, got grad={grad!r}")
+
+
+def gemm_call(gemm, a, b, *, mul, acc, algorithm, chunk, rounding, key, dimension_numbers,
+              preferred_element_type, bias, grad):
+  """The common body of :func:`jaxlp.matmul`'s reference and of the kernel wrapper.
+
+  Checks the arguments, brings the operands to the canonical A (Bt, M, K), B (Bt, K, N)
+  float32 form, runs ``gemm(A, B, C, kw)`` (C: the (Bt, M, N) initial accumulator, kw: the
+  (2,) uint32 key words) with the derivative chosen by ``grad`` (:func:`differentiable`) and
+  shapes and casts the result. The canonicalisation (transpose, reshape, batch broadcast,
+  dtype casts, bias broadcast) is plain jnp, differentiated by JAX: the cotangents of
+  broadcast batch dimensions or of a broadcast bias are summed in float32, and a
+  float16/bfloat16 operand's cotangent is the float32 one rounded to its dtype (nearest even).
+  """
+  a, b = operands(a, b, dimension_numbers)
+  check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
+  check_grad(grad)
+  dt = out_dtype(a, b, preferred_element_type)
+  A, Bm, out_shape = canonicalize(a, b, dimension_numbers)
+  Bt, M, K = A.shape
+  N = Bm.shape[2]
+  C = bias_init(bias, out_shape, Bt, M, N)
+  if Bt * M * N == 0 or K == 0:  # no GEMM: the result is the bias (plain autodiff)
+    return C.reshape(out_shape).astype(dt)
+  S = differentiable(gemm, grad, rounding, A, Bm, C, key)
+  return S.reshape(out_shape).astype(dt)
+
+
+def _dot32(x, y):
+  """A float32 batched GEMM (Bt, m, k) @ (Bt, k, n) at ``Precision.HIGHEST`` (IEEE fp32
+  products and fp32 accumulation in the backend's order; not TF32/bf16 passes on a GPU)."""
+  return jnp.matmul(x, y, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def differentiable(gemm, grad, rounding, A, Bm, C, key):
+  """``gemm(A, Bm, C, key_array(key, rounding))`` with a defined derivative.
+
+  The emulated GEMM works on bit patterns (integer ops), through which JAX's own autodiff
+  sees no dependence (a silent zero derivative); this defines it instead, on the canonical
+  operands A (Bt, M, K), Bm (Bt, K, N) and the initial accumulator C (Bt, M, N):
+
+  * ``grad="fp32"``: a ``jax.custom_jvp`` whose tangent is ``dA @ Bm + A @ dBm + dC`` with
+    float32 GEMMs (:func:`_dot32`): the derivative of the exact product, as if every rounding
+    were the identity (the straight-through rule of :func:`jaxlp.quantize`). The tangent is
+    linear, so JAX transposes it for reverse mode: ``dA = g @ Bm^T``, ``dBm = A^T @ g`` (fp32
+    GEMMs), ``dC = g``; ``jvp``, ``grad``, ``vmap``, ``jit`` and higher orders all work.
+  * ``grad="emulate"``: a ``jax.custom_vjp`` whose backward GEMMs are the same emulation
+    (same mul/acc/algorithm/chunk/rounding, accumulator starting at +0):
+    ``dA = gemm(g, Bm^T)`` with key ``fold_in(key, 1)``, ``dBm = gemm(A^T, g)`` with key
+    ``fold_in(key, 2)`` (stochastic rounding only; the forward keeps ``key``), ``dC = g``. The
+    backward GEMMs are themselves differentiable the same way (keys folded again), so
+    second derivatives are emulated GEMMs too. Forward mode (``jax.jvp``) is not defined for a
+    custom_vjp: JAX raises ``TypeError``.
+  """
+  if grad == "fp32":
+    return _fp32_derivative(gemm)(A, Bm, C, key_array(key, rounding))
+  kd, impl = split_key(key if rounding == "stochastic" else None)
+  return _emulated_derivative(gemm, rounding, impl)(A, Bm, C, kd)
+
+
+def _fp32_derivative(gemm):
+  @jax.custom_jvp
+  def f(A, Bm, C, kw):
+    return gemm(A, Bm, C, kw)
+
+  def f_jvp(primals, tangents):
+    A, Bm, C, kw = primals
+    dA, dB, dC, _ = tangents
+    out = gemm(A, Bm, C, kw)
+    terms = []
+    if not isinstance(dA, jax.custom_derivatives.SymbolicZero):
+      terms.append(_dot32(dA, Bm))
+    if not isinstance(dB, jax.custom_derivatives.SymbolicZero):
+      terms.append(_dot32(A, dB))
+    if not isinstance(dC, jax.custom_derivatives.SymbolicZero):
+      terms.append(dC)
+    if not terms:
+      return out, jnp.zeros_like(out)
+    t = terms[0]
+    for x in terms[1:]:
+      t = t + x
+    return out, t
+
+  f.defjvp(f_jvp, symbolic_zeros=True)
+  return f
+
+
+def _emulated_derivative(gemm, rounding, impl):
+  def primal(A, Bm, C, kd):
+    return gemm(A, Bm, C, key_array(join_key(kd, impl), rounding))
+
+  f = jax.custom_vjp(primal)
+
+  def fwd(A, Bm, C, kd):
+    return primal(A, Bm, C, kd), (A, Bm, kd)
+
+  def bwd(res, g):
+    A, Bm, kd = res
+    key = join_key(kd, impl)
+    k1 = None if key is None else jax.random.fold_in(key, 1)
+    k2 = None if key is None else jax.random.fold_in(key, 2)
+    dA = differentiable(gemm, "emulate", rounding, g, jnp.swapaxes(Bm, 1, 2),
+                        jnp.zeros(A.shape, jnp.float32), k1)
+    dB = differentiable(gemm, "emulate", rounding, jnp.swapaxes(A, 1, 2), g,
+                        jnp.zeros(Bm.shape, jnp.float32), k2)
+    return dA, dB, g, None
+
+  f.defvjp(fwd, bwd)
+  return f
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ bit-identical on every backend).
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -125,15 +126,20 @@ def _make_kernel(*, mul, acc, rounding, algorithm, chunk, K, M, N, n_out, bm, bn
 
 def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | None = None,
            rounding: str = "nearest", key=None, dimension_numbers=None,
-           preferred_element_type=None, bias=None, interpret: bool = False,
+           preferred_element_type=None, bias=None, grad: str = "fp32", interpret: bool = False,
            block_m: int | None = None, block_n: int | None = None, num_warps: int = 4):
   """Pallas version of :func:`jaxlp.matmul` (same arguments and bits; see there).
+
+  The derivative is :func:`jaxlp.matmul`'s (``grad="fp32"``: float32 GEMMs, ``jvp`` and
+  ``grad``; ``grad="emulate"``: the backward GEMMs run through this kernel with the same
+  settings, ``interpret``, tiles and warps included), so the gradients have the same bits as
+  :func:`jaxlp.matmul`'s.
 
   Args:
     a, b: the operands; every argument before ``interpret`` is as in :func:`jaxlp.matmul`.
     interpret: run in the Pallas interpreter (CPU testing).
     block_m, block_n: output tile (powers of two on GPU; default min(64, next_pow2(dim)),
-      at least 16 for "chunked").
+      at least 16 for "chunked"); the backward GEMMs of ``grad="emulate"`` use the same.
     num_warps: Triton warps per program.
 
   Returns:
@@ -144,9 +150,10 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
       included), as in :func:`jaxlp.matmul`.
     TypeError: a ``dimension_numbers`` entry that is not an int.
     ValueError: the argument errors of :func:`jaxlp.matmul` (a ``dimension_numbers`` axis
-      out of range or named twice, unknown ``algorithm``, a ``mul``/``acc`` that is not an
-      elementwise format, a bad ``chunk``, ``"stochastic"`` without ``key``, operands with
-      ndim < 2 and no ``dimension_numbers``).
+      out of range or named twice, operands with ndim < 2 and no ``dimension_numbers``,
+      dimensions that do not match or batch dimensions that do not broadcast, unknown
+      ``algorithm`` or ``grad``, a ``mul``/``acc`` that is not an elementwise format, a bad
+      ``chunk``, ``"stochastic"`` without ``key``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -159,15 +166,20 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
     Array([[256.],
            [258.]], dtype=float32)
   """
-  a, b = G.operands(a, b, dimension_numbers)
-  G.check_args(a, b, mul, acc, algorithm, chunk, rounding, key)
-  dt = G.out_dtype(a, b, preferred_element_type)
-  A, Bm, out_shape = G.canonicalize(a, b, dimension_numbers)
+  static = dict(mul=mul, acc=acc, algorithm=algorithm, chunk=chunk, rounding=rounding)
+  gemm = functools.partial(_kernel_gemm, interpret=interpret, block_m=block_m,
+                           block_n=block_n, num_warps=num_warps, **static)
+  return G.gemm_call(gemm, a, b, key=key, dimension_numbers=dimension_numbers,
+                     preferred_element_type=preferred_element_type, bias=bias, grad=grad,
+                     **static)
+
+
+def _kernel_gemm(A, Bm, C, kw, *, mul, acc, algorithm, chunk, rounding, interpret, block_m,
+                 block_n, num_warps):
+  """The kernel on canonical operands: A (Bt, M, K) @ Bm (Bt, K, N) float32, C the (Bt, M, N)
+  initial accumulator, kw the (2,) uint32 key words; returns S (Bt, M, N) float32."""
   Bt, M, K = A.shape
   N = Bm.shape[2]
-  C = G.bias_init(bias, out_shape, Bt, M, N)
-  if Bt * M * N == 0 or K == 0:
-    return C.reshape(out_shape).astype(dt)
   lo = 16 if algorithm == "chunked" else 1
   bm = block_m or max(lo, min(64, next_pow2(M)))
   bn = block_n or max(lo, min(64, next_pow2(N)))
@@ -197,9 +209,8 @@ def matmul(a, b, *, mul=None, acc=None, algorithm: str = "naive", chunk: int | N
       interpret=interpret,
       compiler_params=params,
       name=f"jaxlp_matmul_{algorithm}",
-  )(G.key_array(key, rounding), jnp.zeros((1,), jnp.uint32), A, Bm, C)
-  return out[:, :M, :N].reshape(out_shape).astype(dt)
-
+  )(kw, jnp.zeros((1,), jnp.uint32), A, Bm, C)
+  return out[:, :M, :N]
 
 
 __all__ = ["can_use_pallas_matmul", "kernel_applies", "matmul"]

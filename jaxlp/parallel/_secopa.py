@@ -179,7 +179,8 @@ def secopa_plan(sizes, *, topology: str = "ps", num_nodes: int, costs: SeCoPaCos
   """Per-gradient SeCoPa decisions.
 
   Args:
-    sizes: element counts (ints), or a pytree of arrays/ShapeDtypeStructs (leaf order).
+    sizes: element counts (ints >= 0, numpy integers included), or a pytree of
+      arrays/ShapeDtypeStructs (leaf order; a leaf may also be an int count).
     topology: ``"ps"`` (co-located parameter servers) or ``"ring"`` (case-insensitive).
     num_nodes: N.
     costs: a :class:`SeCoPaCosts` (e.g. from :func:`measure_costs`); default the HiPress
@@ -190,8 +191,13 @@ def secopa_plan(sizes, *, topology: str = "ps", num_nodes: int, costs: SeCoPaCos
     ``plan=`` to :func:`jaxlp.parallel.compressed_allreduce`.
 
   Raises:
-    ValueError: ``topology`` is not ``"ps"``/``"ring"``; ``num_nodes < 1``; ``costs=None``
-      and ``num_nodes`` is not 4, 8 or 16.
+    TypeError: a size that is not an int (a float such as ``2.5`` or ``nan``, a bool, a
+      string; an array-like leaf without a shape), ``sizes`` None or a str, ``num_nodes``
+      not an int, ``topology`` not a str, ``costs`` neither None nor a
+      :class:`SeCoPaCosts`. The message names the leaf (``sizes[1]``, ``sizes['w']``).
+    ValueError: a negative size (named, e.g. ``sizes[0]=-5``); ``topology`` is not
+      ``"ps"``/``"ring"``; ``num_nodes < 1``; ``costs=None`` and ``num_nodes`` is not 4, 8
+      or 16.
 
   Example:
     A 1000-element bias stays uncompressed, a 2048 x 2048 weight is compressed in 6 parts:
@@ -205,18 +211,51 @@ def secopa_plan(sizes, *, topology: str = "ps", num_nodes: int, costs: SeCoPaCos
     ...                                                     num_nodes=8)]
     [(False, 8), (True, 8)]
   """
+  if not isinstance(topology, str):
+    raise TypeError(f"secopa_plan: topology must be 'ps' or 'ring', got {topology=}")
+  if topology.lower() not in ("ps", "ring"):
+    raise ValueError(f"secopa_plan: topology must be 'ps' or 'ring', got {topology=}")
   topology = topology.lower()
-  if topology not in ("ps", "ring"):
-    raise ValueError(f"{topology=} must be 'ps' or 'ring'")
+  if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)):
+    raise TypeError(f"secopa_plan: num_nodes must be an int, got {num_nodes!r} of type "
+                    f"{type(num_nodes).__name__}")
   if num_nodes < 1:
-    raise ValueError(f"{num_nodes=} must be >= 1")
+    raise ValueError(f"secopa_plan: num_nodes must be >= 1, got {num_nodes=}")
+  num_nodes = int(num_nodes)
   if costs is None:
     costs = hipress_costs(num_nodes)
-  if not (isinstance(sizes, (list, tuple)) and all(isinstance(s, (int, np.integer))
-                                                    for s in sizes)):
-    import jax
-    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(sizes)]
-  return [plan_one(int(s), costs, topology, num_nodes) for s in sizes]
+  elif not isinstance(costs, SeCoPaCosts):
+    raise TypeError(f"secopa_plan: costs must be a SeCoPaCosts (hipress_costs(...), "
+                    f"measure_costs(...)) or None, got {type(costs).__name__}")
+  return [plan_one(n, costs, topology, num_nodes) for n in _element_counts(sizes)]
+
+
+def _element_counts(sizes) -> list[int]:
+  """The element count of each leaf of ``sizes`` (ints >= 0, or arrays / ShapeDtypeStructs),
+  in leaf order; a clear error naming the leaf (``sizes[1]``, ``sizes['w']``) otherwise."""
+  import jax
+  if sizes is None or isinstance(sizes, (str, bytes)):
+    raise TypeError("secopa_plan: sizes must be a list of element counts (ints) or a pytree "
+                    f"of arrays / ShapeDtypeStructs, got {sizes!r}")
+  leaves = jax.tree_util.tree_leaves_with_path(sizes, is_leaf=lambda x: x is None)
+  counts = []
+  for path, leaf in leaves:
+    where = "sizes" + jax.tree_util.keystr(path)
+    if isinstance(leaf, (bool, np.bool_)):
+      raise TypeError(f"secopa_plan: {where}={leaf!r} is a bool, not an element count")
+    if isinstance(leaf, (int, np.integer)):
+      if leaf < 0:
+        raise ValueError(f"secopa_plan: {where}={leaf} is negative; element counts are >= 0")
+      counts.append(int(leaf))
+    elif isinstance(leaf, (float, complex, np.floating, np.complexfloating)):
+      raise TypeError(f"secopa_plan: {where}={leaf!r} is a {type(leaf).__name__}; element "
+                      "counts are ints (e.g. int(np.prod(shape)))")
+    elif isinstance(getattr(leaf, "shape", None), tuple):
+      counts.append(int(np.prod(leaf.shape, dtype=np.int64)))
+    else:
+      raise TypeError(f"secopa_plan: {where}={leaf!r:.60} is neither an element count (int) "
+                      "nor an array / ShapeDtypeStruct")
+  return counts
 
 
 def fit_linear(xs, ts) -> LinearCost:

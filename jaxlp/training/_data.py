@@ -163,6 +163,9 @@ def load_mnist(data_dir: str) -> Dataset:
   def split(images, labels):
     pi, pl = find(images), find(labels)
     x, y = _read_idx(pi, 3), _read_idx(pl, 1).astype(np.int32)
+    if 0 in x.shape[1:]:
+      raise ValueError(f"{pi}: the images are {x.shape[1]}x{x.shape[2]} pixels; MNIST images "
+                       "need at least 1x1 (the file is damaged or not MNIST)")
     _check_split(x, y, 10, f"{pi} / {pl}")
     return x, y
 
@@ -189,8 +192,8 @@ def load(name: str, data_dir: str | None = None, seed: int = 0) -> Dataset:
 
   Raises:
     ValueError: an unknown name; a missing ``data_dir`` or file for CIFAR-10 or MNIST; a
-      damaged file (not a pickle/gzip/IDX file, wrong shapes, image and label counts that
-      differ, a label outside 0..9); the message names the file.
+      damaged file (not a pickle/gzip/IDX file, wrong shapes, images of 0 pixels, image and
+      label counts that differ, a label outside 0..9); the message names the file.
 
   Example:
     >>> from jaxlp.training import load_dataset

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlp
 from jaxlp import formats as F
-from jaxlp.ops._block_dot import check_exact
+from jaxlp.formats._block_dot import check_exact
 from jaxlp.parallel import ORDERS as ORDERS
 from jaxlp.parallel import compressors as C
 from jaxlp.parallel import payload_bytes, psum
@@ -209,11 +209,18 @@ def _policy(cfg: TrainConfig):
     raise ValueError(f"--exact-blocks: {e}") from None
 
 
-_INT_FIELDS = {  # field: (lowest allowed, None allowed)
-    "nodes": (1, False), "devices": (0, False), "grad_exp": (1, True), "grad_man": (0, True),
-    "hbfp": (1, True), "tile": (0, True), "weight_man": (1, True), "epochs": (1, False),
-    "batch_size": (1, False), "warmup_epochs": (0, False), "seed": (0, False),
-    "width": (1, False), "max_steps_per_epoch": (1, True)}
+INT_MAX = 2**31 - 1  # every integer flag is at most this (XLA's shapes and step counters)
+SEED_MAX = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds here: larger seeds would alias
+# HBFP tiles: --tile 2**31 - 1 overflowed XLA's shape arithmetic and aborted the process;
+# 4096 is far beyond the tiles in use (24, 64), and 0 gives one exponent per tensor
+TILE_MAX = 4096
+_INT_FIELDS = {  # field: (lowest allowed, highest allowed, None allowed)
+    "nodes": (1, INT_MAX, False), "devices": (0, INT_MAX, False),
+    "grad_exp": (1, INT_MAX, True), "grad_man": (0, INT_MAX, True), "hbfp": (1, INT_MAX, True),
+    "tile": (0, TILE_MAX, True), "weight_man": (1, INT_MAX, True), "epochs": (1, INT_MAX, False),
+    "batch_size": (1, INT_MAX, False), "warmup_epochs": (0, INT_MAX, False),
+    "seed": (0, SEED_MAX, False), "width": (1, INT_MAX, False),
+    "max_steps_per_epoch": (1, INT_MAX, True)}
 _FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= this
 _BOOL_FIELDS = ("aps", "kahan", "lars", "exact_blocks", "resume", "overwrite", "migrate_pickle",
                 "quiet")
@@ -230,7 +237,7 @@ def check_config(cfg: TrainConfig) -> None:
   from jaxlp.training._data import DATASETS
   from jaxlp.training._models import MODELS
 
-  for k, (lo, none_ok) in _INT_FIELDS.items():
+  for k, (lo, hi, none_ok) in _INT_FIELDS.items():
     v = getattr(cfg, k)
     if v is None and none_ok:
       continue
@@ -238,6 +245,10 @@ def check_config(cfg: TrainConfig) -> None:
       raise TypeError(f"{_flag(k)} must be an int, got {v!r}")
     if v < lo:
       raise ValueError(f"{_flag(k)} must be >= {lo}, got {v}")
+    if v > hi:
+      why = {"seed": " (JAX's PRNG seeds are 32-bit: a larger seed would repeat a smaller one)",
+             "tile": " (0 = one exponent per tensor)"}.get(k, "")
+      raise ValueError(f"{_flag(k)} must be at most {hi}{why}, got {v}")
   for k, lo in _FLOAT_FIELDS.items():
     v = getattr(cfg, k)
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
@@ -314,6 +325,9 @@ def _parse_compress(spec: str):
         val = float(v)
       except ValueError:
         val = {"true": True, "false": False}.get(v.lower(), v)
+    if isinstance(val, int) and not isinstance(val, bool) and abs(val) > INT_MAX:
+      raise ValueError(f"--compress {spec!r}: {k}={val} is out of range (at most {INT_MAX} "
+                       "in magnitude)")
     kwargs[k] = val
   factory = getattr(C, name, None)
   if factory is None or name.startswith("_"):
@@ -348,6 +362,92 @@ def _check_reduce_opts(spec, opts):
       raise ValueError(f"--compress {spec!r}: bucket_mb must be a number > 0, got {v!r}")
 
 
+def check_flags(cfg: TrainConfig) -> dict:
+  """Every check of a configuration that needs no data and no model (ValueError/TypeError
+  naming the flag): field types and ranges, devices, gradient format, compressor, policy.
+
+  Returns the resolved pieces: ``ndev``, ``fmt``, ``compressor``, ``reduce_opts``,
+  ``policy``. ``jaxlp compare`` calls it for every configuration before the first run."""
+  check_config(cfg)
+  if cfg.devices > 0:
+    ndev = cfg.devices
+  else:  # auto: as many real devices as divide the number of workers
+    ndev = max(d for d in range(1, jax.device_count() + 1) if cfg.nodes % d == 0)
+  if ndev > jax.device_count() or cfg.nodes % ndev:
+    raise ValueError(f"--devices {cfg.devices}: need a divisor of --nodes {cfg.nodes} that is "
+                     f"at most the {jax.device_count()} available device(s)")
+  fmt = grad_format(cfg)
+  if (cfg.aps or cfg.kahan) and fmt is None:
+    raise ValueError("--aps/--kahan need a low-precision gradient format "
+                     "(--grad-exp/--grad-man or --grad-format)")
+  compressor, reduce_opts = _parse_compress(cfg.compress) if cfg.compress else (None, {})
+  if compressor is not None and fmt is not None:
+    raise ValueError("give either --compress or a gradient format, not both")
+  _check_reduce_opts(cfg.compress, reduce_opts)
+  _check_momentum_correction(compressor, cfg)
+  if cfg.order != "chain" and fmt is None:
+    raise ValueError(
+        f"--order {cfg.order} applies only to a low-precision gradient sum (--grad-exp/"
+        "--grad-man or --grad-format): fp32 runs reduce with lax.psum and --compress runs "
+        "with the compressor's aggregation (choose it with --compress NAME:algorithm=...)")
+  return {"ndev": ndev, "fmt": fmt, "compressor": compressor, "reduce_opts": reduce_opts,
+          "policy": _policy(cfg)}
+
+
+def _device_bytes(dev) -> tuple[int | None, str]:
+  """(memory of device ``dev`` in bytes or None if unknown, its name)."""
+  try:
+    stats = dev.memory_stats() or {}
+  except Exception:  # pragma: no cover - backends without memory statistics
+    stats = {}
+  limit = stats.get("bytes_limit")
+  if limit is None and dev.platform == "cpu":
+    try:
+      limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - no sysconf (Windows)
+      limit = None
+  return (int(limit) if limit else None), f"{dev.platform}:{dev.id}"
+
+
+def _gib(n) -> str:
+  return f"{n / 2**30:,.1f} GiB"
+
+
+def _check_memory(cfg: TrainConfig, variables, ndev: int) -> None:
+  """Refuse a model that cannot fit before allocating it: a lower bound of the memory one
+  device needs (parameters and batch statistics, the optimizer's momentum, and the gradient
+  of each worker it runs) against the device's memory (host RAM for the CPU)."""
+  n = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(variables))
+  state = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+              for a in jax.tree_util.tree_leaves(variables))
+  per_dev = cfg.nodes // ndev
+  need = state * (2 + per_dev)
+  limit, name = _device_bytes(jax.devices()[0])
+  if limit is None or need <= limit:
+    return
+  more = f" or fewer workers per device (--nodes {cfg.nodes}, --devices)" if per_dev > 1 else ""
+  raise ValueError(f"--width {cfg.width}: the {cfg.model} has {n:,} parameters "
+                   f"({_gib(state)}); training it with {per_dev} worker(s) per device needs at "
+                   f"least {_gib(need)} (parameters, momentum and one gradient per worker), "
+                   f"more than the {_gib(limit)} of {name}; choose a smaller --width{more}")
+
+
+@contextlib.contextmanager
+def _device_memory(cfg: TrainConfig, what: str):
+  """XLA's RESOURCE_EXHAUSTED (out of device memory) as one ValueError naming the flags."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text:
+      raise
+    first = " ".join(text.split("\n", 1)[0].split())[:200]
+    raise ValueError(f"out of device memory while {what} ({first}): --model {cfg.model} "
+                     f"--width {cfg.width} with --batch-size {cfg.batch_size} over --nodes "
+                     f"{cfg.nodes} does not fit; choose a smaller --width or --batch-size"
+                     ) from None
+
+
 class Trainer:
   """The training loop one epoch at a time: builds the data, the model, the optimizer and the
   jitted data-parallel step of a :class:`TrainConfig`.
@@ -375,34 +475,22 @@ class Trainer:
     from jaxlp.training import _models as M
 
     self.cfg = cfg
-    check_config(cfg)
-
-    if cfg.devices > 0:
-      ndev = cfg.devices
-    else:  # auto: as many real devices as divide the number of workers
-      ndev = max(d for d in range(1, jax.device_count() + 1) if cfg.nodes % d == 0)
-    if ndev > jax.device_count() or cfg.nodes % ndev:
-      raise ValueError(f"--devices {cfg.devices}: need a divisor of --nodes {cfg.nodes} that is "
-                       f"at most the {jax.device_count()} available device(s)")
-    self.ndev = ndev
+    flags = check_flags(cfg)
+    ndev = self.ndev = flags["ndev"]
     self.axis = ("dev", "nodes") if ndev > 1 else "nodes"
-    self.fmt = grad_format(cfg)
-    if (cfg.aps or cfg.kahan) and self.fmt is None:
-      raise ValueError("--aps/--kahan need a low-precision gradient format "
-                       "(--grad-exp/--grad-man or --grad-format)")
-    self.compressor, self.reduce_opts = (_parse_compress(cfg.compress) if cfg.compress
-                                         else (None, {}))
-    if self.compressor is not None and self.fmt is not None:
-      raise ValueError("give either --compress or a gradient format, not both")
-    _check_reduce_opts(cfg.compress, self.reduce_opts)
-    _check_momentum_correction(self.compressor, cfg)
-    if cfg.order != "chain" and self.fmt is None:
-      raise ValueError(
-          f"--order {cfg.order} applies only to a low-precision gradient sum (--grad-exp/"
-          "--grad-man or --grad-format): fp32 runs reduce with lax.psum and --compress runs "
-          "with the compressor's aggregation (choose it with --compress NAME:algorithm=...)")
-    policy = _policy(cfg)
+    self.fmt, self.compressor = flags["fmt"], flags["compressor"]
+    self.reduce_opts, policy = flags["reduce_opts"], flags["policy"]
     self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
+    steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
+    if steps_per_epoch == 0:
+      raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set "
+                       f"({len(self.ds.x_train)} images of --data {cfg.data})")
+    if cfg.max_steps_per_epoch:
+      steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    if cfg.schedule == "triangle" and cfg.epochs * steps_per_epoch > INT_MAX:
+      raise ValueError(f"--epochs {cfg.epochs}: the triangle schedule spans {cfg.epochs} x "
+                       f"{steps_per_epoch} steps, more than optax's step counter holds "
+                       f"({INT_MAX})")
     kw = {}
     if policy is not None:
       kw = dict(dot_general=jaxlp.dot_general(policy),
@@ -420,18 +508,22 @@ class Trainer:
     if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
       init = jax.jit(init)
     init_dev = _portable.init_device() if self.portable else None
-    if init_dev is not None:  # the CPU's erf_inv defines the initial weights
-      with jax.default_device(init_dev):
-        variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
-      variables = jax.tree_util.tree_map(jnp.asarray, jax.device_get(variables))  # uncommitted
-    else:
-      variables = init(init_key, jnp.asarray(self.ds.x_train[:2]))
+    x0 = jnp.asarray(self.ds.x_train[:2])
+    # before allocating: the shapes of the plain model (a policy or the portable layers
+    # change no parameter), traced abstractly
+    plain = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width))
+    _check_memory(cfg, jax.eval_shape(lambda k, x: plain.init(k, x, train=False), init_key, x0),
+                  ndev)
+    with _device_memory(cfg, "initialising the model"):
+      if init_dev is not None:  # the CPU's erf_inv defines the initial weights
+        with jax.default_device(init_dev):
+          variables = init(init_key, x0)
+        variables = jax.tree_util.tree_map(jnp.asarray, jax.device_get(variables))
+      else:
+        variables = init(init_key, x0)
     self.params = variables["params"]
     self.batch_stats = variables.get("batch_stats", {})
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
-    steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
-    if cfg.max_steps_per_epoch:
-      steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     lr = cfg.lr
     if cfg.schedule == "triangle":  # DavidNet: 0 -> lr over warm-up, then linearly -> 0
       up = max(cfg.warmup_epochs * steps_per_epoch, 1)
@@ -630,16 +722,18 @@ class Trainer:
       wire += self.wire_bytes_at(self.step)
       if s == 0:
         self._place_state()
-      (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
-       finite) = self._train_steps[stage](self.params, self.batch_stats, self.opt_state,
-                                         self.comp_state, jnp.asarray(ds.x_train[idx]),
-                                         jnp.asarray(ds.y_train[idx]), key)
-      losses.append(float(loss))
+      with _device_memory(cfg, f"running step {self.step + 1}"):
+        (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
+         finite) = self._train_steps[stage](self.params, self.batch_stats, self.opt_state,
+                                           self.comp_state, jnp.asarray(ds.x_train[idx]),
+                                           jnp.asarray(ds.y_train[idx]), key)
+        losses.append(float(loss))
       nonfinite += int(not bool(finite))
       self.step += 1
       if progress:
         progress(s + 1, steps, losses[-1])
-    acc = self.evaluate()
+    with _device_memory(cfg, "evaluating"):
+      acc = self.evaluate()
     self.epoch += 1
     return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), "test_accuracy": acc,
             "wire_bytes": int(wire), "steps": steps,
@@ -691,15 +785,19 @@ class Trainer:
     """Restore a :meth:`save_checkpoint` file into this trainer's own freshly built state
     (the structure, shapes and dtypes must match). Returns the stored history.
 
-    Raises ValueError naming ``path``: a damaged file, another format version, or a
-    checkpoint of another configuration."""
+    Raises ValueError naming ``path``: a damaged file (unreadable, truncated, or an array,
+    the history, the epoch or the step that does not match the SHA-256 stored with it),
+    another format version, or a checkpoint of another configuration."""
+    return self._load_checkpoint(path)[0]
+
+  def _load_checkpoint(self, path: str) -> tuple[list[dict], int]:
     ck = _runs.read_checkpoint(path)
     diffs = _runs.config_differences(self.cfg, ck["config"], type(self.cfg)())
     if diffs:
       raise ValueError(f"{path} belongs to another configuration: {'; '.join(diffs)}")
     st = _runs.unflatten_state(ck["state"], self._state_tree(), path)
     self.load_state_dict(st | {"epoch": ck["epoch"], "step": ck["step"]})
-    return list(ck["history"])
+    return list(ck["history"]), int(ck["version"])
 
 
 def _progress_printer(epoch, epochs, stream):
@@ -724,10 +822,18 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
   With ``cfg.out`` set, the run folder gets ``config.json``, ``metrics.jsonl`` (one line per
   epoch, appended and fsynced) and ``checkpoint.msgpack`` after every epoch
   (``flax.serialization`` msgpack written through a temporary file, fsync and ``os.replace``;
-  it holds the configuration, the metrics history, the epoch and the state). A folder that
-  already holds a run needs ``cfg.resume`` (continue: the configuration must equal the run's,
-  ``epochs`` may grow; a ``metrics.jsonl`` left torn by a crash is repaired from the
-  checkpoint) or ``cfg.overwrite``. Every check runs before anything is written.
+  it holds the configuration, the metrics history, the epoch, the state and the SHA-256 of
+  every array, verified when it is read). A folder that already holds a run needs
+  ``cfg.resume`` (continue: the configuration must equal the run's, ``epochs`` may grow; a
+  ``metrics.jsonl`` left torn by a crash is repaired from the checkpoint) or ``cfg.overwrite``.
+
+  One writer per folder: the run holds an OS lock on ``out`` (``out/.lock``, with its pid) from
+  before it reads the folder until it returns; a second run on the same folder, in this
+  process or another, is refused. Every check -- flags, data, shapes, the folder, a resumed
+  checkpoint -- runs before anything in the folder is changed. ``overwrite`` moves the old run
+  aside (``out/.replaced-PID``) and deletes it only once the new run's first checkpoint is
+  written; if the new run fails or is interrupted before that, the old run is put back (a
+  killed process's set-aside run is put back by the next writer of the folder).
 
   Args:
     cfg: the run.
@@ -739,11 +845,14 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
     ``seconds`` (the lines of ``metrics.jsonl``).
 
   Raises:
-    ValueError: an invalid configuration (the message names the flag); ``out`` holding a
+    ValueError: an invalid configuration (the message names the flag), one that cannot fit
+      in memory (naming ``--width``); ``out`` in use by another run; ``out`` holding a
       run without ``resume``/``overwrite``; ``resume`` with a changed configuration, fewer
-      epochs than done, without a run, or over a damaged run folder (the message names the
-      file); a pickle checkpoint without ``migrate_pickle``.
+      epochs than done, without a run, or over a damaged run folder or checkpoint (the message
+      names the file); a pickle checkpoint without ``migrate_pickle``.
     TypeError: a field of the wrong type.
+    KeyboardInterrupt: Ctrl-C; raised as ``jaxlp.training._runs.Interrupted``, which says
+      the epoch, what is saved in ``out`` and whether resuming continues it.
 
   Example:
     >>> from jaxlp.training import TrainConfig, train
@@ -752,30 +861,81 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
     ([1], True)
   """
   stream = stream or sys.stdout
-  if cfg.out is not None:
-    if not isinstance(cfg.out, str) or not cfg.out:
-      raise ValueError(f"--out must be a folder path, got {cfg.out!r}")
-    _runs.check_out(cfg)  # before the (slow) trainer and before anything is written
-  trainer = Trainer(cfg)
-  history: list[dict] = []
-  ckpt = metrics_path = None
-  notes = []
-  if cfg.out:
+  if cfg.out is None:
+    run = _Run(cfg, stream)
+    return run.guarded(run.train_without_folder)
+  if not isinstance(cfg.out, str) or not cfg.out:
+    raise ValueError(f"--out must be a folder path, got {cfg.out!r}")
+  with _runs.RunLock(cfg.out):  # before anything in the folder is read
+    run = _Run(cfg, stream)
+    return run.guarded(run.train_in_folder)
+
+
+class _Run:
+  """One call of :func:`train`: what it has done so far, for the clean-up and the message of
+  an interrupted or failed run."""
+
+  def __init__(self, cfg: TrainConfig, stream):
+    self.cfg, self.stream = cfg, stream
+    self.trainer: Trainer | None = None
+    self.saved = 0  # finished epochs in the folder's checkpoint
+    self.aside: str | None = None  # the run --overwrite set aside, until our first checkpoint
+    self.wrote = False  # config.json of this run is in the folder
+    self.started = False  # the epochs are running
+
+  def guarded(self, body):
+    try:
+      return body()
+    except BaseException as e:
+      note = ""
+      if self.aside is not None:
+        _runs.restore_aside(self.cfg.out, self.aside)
+        self.aside, self.wrote = None, False
+        note = f"the run that --overwrite was replacing is back in {self.cfg.out}"
+      if isinstance(e, KeyboardInterrupt) and not isinstance(e, _runs.Interrupted):
+        epoch = self.trainer.epoch + 1 if self.started else 0
+        # resuming continues the folder's run: a resumed one, or a new one that wrote its
+        # config.json (and was not rolled back to the run it was replacing)
+        resumable = self.cfg.out is not None and (self.cfg.resume or self.wrote)
+        raise _runs.Interrupted(self.cfg.out, epoch, self.saved, resumable, note) from None
+      raise
+
+  def train_without_folder(self):
+    self.trainer = Trainer(self.cfg)
+    self._header([])
+    return self._loop([], None, None)
+
+  def train_in_folder(self):
+    cfg = self.cfg
+    notes = []
+    note = _runs.recover_aside(cfg.out)  # an --overwrite whose process was killed
+    if note:
+      notes.append(note)
+    present = _runs.check_out(cfg)  # before the (slow) trainer
+    trainer = self.trainer = Trainer(cfg)
     ckpt = os.path.join(cfg.out, _runs.CHECKPOINT)
     metrics_path = os.path.join(cfg.out, _runs.METRICS)
     if cfg.resume:
-      history, notes = _resume(trainer, cfg, ckpt, metrics_path)
+      history, more = _resume(trainer, cfg, ckpt, metrics_path)
+      notes += more
+      self.saved, self.wrote = trainer.epoch, True
     else:
-      os.makedirs(cfg.out, exist_ok=True)
-      for name in (_runs.CHECKPOINT, _runs.LEGACY_CHECKPOINT):  # --overwrite
-        if os.path.exists(os.path.join(cfg.out, name)):
-          os.remove(os.path.join(cfg.out, name))
+      history = []
+      if present:  # --overwrite: everything checked; the old run goes aside, not away
+        self.aside = _runs.move_aside(cfg.out, present)
+      self.wrote = True
       _runs.atomic_write(metrics_path, b"")
     rec = _runs.recorded_config(cfg) | {"n_params": trainer.n_params,
                                         "wire_bytes_per_step": trainer.wire_per_step}
     _runs.atomic_write(os.path.join(cfg.out, _runs.CONFIG),
                        (json.dumps(rec, indent=2) + "\n").encode())
-  if not cfg.quiet:
+    self._header(notes)
+    return self._loop(history, ckpt, metrics_path)
+
+  def _header(self, notes):
+    cfg, trainer, stream = self.cfg, self.trainer, self.stream
+    if cfg.quiet:
+      return
     fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
     stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
                  f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} "
@@ -784,20 +944,29 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
                  f"{cfg.order}, {trainer.n_params} params\n")
     for note in notes:
       stream.write(f"jaxlp train: {note}\n")
-  while trainer.epoch < cfg.epochs:
-    prog = None if cfg.quiet else _progress_printer(trainer.epoch + 1, cfg.epochs, stream)
-    m = trainer.run_epoch(prog)
-    history.append(m)
-    if not cfg.quiet:
-      stream.write(f"epoch {m['epoch']:>3}/{cfg.epochs}  loss {m['train_loss']:.4f}  "
-                   f"test acc {m['test_accuracy']:.4f}  wire {m['wire_bytes'] / 1e6:.2f} MB  "
-                   f"{m['seconds']:.1f}s\n")
-      stream.flush()
-    if cfg.out:
-      # metrics first: a crash before the checkpoint leaves one extra line, dropped on resume
-      _runs.append_line(metrics_path, json.dumps(m))
-      trainer.save_checkpoint(ckpt, history)
-  return history
+    stream.flush()
+
+  def _loop(self, history, ckpt, metrics_path):
+    cfg, trainer, stream = self.cfg, self.trainer, self.stream
+    self.started = True
+    while trainer.epoch < cfg.epochs:
+      prog = None if cfg.quiet else _progress_printer(trainer.epoch + 1, cfg.epochs, stream)
+      m = trainer.run_epoch(prog)
+      history.append(m)
+      if not cfg.quiet:
+        stream.write(f"epoch {m['epoch']:>3}/{cfg.epochs}  loss {m['train_loss']:.4f}  "
+                     f"test acc {m['test_accuracy']:.4f}  wire {m['wire_bytes'] / 1e6:.2f} MB  "
+                     f"{m['seconds']:.1f}s\n")
+        stream.flush()
+      if ckpt is not None:
+        # metrics first: a crash before the checkpoint leaves one extra line, dropped on resume
+        _runs.append_line(metrics_path, json.dumps(m))
+        trainer.save_checkpoint(ckpt, history)
+        self.saved = trainer.epoch
+        if self.aside is not None:  # the new run has its first checkpoint: it replaces the old
+          aside, self.aside = self.aside, None
+          _runs.discard_aside(aside)
+    return history
 
 
 def _resume(trainer: Trainer, cfg: TrainConfig, ckpt: str, metrics_path: str):
@@ -806,7 +975,10 @@ def _resume(trainer: Trainer, cfg: TrainConfig, ckpt: str, metrics_path: str):
   legacy = os.path.join(cfg.out, _runs.LEGACY_CHECKPOINT)
   notes = []
   if os.path.exists(ckpt):
-    history = trainer.load_checkpoint(ckpt)
+    history, version = trainer._load_checkpoint(ckpt)
+    if version < _runs.VERSION:
+      notes.append(f"{ckpt} is a checkpoint of format version {version}, which has no "
+                   "checksums: it was loaded unverified (the next one is written with them)")
   elif os.path.exists(legacy):
     if not cfg.migrate_pickle:
       raise ValueError(f"{legacy} is a pickle checkpoint of an older jaxlp; loading a pickle "
@@ -829,6 +1001,15 @@ def _resume(trainer: Trainer, cfg: TrainConfig, ckpt: str, metrics_path: str):
     _runs.check_history(history, trainer.epoch, metrics_path)
     notes.append(f"converted {legacy} to {_runs.CHECKPOINT} (--migrate-pickle)")
   else:
+    # no checkpoint: legitimate only for a run stopped before its first checkpoint, whose
+    # metrics hold at most the line of epoch 1 (appended just before that checkpoint)
+    lines, _ = _runs.read_metrics_lines(metrics_path)
+    if len(lines) > 1 or (lines and not (isinstance(lines[0], dict)
+                                         and lines[0].get("epoch") == 1)):
+      raise ValueError(f"--resume: {ckpt} is missing, but {metrics_path} records "
+                       f"{len(lines)} finished epochs: the checkpoint was deleted or lost, so "
+                       "the run cannot continue; restore the file, or start over with "
+                       "--overwrite")
     trainer.epoch = trainer.step = 0  # killed before the first checkpoint
     history = []
   if cfg.epochs < trainer.epoch:

@@ -9,11 +9,19 @@ import os
 def read_metrics(run_dir: str) -> list[dict]:
   r"""The per-epoch metrics of a run folder (its ``metrics.jsonl``).
 
+  Every line must be a JSON object with a numeric ``epoch`` and ``test_accuracy`` (and, where
+  present, a numeric ``wire_bytes``); a last line without its newline that does not parse is
+  skipped (a run is writing it, or a crash tore it: ``--resume`` repairs it).
+
   Args:
     run_dir: the run folder.
 
   Returns:
     One dict per line of ``metrics.jsonl``.
+
+  Raises:
+    ValueError: a line that is not such an object (the message names the file and line).
+    OSError: the file cannot be read (the message names it).
 
   Example:
     >>> import json, os, tempfile
@@ -24,8 +32,28 @@ def read_metrics(run_dir: str) -> list[dict]:
     >>> read_metrics(run)
     [{'epoch': 1, 'test_accuracy': 0.9}]
   """
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  path = os.path.join(run_dir, "metrics.jsonl")
+  with open(path, "rb") as f:
+    pieces = f.read().split(b"\n")
+  out = []
+  for i, raw in enumerate(pieces, 1):
+    if not raw.strip():
+      continue
+    try:
+      h = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      if i == len(pieces):  # the last line, without its newline: being written, or torn
+        continue
+      raise ValueError(f"{path}: line {i} is not valid JSON; the metrics file is damaged") from None
+    if not isinstance(h, dict):
+      raise ValueError(f"{path}: line {i} is not a JSON object of metrics")
+    for key, need in (("epoch", True), ("test_accuracy", True), ("wire_bytes", False)):
+      v = h.get(key)
+      if (v is None and need) or (v is not None and (isinstance(v, bool)
+                                                    or not isinstance(v, (int, float)))):
+        raise ValueError(f"{path}: line {i} has no numeric {key!r}")
+    out.append(h)
+  return out
 
 
 def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:

@@ -2,7 +2,7 @@
 
 ``jaxlp train --exact-blocks`` promises one result on a GPU and on the CPU. Its GEMMs are exact
 by construction (``DotPolicy(block_dot="exact")``), but on one H200 against the CPU (jax 0.11.2,
-2026-11-26, ``benchmarks/exact_train_diag.py``) the rest of an MLP step still differed:
+2026-11-26, each stage compared on the two backends) the rest of an MLP step still differed:
 
 * parameter init (the truncated normal's ``erf_inv``): up to thousands of ulps;
 * ``exp``, ``log`` and ``log1p``: 1-2 ulps on a third of the inputs (each backend has its own

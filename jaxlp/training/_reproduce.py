@@ -34,7 +34,7 @@ import sys
 from typing import Any
 
 from jaxlp.training._loop import TrainConfig, train
-from jaxlp.training._runs import CONFIG
+from jaxlp.training._runs import RunLock, continue_or_replace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +205,7 @@ def _config(base: dict, flags: dict, seed: int, out: str, *, data_dir, toy: bool
   if toy:  # the whole pipeline, smallest: a narrow MLP, 2 workers, one epoch of two steps
     fields |= {"model": "mlp", "width": 2, "epochs": 1, "max_steps_per_epoch": 2, "nodes": 2,
                "batch_size": 16, "warmup_epochs": min(fields.get("warmup_epochs", 0), 1)}
-  exists = os.path.exists(os.path.join(out, CONFIG))
-  fields |= {"resume": exists and not overwrite, "overwrite": overwrite}
-  return TrainConfig(**fields)
+  return continue_or_replace(TrainConfig(**fields), overwrite)
 
 
 def _stats(xs):
@@ -222,8 +220,10 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
   """Train every row of claim ``name`` for every seed and judge the claim.
 
   Finished runs in ``out`` are reused (resumed: a run with the same configuration continues to
-  its epochs, which for a finished run trains nothing); a run folder with another configuration
-  is refused unless ``overwrite``.
+  its epochs, which for a finished run trains nothing, and an interrupted one continues where
+  it stopped); a run folder with another configuration is refused unless ``overwrite``. The
+  folder ``out/name`` is locked for the whole call (one reproduce of a claim at a time) and
+  every run folder by its run (:func:`jaxlp.training.train`).
 
   Args:
     name: a key of :data:`CLAIMS` (``cpd``, ``aps``, ``hbfp``, ``cgx``, ``hipress``, ``ddp``),
@@ -234,7 +234,8 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     data_dir: CIFAR-10/MNIST folder: run the full-scale settings instead of the built-in ones.
     toy: a narrow MLP, 2 workers, one epoch of two steps per run (a smoke test of the whole
       pipeline; no verdicts).
-    overwrite: replace run folders whose configuration differs.
+    overwrite: replace run folders whose configuration differs (runs of the same
+      configuration are still reused).
     plots: write ``accuracy_vs_epoch.png`` / ``accuracy_vs_wire_bytes.png`` per setting
       (seed 0 of every row; needs matplotlib).
     stream: where the progress and the report go (default ``sys.stdout``).
@@ -247,8 +248,11 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     ``verdict``.
 
   Raises:
-    ValueError: an unknown ``name``; no seeds; or an error of :func:`jaxlp.training.train`
-      (a run folder with another configuration, without ``overwrite``).
+    ValueError: an unknown ``name``; no seeds; ``out/name`` in use by another reproduce; or
+      an error of :func:`jaxlp.training.train` (a run folder with another configuration,
+      without ``overwrite``; a damaged checkpoint).
+    KeyboardInterrupt: Ctrl-C (``jaxlp.training._runs.Interrupted`` naming the run folder);
+      the same call again continues.
 
   Example:
     A claim of your own, at toy size (the built-in ones run the same way by name):
@@ -278,6 +282,12 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
                              "statement": claim.statement, "margin_points": claim.margin,
                              "seeds": list(seeds), "toy": toy, "data_dir": data_dir,
                              "settings": []}
+  with RunLock(os.path.join(out, name)):  # one reproduce of a claim per output folder
+    return _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary)
+
+
+def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary):
+  name = claim.name
   stream.write(f"jaxlp reproduce {name}: {claim.system}\n  claim: {claim.statement}\n")
   for si, setting in enumerate(claim.settings):
     base = dict(setting.full) if data_dir is not None else dict(setting.base)

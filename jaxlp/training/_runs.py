@@ -13,6 +13,19 @@ A run folder holds
   configuration it belongs to (and its SHA-256), the epoch and step, the metrics history
   and the state: a flat map from ``jax.tree_util.keystr`` paths to arrays. Typed PRNG keys
   are stored as ``{"prng_impl": name, "key_data": uint32 array}`` and re-wrapped on load.
+  Format version 2 adds ``checksums``: the SHA-256 of every state array (over its dtype,
+  shape and bytes; :func:`array_sha256`) and of the epoch, step and history
+  (:func:`record_sha256`). Every read verifies them, so a damaged file is refused naming the
+  file and the array instead of resuming from changed weights. Version-1 files (no
+  checksums) are still read, unverified, with a note; the next checkpoint is version 2.
+* ``.lock`` -- while a run writes the folder: the writer's pid, under an OS advisory lock
+  (:class:`RunLock`; ``fcntl.flock`` on POSIX, ``msvcrt.locking`` on Windows), released by
+  the OS when the process ends, so a second writer is refused and a killed one leaves no
+  stale lock.
+* ``.replaced-PID/`` -- while ``--overwrite`` runs: the run it replaces, set aside
+  (:func:`move_aside`) until the new run's first checkpoint exists, and put back if the new
+  run fails or is interrupted before it (also by the next writer, if the process was
+  killed: :func:`recover_aside`).
 
 Resuming checks the configuration against ``config.json`` and the checkpoint before writing
 anything, restores the state into the trainer's freshly built state (so optax's NamedTuples
@@ -28,10 +41,15 @@ Checkpoints of older jaxlp versions (``checkpoint.pkl``, a pickle) are loaded on
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
 import hashlib
 import json
 import os
 import pickle
+import shutil
+import time
+import warnings
 from typing import Any
 
 import jax
@@ -41,8 +59,22 @@ CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.msgpack"
 LEGACY_CHECKPOINT = "checkpoint.pkl"
+LOCK = ".lock"
+ASIDE = ".replaced-"
+RUN_FILES = (CONFIG, METRICS, CHECKPOINT, LEGACY_CHECKPOINT)
 FORMAT = "jaxlp-checkpoint"
-VERSION = 1
+VERSION = 2
+#: Checkpoint format versions this jaxlp reads (1: before the checksums).
+READABLE_VERSIONS = (1, 2)
+
+try:  # the lock's backend: POSIX flock, Windows byte-range locks, or none (a warning)
+  import fcntl as _fcntl
+except ImportError:  # pragma: no cover - Windows
+  _fcntl = None
+try:
+  import msvcrt as _msvcrt
+except ImportError:
+  _msvcrt = None
 
 #: Fields that say how to run, not what the run is: never compared, not in config.json.
 NOT_RECORDED = ("out", "resume", "overwrite", "migrate_pickle", "quiet")
@@ -94,6 +126,227 @@ def metrics_text(history: list[dict]) -> str:
   return "".join(json.dumps(h) + "\n" for h in history)
 
 
+# -- one writer per run folder -------------------------------------------------------------
+class RunLock:
+  """An exclusive, advisory lock on a run folder for as long as a run writes it.
+
+  ``with RunLock(folder):`` creates ``folder`` if needed (and its missing parents), opens
+  ``folder/.lock``, locks it without waiting (``fcntl.flock(LOCK_EX | LOCK_NB)`` on POSIX,
+  ``msvcrt.locking(LK_NBLCK)`` on Windows) and writes the process id into it. A second writer
+  -- another process, or another run in this one -- is refused with a ValueError naming the
+  folder and the holder's pid. The operating system releases the lock when the process ends,
+  however it ends, so a killed run leaves no stale lock (a ``.lock`` file left behind holds
+  no lock and is reused). On exit the lock file is removed, and so are the folders that were
+  created for the lock if they are still empty (a run refused before it wrote anything leaves
+  nothing behind). Where the platform has neither ``fcntl`` nor ``msvcrt`` the folder is used
+  unlocked, with a RuntimeWarning.
+
+  Args:
+    folder: the run folder.
+    flag: how the folder is named in messages (``--out``).
+  """
+
+  def __init__(self, folder: str, flag: str = "--out"):
+    self.folder, self.flag = folder, flag
+    self.path = os.path.join(folder, LOCK)
+    self._fd = None
+    self._created: list[str] = []
+
+  def __enter__(self):
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+  def acquire(self) -> None:
+    folder = self.folder
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      raise ValueError(f"{self.flag} {folder}: exists and is not a folder")
+    d, missing = os.path.abspath(folder), []
+    while not os.path.exists(d):
+      missing.append(d)
+      d = os.path.dirname(d)
+    os.makedirs(folder, exist_ok=True)
+    self._created = missing  # innermost first
+    try:
+      self._lock()
+    except BaseException:
+      self._remove_created()
+      raise
+
+  def _lock(self) -> None:
+    if _fcntl is None and _msvcrt is None:  # exotic platforms
+      warnings.warn(f"no file locking on this platform: nothing stops a second jaxlp process "
+                    f"from writing {self.folder} at the same time", RuntimeWarning, stacklevel=3)
+      return
+    for _ in range(100):  # retried only while other writers remove the file under us
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        locked = self._try_lock(fd)
+      except BaseException:
+        os.close(fd)
+        raise
+      if not locked:
+        os.close(fd)
+        raise ValueError(f"{self.flag} {self.folder} is in use by another jaxlp run "
+                         f"({self._holder()}); wait for it or choose another {self.flag}")
+      try:  # the previous holder may have removed the file between our open and our lock
+        same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      self._unlock(fd)
+      os.close(fd)
+    else:  # pragma: no cover - a file replaced 100 times in a row
+      raise OSError(errno.EAGAIN, f"could not lock {self.path}")
+    self._fd = fd
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, f"{os.getpid()}\n".encode())
+
+  def _try_lock(self, fd) -> bool:
+    busy = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK, errno.EDEADLK)
+    try:
+      if _fcntl is not None:
+        _fcntl.flock(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)
+      else:  # pragma: no cover - Windows: lock one byte far past the pid (readable by others)
+        os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
+        _msvcrt.locking(fd, _msvcrt.LK_NBLCK, 1)
+    except OSError as e:
+      if e.errno in busy:
+        return False
+      raise OSError(e.errno, f"cannot lock {self.path}: {e.strerror}") from None
+    return True
+
+  @staticmethod
+  def _unlock(fd) -> None:
+    try:
+      if _fcntl is not None:
+        _fcntl.flock(fd, _fcntl.LOCK_UN)
+      elif _msvcrt is not None:  # pragma: no cover - Windows
+        os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
+        _msvcrt.locking(fd, _msvcrt.LK_UNLCK, 1)
+    except OSError:  # pragma: no cover - closing the file releases it anyway
+      pass
+
+  def _holder(self) -> str:
+    for _ in range(50):  # the holder writes its pid right after locking
+      try:
+        with open(self.path, "rb") as f:
+          text = f.read(32).decode("ascii", "replace").strip()
+      except OSError:
+        text = ""
+      if text.isdigit():
+        return f"pid {int(text)}"
+      time.sleep(0.01)
+    return "pid unknown"
+
+  def release(self) -> None:
+    fd, self._fd = self._fd, None
+    if fd is not None:
+      if _fcntl is not None:  # remove the file while holding the lock (see _lock's check)
+        try:
+          os.remove(self.path)
+        except OSError:  # pragma: no cover
+          pass
+        self._unlock(fd)
+        os.close(fd)
+      else:  # pragma: no cover - Windows: an open file cannot be removed
+        self._unlock(fd)
+        os.close(fd)
+        try:
+          os.remove(self.path)
+        except OSError:
+          pass
+    self._remove_created()
+
+  def _remove_created(self) -> None:
+    for d in self._created:  # innermost first; stops at the first folder that has content
+      try:
+        os.rmdir(d)
+      except OSError:
+        break
+    self._created = []
+
+
+_WIN_LOCK_OFFSET = 1 << 20  # msvcrt locks byte ranges; the pid is written at offset 0
+
+
+# -- --overwrite: the old run is set aside until the new run's first checkpoint exists ------
+def move_aside(out: str, names) -> str:
+  """Move the run files ``names`` of ``out`` into ``out/.replaced-PID`` (same file system:
+  renames only); returns that folder."""
+  aside = os.path.join(out, f"{ASIDE}{os.getpid()}")
+  os.makedirs(aside)
+  for n in names:
+    os.replace(os.path.join(out, n), os.path.join(aside, n))
+  _fsync_dir(aside)
+  _fsync_dir(out)
+  return aside
+
+
+def restore_aside(out: str, aside: str) -> None:
+  """Put the run set aside by :func:`move_aside` back into ``out``, removing what a
+  replacing run wrote there."""
+  for n in RUN_FILES:
+    for p in (os.path.join(out, n), os.path.join(out, n + ".tmp")):
+      if os.path.exists(p):
+        os.remove(p)
+  for n in os.listdir(aside):
+    os.replace(os.path.join(aside, n), os.path.join(out, n))
+  os.rmdir(aside)
+  _fsync_dir(out)
+
+
+def discard_aside(aside: str) -> None:
+  """Delete the replaced run (the replacing run has its first checkpoint)."""
+  shutil.rmtree(aside, ignore_errors=True)
+
+
+def recover_aside(out: str) -> str | None:
+  """Finish an ``--overwrite`` whose process was killed (called under the folder's lock).
+
+  A set-aside run next to a checkpoint of the replacing run is deleted (the replacement had
+  committed); without one it is put back (the replacement never reached its first
+  checkpoint). Returns a note saying what was done, or None."""
+  found = sorted(glob.glob(os.path.join(glob.escape(out), ASIDE + "*")))
+  if not found:
+    return None
+  if os.path.exists(os.path.join(out, CHECKPOINT)):
+    for a in found:
+      discard_aside(a)
+    return (f"removed {', '.join(found)}: the run that an earlier --overwrite replaced (the "
+            "replacing run had written its first checkpoint)")
+  restore_aside(out, found[0])
+  for a in found[1:]:  # pragma: no cover - only one replacement runs at a time
+    discard_aside(a)
+  return (f"restored the run in {out} that an interrupted --overwrite had set aside in "
+          f"{found[0]} (the replacing run never wrote a checkpoint)")
+
+
+class Interrupted(KeyboardInterrupt):
+  """A run stopped by Ctrl-C (SIGINT); still a KeyboardInterrupt.
+
+  Attributes:
+    out: the run folder, or None.
+    epoch: the epoch that was running (1-based), or 0 before training started.
+    saved: the finished epochs saved in ``out`` (its checkpoint).
+    resumable: whether ``out`` holds this run, so that resuming it continues it.
+    note: what happened to the folder, for the message.
+  """
+
+  def __init__(self, out, epoch, saved, resumable, note=""):
+    super().__init__(out, epoch, saved, resumable, note)
+    self.out, self.epoch, self.saved = out, epoch, saved
+    self.resumable, self.note = resumable, note
+
+  def __str__(self):
+    where = f" (epochs 1..{self.saved} saved in {self.out})" if self.saved else ""
+    return f"interrupted at epoch {self.epoch}{where}" + (f"; {self.note}" if self.note else "")
+
+
 # -- configuration -------------------------------------------------------------------------
 def recorded_config(cfg) -> dict:
   """The fields of ``cfg`` that define the run (what config.json records)."""
@@ -133,6 +386,24 @@ def read_json(path: str) -> Any:
       return json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); the run folder is damaged") from None
+
+
+def continue_or_replace(cfg, overwrite: bool):
+  """``cfg`` set to continue the run in its folder when there is one (``resume``), or -- with
+  ``overwrite`` -- to replace it when its ``config.json`` records another configuration (or
+  cannot be read). Without a run in the folder, ``cfg`` with ``overwrite``. For commands that
+  run many configurations (``jaxlp compare --resume``, ``jaxlp reproduce``): a finished run is
+  reused, an interrupted one continues; :func:`jaxlp.training.train` checks everything again
+  under the folder's lock."""
+  if not os.path.exists(os.path.join(cfg.out, CONFIG)):
+    return dataclasses.replace(cfg, resume=False, overwrite=overwrite)
+  try:
+    stored = read_json(os.path.join(cfg.out, CONFIG))
+    differs = not isinstance(stored, dict) or bool(config_differences(cfg, stored, type(cfg)()))
+  except (OSError, ValueError):
+    differs = True
+  replace = overwrite and differs
+  return dataclasses.replace(cfg, resume=not replace, overwrite=replace)
 
 
 def holds_run(out: str) -> list[str]:
@@ -221,17 +492,74 @@ def unflatten_state(flat: dict, target, path: str):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def array_sha256(value) -> str:
+  """SHA-256 (hex) of one state entry of a checkpoint: its dtype, shape and bytes (C order);
+  for a typed PRNG key ``{"prng_impl", "key_data"}`` also the impl name."""
+  h = hashlib.sha256()
+  if isinstance(value, dict):
+    h.update(b"prng_key:" + str(value["prng_impl"]).encode() + b"|")
+    value = value["key_data"]
+  a = np.ascontiguousarray(np.asarray(value))
+  h.update(f"{a.dtype.str}|{a.shape}|".encode())
+  h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def record_sha256(epoch, step, history) -> str:
+  """SHA-256 (hex) of a checkpoint's epoch, step and metrics history (as sorted JSON)."""
+  return hashlib.sha256(json.dumps([epoch, step, history], sort_keys=True).encode()).hexdigest()
+
+
 def checkpoint_bytes(rec: dict, epoch: int, step: int, history: list[dict], state) -> bytes:
   from flax import serialization
 
+  flat = flatten_state(state)
+  history = list(history)
   return serialization.msgpack_serialize({
       "format": FORMAT, "version": VERSION, "config": rec, "config_sha256": config_hash(rec),
-      "epoch": int(epoch), "step": int(step), "history": list(history),
-      "state": flatten_state(state)})
+      "epoch": int(epoch), "step": int(step), "history": history,
+      "checksums": {"record": record_sha256(int(epoch), int(step), history),
+                    "state": {k: array_sha256(v) for k, v in flat.items()}},
+      "state": flat})
+
+
+_NO_EARLIER = ("the file changed after it was written (disk or copy damage, or an edit); jaxlp "
+               "keeps no earlier checkpoint, so the run cannot continue from it: restore the "
+               "file from a backup, or start over with --overwrite")
+
+
+def verify_checksums(ck: dict, path: str) -> None:
+  """Check a version-2 checkpoint's ``checksums`` (ValueError naming ``path`` and the damaged
+  entry)."""
+  sums = ck.get("checksums")
+  if not isinstance(sums, dict) or not isinstance(sums.get("state"), dict):
+    raise ValueError(f"{path}: the checkpoint has no checksums (damaged); {_NO_EARLIER}")
+  try:
+    record_ok = record_sha256(ck["epoch"], ck["step"], ck["history"]) == sums.get("record")
+  except (TypeError, ValueError):
+    record_ok = False
+  if not record_ok:
+    raise ValueError(f"{path} is damaged: its epoch, step or metrics history does not match "
+                     f"the SHA-256 stored with it; {_NO_EARLIER}")
+  state, want = ck["state"], sums["state"]
+  if not isinstance(state, dict) or set(state) != set(want):
+    raise ValueError(f"{path} is damaged: its state entries differ from the ones its checksums "
+                     f"list; {_NO_EARLIER}")
+  for k in sorted(state):
+    try:
+      ok = array_sha256(state[k]) == want[k]
+    except (KeyError, TypeError, ValueError):
+      ok = False
+    if not ok:
+      raise ValueError(f"{path} is damaged: the array {k} does not match the SHA-256 stored "
+                       f"with it; {_NO_EARLIER}")
 
 
 def read_checkpoint(path: str) -> dict:
-  """The checkpoint at ``path`` as a dict (validated format and fields)."""
+  """The checkpoint at ``path`` as a dict (validated format and fields, verified checksums).
+
+  A version-1 checkpoint (no checksums) is returned unverified; the caller can tell by its
+  ``version``."""
   from flax import serialization
 
   with open(path, "rb") as f:
@@ -243,14 +571,20 @@ def read_checkpoint(path: str) -> dict:
                      "is damaged or truncated") from None
   if not isinstance(ck, dict) or ck.get("format") != FORMAT:
     raise ValueError(f"{path} is not a jaxlp checkpoint")
-  if ck.get("version") != VERSION:
+  if ck.get("version") not in READABLE_VERSIONS:
     raise ValueError(f"{path}: checkpoint format version {ck.get('version')!r}; this jaxlp "
-                     f"reads version {VERSION}")
+                     f"reads versions {', '.join(map(str, READABLE_VERSIONS))}")
   for k in ("config", "config_sha256", "epoch", "step", "history", "state"):
     if k not in ck:
       raise ValueError(f"{path}: the checkpoint has no {k!r}")
-  if config_hash(ck["config"]) != ck["config_sha256"]:
+  try:
+    config_ok = config_hash(ck["config"]) == ck["config_sha256"]
+  except (TypeError, ValueError, AttributeError):
+    config_ok = False
+  if not config_ok:
     raise ValueError(f"{path}: the stored configuration does not match its hash (damaged)")
+  if ck["version"] >= 2:
+    verify_checksums(ck, path)
   check_history(ck["history"], int(ck["epoch"]), path)
   return ck
 

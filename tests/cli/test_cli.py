@@ -102,6 +102,15 @@ def test_help_is_complete():
     assert flag in out.stdout, flag
 
 
+def test_bench_is_the_benchmarks_front_door(capsys):
+  # ``jaxlp bench`` hands its arguments to ``python -m benchmarks --run`` (whose runs are
+  # tested in tests/test_benchmarks_front_door_smoke.py): an unknown name is the front door's
+  # refusal, exit 2, naming it and listing the benchmarks.
+  assert main(["bench", "--small", "--only", "no_such_bench"]) == 2
+  err = capsys.readouterr().err
+  assert "no benchmark named 'no_such_bench'" in err and "engine_compile" in err
+
+
 def test_compare_and_plot(tmp_path):
   out = str(tmp_path / "cmp")
   rc = main(["compare", "--out", out, "--config", "fp32=", "--config",
@@ -117,6 +126,35 @@ def test_compare_and_plot(tmp_path):
   pdir = str(tmp_path / "plots")
   assert main(["plot", os.path.join(out, "fp32"), os.path.join(out, "E4M3"), "--out", pdir]) == 0
   assert os.path.getsize(os.path.join(pdir, "accuracy_vs_epoch.png")) > 1000
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (['{"epoch": 1, "test_accuracy": 0.5}', "garbage"], "line 2 is not valid JSON"),
+    (['{"epoch": 1, "test_accuracy": 0.5}', "[1, 2]"], "line 2 is not a JSON object"),
+    (['{"epoch": 1}'], "line 1 has no numeric 'test_accuracy'"),
+    (['{"epoch": 1, "test_accuracy": 0.5, "wire_bytes": "x"}'],
+     "line 1 has no numeric 'wire_bytes'"),
+])
+def test_plot_names_the_file_and_line_of_damaged_metrics(tmp_path, capsys, lines, needle):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  rc = main(["plot", str(run), "--out", str(tmp_path / "plots")])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+  assert err.startswith(f"jaxlp plot: error: {run / 'metrics.jsonl'}: {needle}"), err
+
+
+def test_plot_skips_a_torn_last_line(tmp_path):
+  """A last line without its newline that does not parse is one being written (or torn by a
+  crash; --resume repairs it): the plot shows the complete epochs."""
+  from jaxlp.training import read_metrics
+
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text('{"epoch": 1, "test_accuracy": 0.5}\n{"epoch": 2, "te')
+  assert read_metrics(str(run)) == [{"epoch": 1, "test_accuracy": 0.5}]
+  assert main(["plot", str(run), "--out", str(tmp_path / "plots")]) == 0
 
 
 def test_formats_demo(capsys):

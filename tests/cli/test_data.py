@@ -131,3 +131,16 @@ def test_damaged_mnist_is_a_clear_error_naming_the_file(tmp_path, capsys, damage
     D.load("mnist", root)
   err = _cli_error(["train", "--data", "mnist", "--data-dir", root, "--quiet"], capsys)
   assert "train-" in err and ("label" in err or "images-idx3" in err)
+
+
+def test_mnist_of_0x0_images_is_a_clear_error_naming_the_file(tmp_path, capsys):
+  """IDX files whose images have 0 rows and 0 columns (header and size agree): Flax's
+  initializer divided by zero; the reader refuses them naming the file."""
+  root = str(tmp_path)
+  _write_mnist(root)
+  p = os.path.join(root, "train-images-idx3-ubyte")
+  _write_idx(p, np.zeros((12, 0, 0)))
+  with pytest.raises(ValueError, match="train-images-idx3-ubyte: the images are 0x0 pixels"):
+    D.load("mnist", root)
+  err = _cli_error(["train", "--data", "mnist", "--data-dir", root, "--quiet"], capsys)
+  assert p in err and "0x0" in err

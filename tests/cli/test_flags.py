@@ -67,6 +67,19 @@ MORE = [
     (["--hbfp", "8", "--weight-man", "99"], "--weight-man"),
     (["--warmup-epochs", "1"], "--warmup-epochs"),  # constant schedule: unused
     (["--nodes", "3", "--batch-size", "64"], "--batch-size"),
+    # issue 49: integers past what JAX/XLA take were tracebacks or crashes of the process
+    (["--seed", "99999999999999999999"], "--seed"),  # OverflowError in jax.random.key
+    (["--seed", "4294967296"], "--seed"),  # would alias seed 0 (32-bit seeds)
+    (["--tile", "2147483647", "--hbfp", "7"], "--tile"),  # XLA aborted the process
+    (["--tile", "4294967296", "--hbfp", "7"], "--tile"),  # segmentation fault
+    (["--epochs", "99999999999999999999"], "--epochs"),
+    (["--nodes", "99999999999999999999", "--batch-size", "99999999999999999999"], "--nodes"),
+    (["--batch-size", "1440"], "--batch-size"),  # more than digits' 1,438 training images
+    (["--compress", "powersgd:start_iter=99999999999999999999"], "start_iter"),
+    (["--compress", "dgc:warmup=99999999999999999999", "--momentum", "0"], "warmup"),
+    # a model that cannot fit: refused from its shapes before allocating (the issue's
+    # --width 20000 needs 382 GiB with 2 workers; this one TiBs, beyond any machine's memory)
+    (["--width", "100000"], "--width"),
 ]
 
 
@@ -151,6 +164,42 @@ def test_config_types_are_checked():
     Trainer(TrainConfig(aps=1))
   with pytest.raises(ValueError, match="--epochs"):
     Trainer(TrainConfig(epochs=0))
+  with pytest.raises(ValueError, match="--seed must be at most 4294967295"):
+    Trainer(TrainConfig(seed=2**40))
+  with pytest.raises(ValueError, match="--tile must be at most 4096"):
+    Trainer(TrainConfig(hbfp=7, tile=5000))
+  with pytest.raises(ValueError, match="--epochs 1073741824: the triangle schedule"):
+    Trainer(TrainConfig(epochs=2**30, schedule="triangle", max_steps_per_epoch=2))
+
+
+def test_out_of_device_memory_at_run_time_is_one_line(monkeypatch, capsys):
+  """XLA's RESOURCE_EXHAUSTED while a step or the evaluation runs (which the estimate from
+  the shapes cannot see: activations, fragmentation) becomes one line naming the flags."""
+  import jax
+
+  def oom(*a, **k):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                     "allocate 123456789 bytes.\nBufferAssignment: ...")
+
+  monkeypatch.setattr(Trainer, "evaluate", oom)
+  rc, err = _run(["train"] + QUICK, capsys)
+  line = err.strip()
+  assert rc == 2 and len(line.splitlines()) == 1 and "Traceback" not in err, err
+  assert line.startswith("jaxlp train: error: out of device memory while evaluating "
+                         "(RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                         "123456789 bytes.)") and "--width" in line and "--batch-size" in line
+  t = Trainer(TrainConfig(nodes=2, width=2, batch_size=16, max_steps_per_epoch=1, quiet=True))
+  t._make_train_step = lambda comp: oom
+  with pytest.raises(ValueError, match="out of device memory while running step 1"):
+    t.run_epoch()
+
+  def other(*a, **k):
+    raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+  t._train_steps.clear()
+  t._make_train_step = lambda comp: other
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # not hidden
+    t.run_epoch()
 
 
 @pytest.mark.parametrize("factory,kw,name", [

@@ -43,6 +43,7 @@ def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
     (["reproduce", "nope"], "unknown claim 'nope'"),
     (["reproduce", "cgx", "--seeds", "1,x"], "--seeds"),
     (["reproduce", "cgx", "--seeds", "1,1"], "distinct seeds"),
+    (["reproduce", "cgx", "--seeds", "0,99999999999999999999"], "at most 4294967295"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   try:

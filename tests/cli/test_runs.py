@@ -74,7 +74,7 @@ def ref(tmp_path_factory):
 
 def test_checkpoint_is_msgpack_with_config_and_history(ref):
   ck = _state(ref)
-  assert ck["format"] == "jaxlp-checkpoint" and ck["version"] == 1
+  assert ck["format"] == "jaxlp-checkpoint" and ck["version"] == 2
   assert ck["config"]["nodes"] == 2 and ck["config"]["seed"] == 3
   assert ck["config_sha256"] == _runs.config_hash(ck["config"])
   assert [h["epoch"] for h in ck["history"]] == [1, 2, 3] == [m["epoch"] for m in _metrics(ref)]
@@ -150,6 +150,91 @@ def test_damaged_checkpoint_is_a_clear_error(ref, tmp_path, capsys, content):
   open(ck, "wb").write(content)
   rc, err = _cli(["train", "--epochs", "4", "--out", d, "--resume"] + FLAGS, capsys)
   assert rc == 2 and ck in err and len(err.strip().splitlines()) == 1
+
+
+def _flip(path, needle: bytes):
+  """Flip one bit in the middle of the (unique) occurrence of ``needle`` in the file."""
+  data = bytearray(open(path, "rb").read())
+  at = data.find(needle)
+  assert at > 0 and data.find(needle, at + 1) < 0
+  data[at + len(needle) // 2] ^= 0x10
+  open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["array", "history", "truncated"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(ref, tmp_path, capsys, where):
+  """A flipped bit inside a parameter array (msgpack still reads it: only the checksum can
+  tell), inside the stored history, or a truncated file: refused before anything changes."""
+  import struct
+
+  d = str(tmp_path / "r")
+  shutil.copytree(ref, d)
+  ck = os.path.join(d, "checkpoint.msgpack")
+  kernel = "['params']['Dense_0']['kernel']"
+  if where == "array":
+    _flip(ck, np.asarray(_state(d)["state"][kernel]).tobytes())
+    from flax import serialization
+
+    serialization.msgpack_restore(open(ck, "rb").read())  # still a readable msgpack file
+  elif where == "history":
+    _flip(ck, b"\xcb" + struct.pack(">d", _state(d)["history"][1]["train_loss"]))
+  else:
+    data = open(ck, "rb").read()
+    open(ck, "wb").write(data[:len(data) // 2])
+  before = _snapshot(d)
+  rc, err = _cli(["train", "--epochs", "4", "--out", d, "--resume"] + FLAGS, capsys)
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+  assert ck in err
+  if where == "array":
+    assert f"the array {kernel} does not match the SHA-256" in err and "--overwrite" in err
+  elif where == "history":
+    assert "history does not match the SHA-256" in err
+  else:
+    assert "damaged or truncated" in err
+  assert _snapshot(d) == before
+
+
+def test_a_version_1_checkpoint_loads_unverified_with_a_note(ref, tmp_path):
+  """Checkpoints written before the checksums (format version 1) still resume, with a note;
+  the next checkpoint is version 2."""
+  import io
+
+  from flax import serialization
+
+  d = str(tmp_path / "r")
+  shutil.copytree(ref, d)
+  ck = _state(d)
+  del ck["checksums"]
+  ck["version"] = 1
+  open(os.path.join(d, "checkpoint.msgpack"), "wb").write(serialization.msgpack_serialize(ck))
+  log = io.StringIO()
+  hist = train(TrainConfig(epochs=3, out=d, resume=True, **(COMMON | {"quiet": False})),
+               stream=log)
+  assert "format version 1" in log.getvalue() and "unverified" in log.getvalue()
+  assert _strip(hist) == _strip(_metrics(ref))
+  train(TrainConfig(epochs=4, out=d, resume=True, **COMMON))
+  assert _state(d)["version"] == 2 and _state(d)["epoch"] == 4
+
+
+def test_checksums_cover_every_array(ref):
+  ck = _state(ref)
+  assert sorted(ck["checksums"]["state"]) == sorted(ck["state"])
+  for k, v in ck["state"].items():
+    assert ck["checksums"]["state"][k] == _runs.array_sha256(v)
+  assert ck["checksums"]["record"] == _runs.record_sha256(ck["epoch"], ck["step"],
+                                                           ck["history"])
+
+
+def test_resume_without_the_checkpoint_names_the_checkpoint(ref, tmp_path, capsys):
+  d = str(tmp_path / "r")
+  shutil.copytree(ref, d)
+  ck = os.path.join(d, "checkpoint.msgpack")
+  os.remove(ck)
+  before = _snapshot(d)
+  rc, err = _cli(["train", "--epochs", "4", "--out", d, "--resume"] + FLAGS, capsys)
+  assert rc == 2 and len(err.strip().splitlines()) == 1, err
+  assert f"--resume: {ck} is missing" in err and "records 3 finished epochs" in err
+  assert _snapshot(d) == before
 
 
 def test_checkpoint_of_another_configuration_is_refused(ref, tmp_path):

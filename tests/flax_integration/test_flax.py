@@ -227,3 +227,36 @@ def test_identity_policy_model_is_plain():
   v = LinenNet().init(jax.random.key(1), X)
   assert_trees_equal(_linen_vals(jf.quantize_model(LinenNet(), DotPolicy()), v, X),
                      _linen_vals(LinenNet(), v, X))
+
+
+def test_patterns_that_match_no_layer_are_errors():
+  """Issue 49: ``exclude="Dense_l"`` (a typo for ``Dense_1``) was accepted and ignored."""
+  v = LinenNet().init(jax.random.key(1), X)
+  msg = r"exclude='Dense_l' matches no layer.*\['Conv_0', 'Dense_0', 'Dense_1'\]"
+  for call in (lambda q: q.apply(v, X), lambda q: q.init(jax.random.key(1), X),
+               lambda q: q.init_with_output(jax.random.key(1), X),
+               lambda q: q.quantized_paths(jax.random.key(1), X),
+               lambda q: jax.jit(q.apply)(v, X)):
+    q = jf.quantize_model(LinenNet(), POL, exclude="Dense_l")  # accepted: paths not known yet
+    with pytest.raises(ValueError, match=msg):
+      call(q)
+    with pytest.raises(ValueError, match=msg):  # still refused: it never ran to the end
+      call(q)
+  q = jf.quantize_model(LinenNet(), POL, include=("Dense_*", "dense_0"), exclude="Conv_0")
+  with pytest.raises(ValueError, match=r"include='dense_0' matches no layer"):
+    q.apply(v, X)
+  # Patterns that match: checked on the first call, then not again (a later call may run
+  # a subset of the layers, e.g. another method).
+  q = jf.quantize_model(LinenNet(), POL, exclude="Dense_1")
+  assert_trees_equal(q.apply(v, X), q.apply(v, X))
+  assert q._patterns_checked
+  # nnx: the graph is known at once, so quantize_model itself refuses, before any change.
+  m = NnxNet(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"exclude='fc_2' matches no layer.*"
+                                       r"\['conv', 'fc1', 'fc2'\]"):
+    jf.quantize_model(m, POL, exclude=("conv", "fc_2"), copy=False)
+  assert m.fc1.dot_general is jax.lax.dot_general and m.conv.conv_general_dilated is \
+      jax.lax.conv_general_dilated
+  with pytest.raises(ValueError, match=r"include='layers/9' matches no layer"):
+    jf.quantize_model(nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0))), POL,
+                      include="layers/9")

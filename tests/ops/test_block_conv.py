@@ -12,6 +12,7 @@ from jax import lax
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 from jaxlp.ops import _conv as CC
 from jaxlp.ops._dot_general import quantize_operand
@@ -91,7 +92,7 @@ def _on_block_grid(blocks, bits):
 
 
 def _np_definition(a, bt, L, g):
-  """The exact block bits (``jaxlp/ops/_block_dot.py``) in numpy: per K-block the exact dot
+  """The exact block bits (``jaxlp/formats/_block_dot.py``) in numpy: per K-block the exact dot
   (float64 holds it: one shared grid, < 2**53) rounded once to float32, flushed below
   2**-126; blocks summed in float32, ascending."""
   pa, pb = _np_blocks(a, L, g), _np_blocks(bt, L, g)
@@ -209,7 +210,7 @@ def test_bits_are_the_definition_on_the_declared_blocks(case):
     _, L, g = plan["fwd"]
     pa, pb = (_np_blocks(m, L, g).reshape(m.shape[0], -1) for m in (a, bt))
     assert _same(BD.block_dot_xla_int8(pa, pb.T, g, 7, 7),
-                 BD.block_dot_reference(pa, pb.T, g, 7, 7))
+                 BS.block_dot_reference(pa, pb.T, g, 7, 7))
 
 
 def test_exact_and_fp8_vs_emulation_on_a_layer():

@@ -1,6 +1,7 @@
-"""The exact block dot (``DotPolicy(block_dot="exact")``, ``jaxlp/ops/_block_dot.py``): its
-definition checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and
-the policy wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
+"""The exact block dot (``DotPolicy(block_dot="exact")``; definition in
+``jaxlp/formats/_block_dot.py``, dispatch in ``jaxlp/ops/_block_dot.py``): its definition
+checked with rational arithmetic, the exact scaling, the XLA int8 formulation, and the policy
+wiring through ``custom_vjp`` (forward, dlhs and drhs GEMMs)."""
 
 import dataclasses
 from fractions import Fraction
@@ -12,10 +13,11 @@ import pytest
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 
 # compiled as one program each (eagerly, every operation would compile on its own)
-_ref = jax.jit(BD.block_dot_reference, static_argnums=(2, 3, 4))
+_ref = jax.jit(BS.block_dot_reference, static_argnums=(2, 3, 4))
 _xla_int8 = jax.jit(BD.block_dot_xla_int8, static_argnums=(2, 3, 4))
 
 DN = (((1,), (0,)), ((), ()))
@@ -76,13 +78,13 @@ def test_scale_exact_is_correctly_rounded_and_flushed():
   # hand-picked: a subnormal tie region, exactly 2**-126, just below it, overflow
   q[-10:] = [-149, -149, -150, -180, 120, -170, 0, -174, -128, 260]
   n, q = n.astype(np.int32), q.astype(np.int32)
-  got = np.asarray(jax.jit(BD.scale_exact)(jnp.asarray(n), jnp.asarray(q)))
+  got = np.asarray(jax.jit(BS.scale_exact)(jnp.asarray(n), jnp.asarray(q)))
   with np.errstate(over="ignore"):
     ref = (n.astype(np.float64) * np.ldexp(1.0, q.astype(np.int64))).astype(np.float32)
   ref = np.where(np.abs(ref) < np.float32(2**-126), np.copysign(np.float32(0), ref), ref)
   assert np.array_equal(_bits(got), _bits(ref))
-  assert np.isnan(BD.scale_exact(jnp.int32(3), jnp.int32(BD.NAN_Q)))
-  assert _bits(BD.scale_exact(jnp.int32(-1), jnp.int32(-140))) == 0x80000000  # -0.0
+  assert np.isnan(BS.scale_exact(jnp.int32(3), jnp.int32(BS.NAN_Q)))
+  assert _bits(BS.scale_exact(jnp.int32(-1), jnp.int32(-140))) == 0x80000000  # -0.0
 
 
 @pytest.mark.parametrize("fmt,fb,bits,g", [
@@ -106,7 +108,7 @@ def test_mxint8_significands_and_definition():
   x = x.at[0, :32].set(jnp.linspace(-63.97, 30.0, 32))  # -63.97 / 2**-1 -> -128
   a = F.quantize(x, F.mx("int8", 32, axis=1))
   b = F.quantize(_wide(rng, (64, 3), 3.0), F.mx("int8", 32, axis=0))
-  k, q = BD.split_significands(a, 32, 7)
+  k, q = BS.split_significands(a, 32, 7)
   assert int(k.min()) >= -128 and int(k.max()) <= 127 and int(k.min()) == -128
   back = np.asarray(k, np.float64) * np.exp2(np.asarray(q, np.float64))[..., None]
   assert np.array_equal(back.reshape(6, 64), np.asarray(a, np.float64))
@@ -131,25 +133,18 @@ def test_range_overflow_flush_and_nan():
   assert _same(out, _definition(a, b, 4))
   assert out[0, 0] == np.inf and _bits(out[1, 1]) == 0 and np.isnan(out[2]).all()
   assert out[3, 3] == np.float32(2.0**-118)
-  assert _bits(BD.scale_exact(jnp.int32(-4), jnp.int32(-130))) == 0x80000000  # -0.0
+  assert _bits(BS.scale_exact(jnp.int32(-4), jnp.int32(-130))) == 0x80000000  # -0.0
 
 
 def test_blocks_and_bounds():
-  assert BD.contraction_blocks(24, 24, 100) == 24
-  assert BD.contraction_blocks(100, 24, 100) == 24  # whole axis imposes nothing
-  assert BD.contraction_blocks(24, 16, 100) == 8
-  assert BD.contraction_blocks(1, 24, 100) == 1
-  assert BD.contraction_blocks(300, 500, 100) == 100
-  assert BD.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
-  assert BD.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
-  assert BD.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
-  assert BD.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
-  assert BD.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
-  with pytest.raises(NotImplementedError, match="2-D"):
-    BD.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
-  BD.check_exact(2**17 - 1, 7, 7)
+  assert BS.contraction_blocks(24, 24, 100) == 24
+  assert BS.contraction_blocks(100, 24, 100) == 24  # whole axis imposes nothing
+  assert BS.contraction_blocks(24, 16, 100) == 8
+  assert BS.contraction_blocks(1, 24, 100) == 1
+  assert BS.contraction_blocks(300, 500, 100) == 100
+  BS.check_exact(2**17 - 1, 7, 7)
   with pytest.raises(ValueError, match="K-block 131072 with 7- and 7-bit"):
-    BD.check_exact(2**17, 7, 7)
+    BS.check_exact(2**17, 7, 7)
   with pytest.raises(ValueError, match="impl='nope'"):
     BD.block_dot(jnp.ones((2, 2)), jnp.ones((2, 2)), 2, 7, 7, impl="nope")
 
@@ -254,8 +249,6 @@ def test_exact_differs_from_emulation_only_in_rounding():
 
 def test_unsupported_ops_refuse():
   policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
-  with pytest.raises(NotImplementedError, match="block_dot='exact' supports only 2-D"):
-    jaxlp.dot_general(policy)(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), (((2,), (0,)), ((), ())))
   conv = jaxlp.conv_general_dilated(policy)
   with pytest.raises(NotImplementedError, match="feature_group_count=1"):
     conv(jnp.ones((1, 4, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID", feature_group_count=2)
@@ -316,3 +309,34 @@ def test_gpu_auto_splits_the_few_tile_gemms(M, K, N, g, split):
   text, triton = CL.lower_for_cuda(lambda a, b: BD.block_dot_gpu_auto(a, b, g, 7, 7), a, b)
   int8_dot = "xi8>" in text and "stablehlo.dot_general" in text
   assert (int8_dot, bool(triton)) == ((True, False) if split else (False, True))
+
+
+@pytest.mark.parametrize("policy", [
+    dataclasses.replace(jaxlp.mx_policy("int8", 32, block_dot="exact"), gpu_impl="pallas"),
+    jaxlp.mx_policy("int8", 32, block_dot="exact"),
+    jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"),
+], ids=["exact_pallas", "exact_auto", "fp8"])
+def test_batched_dot_general_lowers_for_cuda(policy):
+  """An attention-shaped dot ('bqhd,bkhd->bhqk': batch dims in the middle) runs one 2-D GEMM
+  per batch index (``jax.vmap``): under value_and_grad it lowers for CUDA with the policy's
+  GPU implementation -- the block GEMM kernels batched by Pallas, or batched int8 dots --
+  and no op Triton cannot compile (checked on the CPU; not run on a GPU here)."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
+  import cuda_lowering as CL  # noqa: PLC0415
+
+  dot = jaxlp.dot_general(policy)
+  attn = (((3,), (3,)), ((0, 2), (0, 2)))
+  q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.float32)
+  loss = lambda q, k: jnp.sum(dot(q, k, attn))
+  text, mods = CL.lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), q, q)
+  assert all(not CL.illegal_ops(m) for m in mods)
+  names = CL.kernel_names(mods)
+  if policy.block_dot == "fp8":
+    assert "jaxlp_fp8_block_gemm" in names
+  elif policy.gpu_impl == "pallas":
+    assert "jaxlp_block_gemm" in names
+  else:  # few tiles, 2 K-blocks: batched XLA int8 dots
+    assert not mods and "xi8>" in text

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
@@ -49,7 +50,7 @@ def test_gpu_implementation_gives_the_reference_bits(case, impl):
   M, K, N, g, fa, fb = case
   assert BD.splits_k_blocks(M, N, K, g) == (M * N < 2**18)  # both kinds of shape covered
   a, b = _operands(M, K, N, fa, fb, M + K)
-  ref = BD.block_dot_reference(a, b, g, 7, 7)  # on the CPU (its operands live there)
+  ref = BS.block_dot_reference(a, b, g, 7, 7)  # on the CPU (its operands live there)
   fn = jax.jit(lambda a, b: BD._IMPL_FNS[impl](a, b, g, 7, 7))
   out = fn(jax.device_put(a, GPUS[0]), jax.device_put(b, GPUS[0]))
   assert _same(out, ref), (impl, BD.splits_k_blocks(M, N, K, g))

@@ -1,5 +1,5 @@
 """The Pallas block GEMM (``jaxlp/pallas/_block_gemm.py``) in interpret mode gives the bits of
-the reference ``block_dot_reference`` (``jaxlp/ops/_block_dot.py``)."""
+the reference ``block_dot_reference`` (``jaxlp/formats/_block_dot.py``)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 from jaxlp.pallas import _block_gemm as PB
 from jaxlp.pallas._block_gemm import block_gemm
 
 # the reference and the route map compiled as one program each (eagerly, every operation
 # would compile on its own)
-_ref = jax.jit(BD.block_dot_reference, static_argnums=(2, 3, 4))
+_ref = jax.jit(BS.block_dot_reference, static_argnums=(2, 3, 4))
 _routes = jax.jit(PB.tile_routes, static_argnums=(2, 3, 4), static_argnames=("block_m", "block_n"))
 
 
@@ -46,7 +47,7 @@ def test_interpret_matches_reference(fa, fb, g, shape, route):
       x = x.at[1, 3].set(jnp.inf)  # a NaN block
   a = F.quantize(x, fa)
   b = F.quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
-  ba, bb = BD.significand_bits(fa), BD.significand_bits(fb)
+  ba, bb = BS.significand_bits(fa), BS.significand_bits(fb)
   ref = _ref(a, b, g, ba, bb)
   out = block_gemm(a, b, g, ba, bb, interpret=True, route=route)
   assert _same(out, ref)
@@ -112,8 +113,8 @@ def test_fast_scaling_equals_scale_exact_on_its_range():
                       rng.integers(PB.FAST_Q_MIN, PB.FAST_Q_MAX + 1, 200)]).astype(np.int32)
   nn, qq = (jnp.asarray(v) for v in np.meshgrid(n, q))
   fast = nn.astype(jnp.float32) * B.from_bits(B.pow2_bits(qq))
-  assert _same(fast, BD.scale_exact(nn, qq))
-  assert _same(BD.flush(fast), fast)  # normal or +0.0: accumulate's flush is the identity
+  assert _same(fast, BS.scale_exact(nn, qq))
+  assert _same(BS.flush(fast), fast)  # normal or +0.0: accumulate's flush is the identity
 
 
 def test_interpret_mixes_fast_and_exact_tiles():
@@ -206,7 +207,7 @@ def test_nonzero_blocks_is_any_nonzero_significand(g):
   x[::3] = 0.0  # all-zero rows and blocks
   x[1::3, : 53 // 2] = -0.0
   for bits in (3, 7):
-    k, _ = BD.split_significands(jnp.asarray(x), g, bits)
+    k, _ = BS.split_significands(jnp.asarray(x), g, bits)
     np.testing.assert_array_equal(np.asarray(PB._nonzero_blocks(jnp.asarray(x), g)),
                                   np.asarray(jnp.any(k != 0, axis=-1)))
 

@@ -1,6 +1,8 @@
 """SeCoPa reproduces HiPress's published plan (mark14wu/hipress src/SeCoPa, VGG19, PS, N=4)."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxlp.parallel.compressors as C
@@ -60,3 +62,34 @@ def test_measure_costs_drives_plan():
   plan = secopa_plan({"a": jnp.zeros((4096, 4096)), "b": jnp.zeros((8,))}, topology="ring",
                      num_nodes=4, costs=costs)
   assert len(plan) == 2 and not plan[1].compress
+
+
+@pytest.mark.parametrize("sizes,kw,exc,match", [
+    ([-5, 100], {}, ValueError, r"sizes\[0\]=-5 is negative"),
+    ([100, 2.5], {}, TypeError, r"sizes\[1\]=2.5 is a float"),
+    ([float("nan")], {}, TypeError, r"sizes\[0\]=nan is a float"),
+    ([np.float32(4.0)], {}, TypeError, r"sizes\[0\]=.*is a float32"),
+    ([True, 4], {}, TypeError, r"sizes\[0\]=True is a bool"),
+    ([5, None], {}, TypeError, r"sizes\[1\]=None is neither"),
+    ({"w": -1}, {}, ValueError, r"sizes\['w'\]=-1 is negative"),
+    ({"w": "x"}, {}, TypeError, r"sizes\['w'\]='x' is neither"),
+    (None, {}, TypeError, "sizes must be"),
+    ("abc", {}, TypeError, "sizes must be"),
+    ([10], dict(num_nodes=2.5), TypeError, "num_nodes must be an int, got 2.5"),
+    ([10], dict(num_nodes=True), TypeError, "num_nodes must be an int, got True"),
+    ([10], dict(num_nodes=0), ValueError, "num_nodes must be >= 1"),
+    ([10], dict(topology=3), TypeError, "topology must be"),
+    ([10], dict(costs=3), TypeError, "costs must be a SeCoPaCosts"),
+], ids=repr)
+def test_bad_arguments_are_refused_by_name(sizes, kw, exc, match):
+  """Issue 49: ``secopa_plan([-5, 100], num_nodes=4)`` returned a plan for -5 elements."""
+  kw = {"num_nodes": 4, **kw}
+  with pytest.raises(exc, match=match):
+    secopa_plan(sizes, **kw)
+
+
+def test_counts_of_every_accepted_kind():
+  plan = secopa_plan([0, np.int32(2 ** 22), 1000], num_nodes=4)
+  assert plan[1:] == secopa_plan([2 ** 22, 1000], num_nodes=4) and len(plan) == 3
+  tree = {"b": jnp.zeros(1000), "w": jax.ShapeDtypeStruct((2048, 2048), jnp.float32), "n": 7}
+  assert secopa_plan(tree, num_nodes=16) == secopa_plan([1000, 7, 2048 * 2048], num_nodes=16)

@@ -1,12 +1,12 @@
-"""Smoke test of benchmarks/compression.py --small (two compressors: the cheapest dense one to
+"""Smoke test of benchmarks/compressors.py --small (two compressors: the cheapest dense one to
 compile, and PowerSGD, which skips vectors). Every compressor's bits are tested elsewhere."""
 
 import pathlib
 import runpy
 
 
-def test_compression_bench_small(capsys):
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+def test_compressors_bench_small(capsys):
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compressors.py"
   mod = runpy.run_path(str(path))
   mod["main"](["--small", "--model", "resnet18", "--only", "onebit,powersgd2"])
   out = capsys.readouterr().out
@@ -21,7 +21,7 @@ def test_compression_bench_small(capsys):
   assert row.split("|")[4].strip().endswith("x")
 
 
-def test_compression_bench_buckets_decode_every_leaf(capsys):
+def test_compressors_bench_buckets_decode_every_leaf(capsys):
   """--bucket-mb fuses consecutive leaves into flat buckets (the engine's grouping): the
   round trip returns every leaf in its shape, with the same values as per leaf for a
   compressor without buckets' own statistics (bf16), and a bad size is refused."""
@@ -29,7 +29,7 @@ def test_compression_bench_buckets_decode_every_leaf(capsys):
   import numpy as np
   import pytest
 
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compressors.py"
   mod = runpy.run_path(str(path))
   shapes = [(3, 4), (5,), (2, 2, 2), (7, 1)]
   # 13 fp32 values per bucket at most: 12 | 5 + 8 | 7
@@ -58,14 +58,14 @@ def test_compression_bench_buckets_decode_every_leaf(capsys):
     mod["main"](["--small", "--model", "resnet18", "--only", "bf16", "--bucket-mb", "0"])
 
 
-def test_compression_bench_trace_top(capsys):
+def test_compressors_bench_trace_top(capsys):
   """--trace-top N traces each compressor's runs: N ops and N source lines with their time,
   control-flow ops marked as nesting (not summed again); a negative N is refused."""
   import re
 
   import pytest
 
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compression.py"
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compressors.py"
   mod = runpy.run_path(str(path))
   mod["main"](["--small", "--model", "resnet18", "--only", "topk1%", "--bucket-mb", "25",
                "--trace-top", "3"])

@@ -1,7 +1,10 @@
-"""PTX instructions per multiply-add in the k-loop of the GEMM kernels (no GPU needed).
+"""Counts PTX instructions per multiply-add in the GEMM kernels' k-loop (no GPU needed).
+
+What it is for: a static proxy of the per-MAC GEMM kernels' speed (issue 48's per-MAC Kahan
+goal) and of the block GEMM kernels' loops, checked on a CPU before a GPU run.
 
 Usage:
-  python benchmarks/ptx_per_mac.py
+  python benchmarks/tools/ptx_per_mac.py
 
 A proxy for the per-MAC rounding cost, not a speed: each kernel is lowered for CUDA and
 compiled for sm_90 with PyPI ``triton`` (tests/pallas/triton_compile.py); the instructions
@@ -24,7 +27,7 @@ import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "pallas")]
 
 import jax  # noqa: E402
@@ -63,7 +66,8 @@ def main(argv=None):
   import argparse
 
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--small", action="store_true", help="accepted for `jaxlp bench`; no effect")
+  p.add_argument("--small", action="store_true",
+                 help="accepted, as by the other scripts, for a CI smoke run; no effect")
   p.parse_args(argv)
   import cuda_lowering as CL
   import triton_compile as TC

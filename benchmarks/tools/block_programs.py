@@ -1,15 +1,18 @@
-"""Program size of the Pallas block quantize kernel with stochastic rounding: first call
-(Triton's compile) and steady-state time, at 4,096 elements per program (the default since
+"""Checks on a GPU the stochastic block quantize kernel's program size (4,096 vs 16,384 elements).
+
+What it is for: the size was cut to 4,096 elements per program on the evidence of sm_90
+compile times measured without a GPU; this tool measures, on a GPU, the first call (Triton's
+compile) and the steady-state time at 4,096 elements per program (the default since
 2026-11-28, ``MAX_PROGRAM_ELEMENTS_STOCHASTIC``) against 16,384 (the default before, still
 the nearest-rounding default), and the bits of the two (the same: a program's size does not
 enter the rounding).
 
-Usage: python benchmarks/block_programs.py [--small] [--repeats R] [--n N]
+Usage: python benchmarks/tools/block_programs.py [--small] [--repeats R] [--n N]
 
 On a GPU the kernel is compiled by Triton and timed (median of R calls after the first).
 Elsewhere it runs in Pallas's interpreter (``--small`` sizes; the CI smoke run): the bits are
 checked and every time reads "not measured". References: the sm_90 compile times measured
-without a GPU are in ``benchmarks/RESULTS.md`` (eighteenth session).
+without a GPU are in ``benchmarks/RESULTS.md`` (tools, block_programs).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 

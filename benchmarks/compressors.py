@@ -1,8 +1,10 @@
-"""Per-compressor encode+decode throughput and bytes on the wire vs fp32 and bf16, for
-ResNet-18- and VGG-19-sized gradient sets (real layer shapes), plus a bandwidth-model step time
-(step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
+"""Compressors' encode+decode throughput (against a copy) and wire bytes on real models' gradients.
 
-Usage: python benchmarks/compression.py [--small] [--model resnet18|vgg19|both] [--only a,b]
+For ResNet-18- and VGG-19-sized gradient sets (real layer shapes): each compressor's
+encode+decode GB/s, its bytes on the wire against fp32 and bf16, and a bandwidth-model step
+time (step = compute + wire_bytes/bandwidth; a MODEL, not a measured network).
+
+Usage: python benchmarks/compressors.py [--small] [--model resnet18|vgg19|both] [--only a,b]
        [--repeats N] [--bucket-mb B] [--trace-top N]
 
 Rows: a copy baseline (the same program with each leaf's encode+decode replaced by a
@@ -24,7 +26,7 @@ import os
 import sys
 import time
 
-# this file's name shadows the `compression` module jax imports: drop its folder from the path
+# keep this script's folder off sys.path: no script name may shadow a module a dependency imports
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
   sys.path.pop(0)
 

@@ -1,13 +1,15 @@
-"""Issue 18, item 5: ``jaxlp train --hbfp 8 --exact-blocks`` gives the same bits on a GPU (the
-Pallas kernel) as on the CPU (the jnp reference).
+"""Checks that an exact-mode training run has the same bits on a GPU as on the CPU.
+
+What it is for (issue 18, item 5): ``jaxlp train --hbfp 8 --exact-blocks`` must give the same
+bits on a GPU (the Pallas kernel) as on the CPU (the jnp reference).
 
 Runs the same ``jaxlp train`` command twice, in subprocesses with different ``JAX_PLATFORMS``
 (default: ``cuda,cpu``, then ``cpu``), and compares the two runs' checkpoints bit for bit and
 their per-epoch losses. Prints one line per run and a verdict; exits 1 when they differ.
 
-Usage: python benchmarks/exact_train_check.py [--epochs N] [--first PLATFORMS]
+Usage: python benchmarks/tools/exact_train_check.py [--epochs N] [--first PLATFORMS]
        [--second PLATFORMS] [--out DIR] [-- extra jaxlp train arguments]
-       python benchmarks/exact_train_check.py --compare RUN_A RUN_B
+       python benchmarks/tools/exact_train_check.py --compare RUN_A RUN_B
 
 ``--compare`` only compares two run folders written elsewhere: e.g. the GPU run's folder,
 brought back from a device machine, against the same command run here on the CPU
@@ -21,8 +23,8 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
-# This folder holds a script named like a module that jax's dependencies import
-# ("compression"); keep it off sys.path so running any benchmark as a script is safe.
+# Keep this script's folder off sys.path, so that no script name can shadow a module that a
+# dependency imports (jax tries `compression.zstd`, for one).
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
 
@@ -34,7 +36,7 @@ import time
 
 import numpy as np
 
-ROOT = _os.path.dirname(_here)
+ROOT = _os.path.dirname(_os.path.dirname(_here))
 COMMAND = ["train", "--hbfp", "8", "--exact-blocks"]
 
 

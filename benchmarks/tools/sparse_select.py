@@ -1,6 +1,9 @@
-"""The sparsifiers' selection, one bucket at a time, in both of its schedules side by side.
+"""Times the sparsifiers' selection on one bucket in each of its schedules (cpu, gpu, radix).
 
-Usage: python benchmarks/sparse_select.py [--small] [--sizes N,N] [--repeats R]
+What it is for: choosing each platform's default selection schedule (``per_platform``) and
+profiling the sparsifiers' part of the compressors' GPU goal, one bucket at a time.
+
+Usage: python benchmarks/tools/sparse_select.py [--small] [--sizes N,N] [--repeats R]
        [--schedules platform,cpu,gpu,radix]
 
 ``select_sparse`` (top-k, DGC, GradDrop) and ``feistel_sample`` (RandomK) have two schedules
@@ -28,7 +31,7 @@ import os
 import sys
 import time
 
-# benchmarks/compression.py shadows the `compression` module jax imports: drop this folder
+# keep this script's folder off sys.path: no script name may shadow a module a dependency imports
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
   sys.path.pop(0)
 
