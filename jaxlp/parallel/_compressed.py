@@ -44,12 +44,13 @@ thresholds and chunks, so they are skipped together):
   worker holds. Leaves reduced in fp32 need no flag: their all-gather carries the values.
 * Finite gradients give finite results wherever the true result is representable: the
   compressors compute their ranges, norms and means without overflow (CGX's ``max - min``,
-  QSGD's and DGC's norms, 1-bit's means, TernGrad's ranges and statistics), exactly as
-  before wherever no overflow occurs; the mean divides by W before reducing. Formats that
-  cannot hold a value make the unit NaN: ``cast("fp16")`` of gradients beyond 65504 (as
-  PyTorch's fp16 hook, which gives inf), a sum beyond the float32 range with ``mean=False``,
-  and PowerSGD, whose products ``M Q`` and ``M^T P`` (sums over a row or column, not divided
-  by W) overflow for gradients near the float32 maximum.
+  QSGD's and DGC's norms, 1-bit's means, TernGrad's ranges and statistics, the column norms
+  of PowerSGD's orthogonalization), exactly as before wherever no overflow occurs; the mean
+  divides by W before reducing. Formats that cannot hold a value make the unit NaN:
+  ``cast("fp16")`` of gradients beyond 65504 (as PyTorch's fp16 hook, which gives inf), a sum
+  beyond the float32 range with ``mean=False``, and PowerSGD, whose products ``M Q`` and
+  ``M^T P`` (sums over a row or column, not divided by W) overflow for gradients near the
+  float32 maximum.
 
 :func:`compressed_wire_bytes` is the byte accounting of the same filters and buckets.
 """

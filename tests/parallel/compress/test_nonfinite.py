@@ -1,7 +1,7 @@
 """The non-finite policy of every reduction (jaxlp/parallel/_compressed.py's module docstring).
 
-For all 11 compressors (both 16-bit casts), per leaf and with ``bucket_mb`` fusion under a
-named ``vmap``, per leaf under ``shard_map`` over 4 of the 8 forced CPU devices (W = 4), and
+For all 11 compressors (both 16-bit casts), per leaf and with ``bucket_mb`` fusion, under a
+named ``vmap`` and under ``shard_map`` over 4 of the 8 forced CPU devices (W = 4), and
 for variants with their own overflow-free code paths (CGX's 1-bit ring and stochastic
 all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant, DGC's clipping):
 
@@ -12,7 +12,8 @@ all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant, DGC's cl
   value. The next finite step then gives what it gives from the old state: every step is a
   pure function of the state, the count and the gradients.
 * finite gradients of ±3e38 (the same on every worker, so the true mean is up to ±3e38; or
-  random signs per worker) give finite results and states on every worker, with the mean's
+  random signs per worker) and of ``2**100`` times normal data give finite, not all-zero
+  results and finite states on every worker, the elementwise compressors with the mean's
   sign -- except where a format cannot hold the value (fp16, also for 1e18) or PowerSGD's
   unscaled products overflow: then a NaN unit with its state kept (the policy).
 * finite ordinary inputs (normal data, times 1e18 and 1e-30) keep the bits of the code
@@ -39,8 +40,8 @@ from jaxlp.parallel import compressed_allreduce, init_compression_state
 
 W = 4
 # name -> (compressor, engine options, modes): the 11 compressors (both 16-bit casts) under
-# vmap (per leaf and bucketed) and shard_map (per leaf); variants whose overflow-free code
-# paths differ under vmap only (per leaf, or bucketed when "bucket_mb" is given)
+# vmap and shard_map (per leaf and bucketed); variants whose overflow-free code paths differ
+# under vmap only (per leaf, or bucketed when "bucket_mb" is given)
 BOTH = ("vmap", "shard_map")
 ENTRIES = {
     "cgx": (C.cgx(4, 64), {}, BOTH), "qsgd": (C.qsgd(15, 64), {}, BOTH),
@@ -61,16 +62,20 @@ ENTRIES = {
 }
 # finite cases that may overflow (then a NaN unit, the policy): fp16 cannot hold 1e18 or
 # 3e38; PowerSGD's sums M Q over a row and over the workers are not divided by W
-MAY_OVERFLOW = {"fp16": {"large", "big_same", "big_random"},
+MAY_OVERFLOW = {"fp16": {"large", "big_same", "big_random", "huge"},
                 "powersgd": {"big_same", "big_random"}}
+# big_random's magnitudes are all 3e38 (+ the state's ~1, lost in rounding): a threshold that
+# sends only |v| > thr (DGC's and GradDrop's rule, as HiPress) sends none of the ties
+TIES = ("dgc", "graddrop", "dgc_clip")
 SHAPES = {"a": (16, 12), "b": (10, 20)}
 BAD_AT = (1, 3, 5)  # worker, row, column of leaf "a"
 # finite cases (the first three: their bits are compared with the code before the policy;
 # 1e18 comes near QSGD's squares' overflow, 1e-30 goes deep into the subnormals), one bad
-# value in one worker, and ±3e38 (the same on every worker: the true mean is ±3e38; random
-# signs per worker)
-CASES = ["clean", "large", "small", "nan", "+inf", "-inf", "big_same", "big_random"]
+# value in one worker, ±3e38 (the same on every worker: the true mean is ±3e38; random
+# signs per worker), and 2**100 times the data (sums of squares overflow float32)
+CASES = ["clean", "large", "small", "nan", "+inf", "-inf", "big_same", "big_random", "huge"]
 ORDINARY = ("clean", "large", "small")
+SCALED = {"large": 1e18, "small": 1e-30, "huge": 2.0 ** 100}  # both leaves scaled
 BAD = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
 OPTS = dict(min_size=1, skip_vectors=False)
 
@@ -80,7 +85,7 @@ def _bucketings(name, mode):
   kw = ENTRIES[name][1]
   if "bucket_mb" in kw:
     return {"bucket": kw["bucket_mb"]}
-  if mode == "shard_map" or ENTRIES[name][2] != BOTH:
+  if ENTRIES[name][2] != BOTH:
     return {"per_leaf": None}
   return {"per_leaf": None, "bucket": 0.01}
 
@@ -95,12 +100,9 @@ def _inputs(seed):
   for c, name in enumerate(CASES):
     if name in BAD:
       a[c][BAD_AT] = BAD[name]
-    elif name == "large":
-      a[c] *= np.float32(1e18)
-      first["b"][c] *= np.float32(1e18)
-    elif name == "small":
-      a[c] *= np.float32(1e-30)
-      first["b"][c] *= np.float32(1e-30)
+    elif name in SCALED:
+      a[c] *= np.float32(SCALED[name])
+      first["b"][c] *= np.float32(SCALED[name])
     elif name == "big_same":
       a[c] = big[0][None] * np.float32(rng.uniform(0.5, 1.0, SHAPES["a"]))
     elif name == "big_random":
@@ -251,7 +253,7 @@ def test_nonfinite_policy(name, mode, cpu_devices):
       if case in BAD or (case in MAY_OVERFLOW.get(name, ()) and not np.isfinite(out["a"]).all()):
         # the unit is NaN everywhere and its state the old one (so is the next step's result)
         assert np.isnan(out["a"]).all(), what
-        if label == "bucket" or case == "large":  # ("large" scales both leaves)
+        if label == "bucket" or case in SCALED:  # (SCALED scales both leaves)
           assert np.isnan(out["b"]).all(), what
           _same_bits(st.leaves, s0.leaves, what + " state")
           _same_bits(st.buckets, s0.buckets, what + " bucket state")
@@ -265,12 +267,97 @@ def test_nonfinite_policy(name, mode, cpu_devices):
         for a in _np(st):  # no residual overflowed
           if a.dtype.kind == "f":
             assert np.isfinite(a).all(), what
-        if case == "big_same" and name != "dgc_clip":  # (clipped to norm 1: the momentum
-          # of the random initial state decides the signs)
+        if case in ("big_same", "huge") or (case == "big_random" and name not in TIES):
+          assert (out["a"] != 0).any(), what  # no range or norm lost the values
+        if case == "big_same" and name not in ("dgc_clip", "powersgd"):  # (dgc_clip: clipped
+          # to norm 1, the momentum of the random initial state decides the signs; PowerSGD:
+          # a rank-2 approximation)
           # the true mean is up to ±3e38: what is sent has the mean's sign
           got, want = out["a"][0], np.asarray(first["a"][c][0])
           nz = got != 0
           assert nz.any() and (np.sign(got[nz]) == np.sign(want[nz])).mean() > 0.9, what
+
+
+def test_powersgd_normalizes_without_overflow():
+  """PowerSGD is scale-equivariant, so gradients times ``2**100`` (the sums of squares of the
+  P and Q columns overflow float32; ``orthogonalize`` scales such a column by ``2**-100``)
+  give the results and states of the plain gradients times ``2**100``, bit for bit, over two
+  steps (the second warm-starts from the scaled Q). Before, the overflowing norms made P
+  zero: a finite, all-zero result."""
+  s = np.float32(2.0 ** 100)
+  rng = np.random.default_rng(7)
+  g = [rng.standard_normal((W,) + SHAPES["a"]).astype(np.float32) for _ in range(2)]
+  comp = C.powersgd(2)
+
+  def worker(g1, g2):
+    st = init_compression_state(comp, jnp.zeros(SHAPES["a"]), **OPTS)
+    for g in (g1, g2):
+      out, st = compressed_allreduce(g, st, "w", comp, **OPTS)
+    return out, st.leaves
+
+  # the case axis (plain, scaled) outside the worker axis
+  run = jax.jit(jax.vmap(jax.vmap(worker, axis_name="w")))
+  res = run(*[jnp.asarray(np.stack([v, v * s])) for v in g])
+  for a, b in zip(_np(_case(res, 0)), _np(_case(res, 1)), strict=True):
+    if a.dtype.kind == "f":  # the result, the error, Q
+      assert np.isfinite(a).all() and (a != 0).any()
+      _same_bits(b, a * s, "scaled")
+    else:  # the iteration count
+      _same_bits(b, a, "count")
+
+
+def test_orthogonalize_keeps_nan_and_scales_huge_columns():
+  """A column with a NaN or inf gives NaN (it used to become a zero column when its norm was
+  NaN); a finite column whose sum of squares overflows is normalised as the same column
+  times ``2**-100`` (so columns times ``2**100`` give the plain columns' bits); a zero column
+  stays zero."""
+  x = np.array([[3.0, 1.0], [-3.0, 2.0], [1.0, 0.5]], np.float32)
+  s = np.float32(2.0 ** 100)
+  cases = np.stack([x, x * np.array([s, 1], np.float32), x * s, x, x, x])
+  cases[3, :, 0] = np.nan
+  cases[4, 1, 1] = np.inf
+  cases[5, :, 1] = 0
+  o = np.asarray(jax.jit(jax.vmap(C.orthogonalize))(cases))
+  for c in (1, 2):  # the columns times 2**100 are scaled back exactly: the same bits
+    _same_bits(o[c], o[0], "scaled columns")
+  assert np.isfinite(o[:3]).all() and np.isnan(o[3]).all()
+  assert np.isnan(o[4][:, 1]).all() and np.isfinite(o[4][:, 0]).all()
+  _same_bits(o[5][:, 0], o[0][:, 0], "first column")
+  assert (o[5][:, 1] == 0).all()
+
+
+def test_apply_if_finite_skips_the_step_on_every_worker():
+  """``reduce_gradients(compressor=...)`` chained before ``optax.apply_if_finite``: a NaN in
+  one worker's gradient makes every worker skip the step (parameters and compressor state
+  kept, the non-finite count 1 everywhere); the next finite step updates every worker alike."""
+  import optax  # noqa: PLC0415
+
+  params = {"w": jnp.zeros((8, 6)), "b": jnp.zeros(6)}
+  tx = optax.chain(PL.reduce_gradients("w", compressor=C.topk(0.25), min_size=1),
+                   optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=5))
+  rng = np.random.default_rng(3)
+  g = {k: rng.standard_normal((2, W) + v.shape).astype(np.float32) for k, v in params.items()}
+  g["w"][0, 2, 3, 1] = np.nan  # step 0, worker 2
+
+  def worker(g):
+    p, st = params, tx.init(params)
+    seen = []
+    for t in range(2):
+      u, st = tx.update({k: v[t] for k, v in g.items()}, st, p)
+      p = optax.apply_updates(p, u)
+      seen.append((p, st[1].notfinite_count, st[0].compressor_state))
+    return seen
+
+  (p0, bad0, cs0), (p1, bad1, _) = jax.jit(jax.vmap(worker, axis_name="w", in_axes=1))(g)
+  init = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (W,) + a.shape),
+                                tx.init(params)[0].compressor_state)
+  _same_bits(p0, jax.tree_util.tree_map(lambda a: jnp.zeros((W,) + a.shape), params), "skip")
+  _same_bits(cs0.leaves, init.leaves, "compressor state kept")
+  np.testing.assert_array_equal(np.asarray(bad0), 1)
+  np.testing.assert_array_equal(np.asarray(bad1), 0)
+  for a in _np(p1):
+    assert np.isfinite(a).all() and (a != 0).any()
+    _same_bits(a, np.broadcast_to(a[0], a.shape), "every worker alike")
 
 
 # ---------------------------------------------------------------------------------------------
