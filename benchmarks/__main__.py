@@ -45,6 +45,7 @@ TOOLS = {
     "block_programs": "GPU",
     "sparse_select": "CPU, GPU",
     "ptx_per_mac": "CPU",
+    "reliability_probes": "CPU",
 }
 
 
