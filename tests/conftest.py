@@ -106,7 +106,12 @@ _SCHEDULE_FIRST = (
     "tests/parallel/test_dgc_stages.py::test_train_sends_the_target_bytes_after_the_warm_up",
     "tests/flax_integration/test_flax.py::test_resnet18_trains_under_hbfp",
     "tests/flax_integration/test_flax.py::test_injected_linen_equals_injected_nnx_bit_for_bit",
-    # Added from a run of the new modules alone (2026-11-28, ``-n 2``, same load), longest first:
+    # Added from runs of the modules added since (2026-11-28/29, ``-n 2``, same load), longest
+    # first:
+    "tests/parallel/test_sharded.py::test_stochastic_rounding_same_in_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded_compressed.py::test_error_feedback_matches_the_oracle_over_steps",
+    "tests/parallel/test_sharded.py::test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8",
+    "tests/parallel/test_sharded_multiprocess.py::test_two_processes_equal_one_process_vmap",
     "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms",
     "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns",
     "tests/flax_integration/test_whole_model.py::test_nnx_attention_function_equals_flax_einsum_path",
@@ -121,8 +126,9 @@ _SCHEDULE_FIRST = (
 # The fast tier: tests marked ``slow`` by the list below are left out by ``-m "not slow"``.
 # An entry is a test module (every test in it), a test function (every case of it) or one case
 # (``path::function[id]``). What is here, from ``--durations=0 -n 2`` runs on the 2-core CI VM
-# (2026-11-28, shared with other jobs: 5-6 s of wall time per s of CPU): a full run, a run of
-# the modules added after it, and two runs of the fast tier itself (the second: 332 s of CPU).
+# (2026-11-28/29, shared with other jobs: 5-6 s of wall time per s of CPU): a full run, runs
+# of the modules added after it, and three runs of the fast tier itself (the last: 356 s of
+# CPU, 1,123 of 2,435 tests).
 # Multi-process and subprocess runs (DDP, multi-process collectives, ``jaxlp train`` runs,
 # reproductions, examples, the benchmark scripts' smoke runs, the Sphinx build, the README's
 # snippets), the QPyTorch parity modules (they build qtorch's C++ extension), Triton compiles
@@ -313,6 +319,19 @@ _SLOW = (
     "tests/parallel/compress/test_speed_sparse.py::test_selection_equals_full_top_k",
     "tests/parallel/compress/test_speed_sparse.py::test_sparsifiers_under_vmap_match_per_worker",
     "tests/parallel/compress/test_speed_sparse.py::test_the_gpu_schedule_is_what_cuda_compiles",
+    "tests/parallel/test_sharded.py::test_all_gather_matches_the_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded.py::test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8",
+    "tests/parallel/test_sharded.py::test_devices_times_emulated_and_pmap",
+    "tests/parallel/test_sharded.py::test_every_order_matches_the_oracle_w4",
+    "tests/parallel/test_sharded.py::test_other_worker_counts_and_empty_leaves",
+    "tests/parallel/test_sharded.py::test_reduce_scatter_then_all_gather_is_psum_bit_for_bit",
+    "tests/parallel/test_sharded.py::test_stochastic_rounding_same_in_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded.py::test_vmap_and_shard_map_give_the_oracles_bits",
+    "tests/parallel/test_sharded.py::test_wire_bytes_equal_the_traced_collectives",
+    "tests/parallel/test_sharded_compressed.py::test_compressors_run_sharded_and_match_the_oracle",
+    "tests/parallel/test_sharded_compressed.py::test_error_feedback_matches_the_oracle_over_steps",
+    "tests/parallel/test_sharded_compressed.py::test_without_error_feedback_it_is_reduce_scatter_all_to_all",
+    "tests/parallel/test_sharded_multiprocess.py",
     # --- torch bridge ---
     "tests/torch_bridge/test_cpu_path.py::test_block_formats",
     "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns",
@@ -389,6 +408,8 @@ _FAST_CASES = (
     "tests/parallel/test_psum.py::test_vmap_matches_oracle[jaxlp.formats.E4M3-chain-False]",
     "tests/parallel/test_psum.py::test_vmap_matches_oracle[jaxlp.formats.E4M3-ring-False]",
     "tests/parallel/test_psum.py::test_worker_counts_and_padding[tree-2]",
+    "tests/parallel/test_sharded.py::test_vmap_and_shard_map_give_the_oracles_bits[4]",
+    "tests/parallel/test_sharded_compressed.py::test_compressors_run_sharded_and_match_the_oracle[cast-e4m3]",
     "tests/parallel/compress/test_compress_compressors.py::test_pack_matches_reference_and_round_trips[4]",
     "tests/parallel/compress/test_engine_families.py::test_constant_gradient_over_steps[topk]",
     "tests/parallel/compress/test_engine_families.py::test_wire_bytes_equal_the_bytes_the_collectives_send[cgx-bucket_mb]",
