@@ -29,6 +29,7 @@ ROOT = os.path.dirname(HERE)
 #: benchmark name -> (where its numbers are measured, the arguments of its CI-sized run)
 BENCHMARKS = {
     "quantize": ("CPU", ("--small",)),
+    "fp4": ("CPU", ("--small",)),
     "kernels": ("GPU", ("--small",)),
     "block_gemm": ("CPU, GPU", ("--small",)),
     "layers": ("CPU, GPU", ("--small",)),
