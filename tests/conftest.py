@@ -112,6 +112,7 @@ _SCHEDULE_FIRST = (
     "tests/parallel/test_sharded_compressed.py::test_error_feedback_matches_the_oracle_over_steps",
     "tests/parallel/test_sharded.py::test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8",
     "tests/parallel/test_sharded_multiprocess.py::test_two_processes_equal_one_process_vmap",
+    "tests/formats/test_nvfp4_integration.py::test_block_scaled_formats_are_compressor_wire_formats",
     "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms",
     "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns",
     "tests/flax_integration/test_whole_model.py::test_nnx_attention_function_equals_flax_einsum_path",
@@ -128,7 +129,7 @@ _SCHEDULE_FIRST = (
 # (``path::function[id]``). What is here, from ``--durations=0 -n 2`` runs on the 2-core CI VM
 # (2026-11-28/29, shared with other jobs: 5-6 s of wall time per s of CPU): a full run, runs
 # of the modules added after it, and three runs of the fast tier itself (the last: 356 s of
-# CPU, 1,123 of 2,435 tests).
+# CPU, 1,123 of 2,435 tests), then a run of the NVFP4/MX modules merged after it (138 s of CPU).
 # Multi-process and subprocess runs (DDP, multi-process collectives, ``jaxlp train`` runs,
 # reproductions, examples, the benchmark scripts' smoke runs, the Sphinx build, the README's
 # snippets), the QPyTorch parity modules (they build qtorch's C++ extension), Triton compiles
@@ -184,7 +185,29 @@ _SLOW = (
     # --- formats ---
     "tests/formats/test_codes.py::test_every_code_against_formula_and_round_trip",
     "tests/formats/test_compat_golden.py::test_cpd_every_exp_man_against_the_stepwise_reference",
+    "tests/formats/test_nvfp4.py::test_directed_element_roundings",
+    "tests/formats/test_nvfp4.py::test_empty_and_scalar_and_partial_blocks",
+    "tests/formats/test_nvfp4.py::test_encode_parts_match_the_reference_and_decode",
+    "tests/formats/test_nvfp4.py::test_encode_scales_layout",
+    "tests/formats/test_nvfp4.py::test_half_inputs_are_widened_quantized_and_cast_back",
+    "tests/formats/test_nvfp4.py::test_jit_vmap_grad",
+    "tests/formats/test_nvfp4.py::test_nvfp4_matches_the_reference",
+    "tests/formats/test_nvfp4.py::test_other_scaled_block_formats_match_the_reference",
+    "tests/formats/test_nvfp4.py::test_sharded_input_has_the_unsharded_bits",
+    "tests/formats/test_nvfp4.py::test_stochastic_elements_use_the_elementwise_noise",
+    "tests/formats/test_nvfp4.py::test_zero_and_tiny_tensors_are_finite",
+    "tests/formats/test_nvfp4_integration.py::test_block_scaled_formats_are_compressor_wire_formats",
+    "tests/formats/test_nvfp4_integration.py::test_dot_policy_blocks_along_the_contraction_axis",
+    "tests/formats/test_nvfp4_integration.py::test_flax_dense_layer_with_an_nvfp4_policy",
+    "tests/formats/test_nvfp4_integration.py::test_nonfinite_gradients_on_the_nvfp4_wire",
+    "tests/formats/test_nvfp4_integration.py::test_nvfp4_cast_reduction_is_the_decoded_sum_over_w",
+    "tests/formats/test_nvfp4_integration.py::test_nvfp4_wire_format_in_the_torch_ddp_hook_codec",
+    "tests/formats/test_nvfp4_integration.py::test_optax_transforms_take_nvfp4",
+    "tests/formats/test_nvfp4_integration.py::test_torch_bridge_quantizes_through_jax",
+    "tests/formats/test_nvfp4_integration.py::test_two_d_tiles_quantize_w_and_its_transpose_alike",
     "tests/formats/test_qtorch_parity.py",
+    "tests/formats/test_torchao_parity.py::test_nvfp4_bfloat16",
+    "tests/formats/test_torchao_parity.py::test_nvfp4_dequantized_values",
     # --- ops ---
     "tests/ops/test_block_conv.py::test_bits_are_the_definition_on_the_declared_blocks",
     "tests/ops/test_block_conv.py::test_exact_and_fp8_vs_emulation_on_a_layer",
@@ -364,6 +387,7 @@ _SLOW = (
     "tests/test_doctests.py::test_docstring_examples",
     "tests/test_engine_compile_bench_smoke.py::test_engine_compile_tiny",
     "tests/test_exact_train_check.py",
+    "tests/test_fp4_bench_smoke.py",
     "tests/test_gpu_checks_script.py",
     "tests/test_kernels_bench_smoke.py",
     "tests/test_layers_bench_smoke.py::test_a_failing_trace_is_reported_not_raised",
@@ -391,6 +415,7 @@ _FAST_CASES = (
     "tests/cli/test_portable.py::test_tree_sum_is_the_declared_pairwise_order[7]",
     "tests/flax_integration/test_whole_model.py::test_linen_transformer_every_matmul_quantized_as_asked[True]",
     "tests/formats/test_codes.py::test_every_code_against_formula_and_round_trip[jaxlp.formats.E5M2]",
+    "tests/formats/test_nvfp4.py::test_nvfp4_matches_the_reference[ScaledBlockFormat(elem=jaxlp.formats.E2M1FN, block_size=16, axis=-1, scale_fmt='ue4m3', tensor_scale=False)]",  # noqa: E501
     "tests/ops/test_block_conv.py::test_bits_are_the_definition_on_the_declared_blocks[tiled_pads_dilations]",
     "tests/ops/test_conv.py::test_representable_operands_equal_plain_conv[hbfp-depthwise]",
     "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms[per_gemm]",
