@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxlp  # noqa: E402
-from jaxlp.formats import E4M3, E5M2, cpd_float  # noqa: E402
+from jaxlp.formats import E4M3, E4M3FN, E5M2, cpd_float  # noqa: E402
 from jaxlp.torch import cpd  # noqa: E402
 from jaxlp.torch import nn as jnn  # noqa: E402
 from tests.torch_bridge._torch_testutil import assert_same_bits, jax_device_of  # noqa: E402
@@ -23,7 +23,7 @@ from tests.torch_bridge._torch_testutil import assert_same_bits, jax_device_of  
 POLICIES = {
     "hbfp_tiled": jaxlp.hbfp_policy(5, tile=4, activations="tiled"),
     "hbfp_per_sample": jaxlp.hbfp_policy(7, weight_man_bits=5, tile=8),
-    "mx": jaxlp.mx_policy(E4M3, block_size=8, grad_fmt=E5M2),
+    "mx": jaxlp.mx_policy(E4M3FN, block_size=8, grad_fmt=E5M2),
     "float": jaxlp.float_policy(E4M3, E5M2),
 }
 
