@@ -17,10 +17,11 @@ HBFPEmulator's 24x24 tiles, OCP MXFP8); ``hbfp8_exact`` (the same with
 a bfloat16 accumulator emulated in every forward GEMM).
 
 The wire table (``--no-wire`` skips it; nothing is timed) gives, for the three language models
-of ``jaxlp train`` at their default size (width 16: 128 units, 2 layers, 257 tokens), the
-bytes one of 8 workers sends per step for an fp32 all-reduce, low-precision sums and each
+of ``jaxlp train`` at their default size (width 16: 128 units, 2 layers), with the byte
+vocabulary (257) and a Penn Treebank word vocabulary (10,000 words + ``<mask>``), the bytes
+one of 8 workers sends per step for an fp32 all-reduce, a low-precision sum and each
 compressor (``jaxlp.training._loop.wire_bytes_per_step``: the engine's own count), with the
-largest gradient leaf's share (the embedding).
+largest gradient leaf and its share of the parameters (with words: the embedding).
 
 Usage: python benchmarks/sequence.py [--small] [--models transformer,lstm]
        [--policies fp32,hbfp8,...] [--steps N] [--rounds R] [--no-wire] [--json F]
@@ -174,13 +175,17 @@ WIRE_CONFIGS = (
 )
 
 
+#: vocabularies of the wire table: bytes, and Penn Treebank's 10,000 words + <mask>
+WIRE_VOCABS = (VOCAB, 10001)
+
+
 def wire_table(nodes: int = 8) -> list[dict]:
   """Bytes per worker per step of every :data:`WIRE_CONFIGS` for the LMs of ``jaxlp train``."""
   from jaxlp.training._models import LM_MODELS, build
 
   rows = []
-  for name in LM_MODELS:
-    model = build(name, VOCAB, width=16)
+  for name, vocab in ((n, v) for v in WIRE_VOCABS for n in LM_MODELS):
+    model = build(name, vocab, width=16)
     shapes = jax.eval_shape(lambda m=model: m.init(jax.random.key(0),
                                                    jnp.zeros((2, 64), jnp.int32)))["params"]
     sizes = [leaf.size for leaf in jax.tree_util.tree_leaves(shapes)]
@@ -191,8 +196,8 @@ def wire_table(nodes: int = 8) -> list[dict]:
       comp = _parse_compress(cfg.compress)[0] if cfg.compress else None
       b = wire_bytes_per_step(cfg, comp, shapes)
       base = b if base is None else base
-      rows.append({"model": name, "params": n, "largest_leaf": big, "config": label,
-                   "wire_bytes": b, "vs_fp32": b / base})
+      rows.append({"model": name, "vocab": vocab, "params": n, "largest_leaf": big,
+                   "config": label, "wire_bytes": b, "vs_fp32": b / base})
   return rows
 
 
@@ -238,11 +243,11 @@ def main(argv=None):
   wire = []
   if not args.no_wire:
     wire = wire_table()
-    print("\n| model | params | largest leaf (share) | gradient reduction, 8 workers | "
+    print("\n| model | vocab | params | largest leaf (share) | gradient reduction, 8 workers | "
           "MB per worker per step | vs fp32 |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for w in wire:
-      print(f"| {w['model']} | {w['params']:,} | {w['largest_leaf']:,} "
+      print(f"| {w['model']} | {w['vocab']:,} | {w['params']:,} | {w['largest_leaf']:,} "
             f"({100 * w['largest_leaf'] / w['params']:.0f}%) | {w['config']} | "
             f"{w['wire_bytes'] / 1e6:.3f} | {w['vs_fp32']:.3f} |")
   if args.json:
