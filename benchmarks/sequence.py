@@ -23,8 +23,14 @@ one of 8 workers sends per step for an fp32 all-reduce, a low-precision sum and 
 compressor (``jaxlp.training._loop.wire_bytes_per_step``: the engine's own count), with the
 largest gradient leaf and its share of the parameters (with words: the embedding).
 
+``--grads`` (nothing is timed) compares, for each model and each 8-bit policy of ``jaxlp
+train`` (hbfp8, mxfp8, e4m3 = E4M3 forward / E5M2 gradients, e5m2), the gradient of one loss
+on a window of the built-in text (32 rows of 64 bytes, the reproductions' size, at
+initialisation, no dropout) with the fp32 gradient, leaf by leaf: the smallest cosine, the
+median and smallest norm ratio, and the leaves whose gradient is exactly zero (underflow).
+
 Usage: python benchmarks/sequence.py [--small] [--models transformer,lstm]
-       [--policies fp32,hbfp8,...] [--steps N] [--rounds R] [--no-wire] [--json F]
+       [--policies fp32,hbfp8,...] [--steps N] [--rounds R] [--no-wire] [--grads] [--json F]
 """
 
 from __future__ import annotations
@@ -201,6 +207,52 @@ def wire_table(nodes: int = 8) -> list[dict]:
   return rows
 
 
+GRAD_POLICIES = ("hbfp8", "mxfp8", "e4m3", "e5m2")
+
+
+def grad_table(models, small: bool) -> list[dict]:
+  """Per model and :data:`GRAD_POLICIES`: the quantized gradient of one loss against fp32."""
+  import numpy as np
+
+  from jaxlp.training import _text as T
+  from jaxlp.training._models import build
+
+  rows_, seq = (4, 16) if small else (32, 64)
+  ds = T.load()
+  x, y, _ = T.lm_windows(ds.train, rows_, seq)
+  x, y = jnp.asarray(x[3]), jnp.asarray(y[3])
+  out = []
+  for name in models:
+    model = build(name, ds.vocab_size, width=2 if small else 16, dropout=0.0, seq_len=seq)
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+
+    def grads(apply, params=params):
+      loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+          apply({"params": p}, x), y).mean()
+      return jax.jit(jax.value_and_grad(loss))(params)
+
+    l0, g0 = grads(model.apply)
+    ref = jax.tree_util.tree_leaves_with_path(g0)
+    for pname in GRAD_POLICIES:
+      pol = _policy(TrainConfig(model=name, policy=pname))
+      l1, g1 = grads(jf.quantize_model(model, pol).apply)
+      cos, ratio, zero = [], [], []
+      for (path, a), b in zip(ref, jax.tree_util.tree_leaves(g1), strict=True):
+        a, b = np.ravel(np.asarray(a, np.float64)), np.ravel(np.asarray(b, np.float64))
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        if na == 0:
+          continue
+        cos.append(float(a @ b / (na * nb)) if nb else 0.0)
+        ratio.append(float(nb / na))
+        if nb == 0:
+          zero.append(jax.tree_util.keystr(path))
+      out.append({"model": name, "policy": pname, "loss_fp32": float(l0), "loss": float(l1),
+                  "leaves": len(cos), "min_cos": min(cos),
+                  "median_norm_ratio": float(np.median(ratio)), "min_norm_ratio": min(ratio),
+                  "zero_leaves": zero})
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--small", action="store_true", help="CI-sized models (smoke run)")
@@ -212,6 +264,8 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; "
                   "--small 1)")
   ap.add_argument("--no-wire", action="store_true", help="skip the wire-bytes table")
+  ap.add_argument("--grads", action="store_true",
+                  help="only the gradient check of the 8-bit policies against fp32 (no timing)")
   ap.add_argument("--json", default=None, metavar="F", help="write the rows as JSON")
   args = ap.parse_args(argv)
   models = [m for m in args.models.split(",") if m]
@@ -227,6 +281,19 @@ def main(argv=None):
   if steps < 1 or rounds < 1:
     ap.error("--steps and --rounds must be >= 1")
   dev = jax.devices()[0]
+  if args.grads:
+    grads = grad_table(models, args.small)
+    print("| model | policy | leaves | min cosine | norm ratio: median (min) | zero gradients |")
+    print("|---|---|---|---|---|---|")
+    for g in grads:
+      zero = ", ".join(g["zero_leaves"]) or "none"
+      print(f"| {g['model']} | {g['policy']} | {g['leaves']} | {g['min_cos']:.4f} | "
+            f"{g['median_norm_ratio']:.3f} ({g['min_norm_ratio']:.3f}) | "
+            f"{len(g['zero_leaves'])}: {zero} |")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"grads": grads}, f, indent=2)
+    return grads
   print(f"# sequence: jax {jax.__version__}, {dev.platform} ({dev.device_kind}), "
         f"{platform.machine()}, {steps} steps x {rounds} rounds per row, median")
   rows = []

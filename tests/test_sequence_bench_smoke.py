@@ -44,6 +44,18 @@ def test_sequence_benchmark_small(tmp_path):
       assert mine["onebit"]["largest_leaf"] == 10001 * 128
 
 
+def test_sequence_benchmark_gradient_check(capsys):
+  """--grads: each 8-bit policy's gradient of one LSTM loss against fp32, leaf by leaf (HBFP8
+  keeps every direction; MXFP8's floor-rule scales clip block maxima, so its gradients are
+  shorter)."""
+  mod = load_benchmark("sequence")
+  rows = {r["policy"]: r for r in mod.main(["--grads", "--small", "--models", "lstm"])}
+  assert list(rows) == ["hbfp8", "mxfp8", "e4m3", "e5m2"]
+  assert rows["hbfp8"]["min_cos"] > 0.98 and rows["hbfp8"]["leaves"] == 26
+  assert rows["mxfp8"]["median_norm_ratio"] < 0.95
+  assert "| lstm | mxfp8 | 26 |" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, needle", [(["--policies", "fp32,hbfp9"], "--policies"),
                                           (["--models", "gru"], "--models"),
                                           (["--steps", "0"], "--steps")])

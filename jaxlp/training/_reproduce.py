@@ -396,25 +396,7 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
       stream.write(f"    {row.label:<22} {' '.join(f'{a:.4f}' for a in accs)}  mean {mean:.4f}"
                    f"  wire {results[-1]['wire_mb']:.1f} MB\n")
       stream.flush()
-    fp32 = results[0]["mean"]
-    for r in results:
-      if ppl:  # lower is better: a row may exceed fp32 by margin percent, seed by seed
-        pairs = zip(r["final_perplexity"], results[0]["final_perplexity"], strict=True)
-        r["delta_percent"] = sum(100.0 * (v / b - 1.0) for v, b in pairs) / len(seeds)
-        ok, diff = r["delta_percent"] <= claim.margin, f"{r['delta_percent']:+.1f}%"
-      else:
-        r["delta_points"] = 100.0 * (r["mean"] - fp32)
-        ok, diff = r["delta_points"] >= -claim.margin, f"{r['delta_points']:+.1f} points"
-      if r["label"] == "fp32":
-        r["verdict"] = "baseline"
-      elif toy:
-        r["verdict"] = "toy run: no verdict"
-      elif not r["claim"]:
-        r["verdict"] = "context (no claim)"
-      elif ok and math.isfinite(r["mean"]):
-        r["verdict"] = "holds"
-      else:
-        r["verdict"] = f"does not hold ({diff})"
+    _judge(results, claim, toy)
     summary["settings"].append({"name": label, "base": base, "rows": results})
   folder = os.path.join(out, name)
   os.makedirs(folder, exist_ok=True)
@@ -436,6 +418,31 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
                         labels=[r["label"] for r in s["rows"]])
       stream.write(f"plots: {', '.join(paths)}\n")
   return summary
+
+
+def _judge(results: list[dict], claim: Claim, toy: bool) -> None:
+  """Set ``delta_points`` / ``delta_percent`` and ``verdict`` of every row of one setting
+  (``results[0]`` is the fp32 baseline)."""
+  fp32 = results[0]["mean"]
+  ppl = claim.metric == "perplexity"
+  for r in results:
+    if ppl:  # lower is better: a row may exceed fp32 by margin percent, seed by seed
+      pairs = list(zip(r["final_perplexity"], results[0]["final_perplexity"], strict=True))
+      r["delta_percent"] = sum(100.0 * (v / b - 1.0) for v, b in pairs) / len(pairs)
+      ok, diff = r["delta_percent"] <= claim.margin, f"{r['delta_percent']:+.1f}%"
+    else:
+      r["delta_points"] = 100.0 * (r["mean"] - fp32)
+      ok, diff = r["delta_points"] >= -claim.margin, f"{r['delta_points']:+.1f} points"
+    if r["label"] == "fp32":
+      r["verdict"] = "baseline"
+    elif toy:
+      r["verdict"] = "toy run: no verdict"
+    elif not r["claim"]:
+      r["verdict"] = "context (no claim)"
+    elif ok and math.isfinite(r["mean"]):
+      r["verdict"] = "holds"
+    else:
+      r["verdict"] = f"does not hold ({diff})"
 
 
 def report_table(summary: dict) -> str:
