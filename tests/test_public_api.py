@@ -22,6 +22,13 @@ PUBLIC_PACKAGES = [
     "jaxlp.parallel.compressors", "jaxlp.optim", "jaxlp.flax", "jaxlp.flax.linen",
     "jaxlp.flax.nnx", "jaxlp.flax.models", "jaxlp.torch", "jaxlp.torch.nn", "jaxlp.torch.ddp",
     "jaxlp.torch.cpd", "jaxlp.training",
+    # QPyTorch's and CPD's module trees (migration by one import prefix)
+    "jaxlp.torch.qtorch", "jaxlp.torch.qtorch.number", "jaxlp.torch.qtorch.quant",
+    "jaxlp.torch.qtorch.quant.quant_function", "jaxlp.torch.qtorch.quant.quant_module",
+    "jaxlp.torch.qtorch.optim", "jaxlp.torch.qtorch.optim.optim_low",
+    "jaxlp.torch.qtorch.auto_low", "jaxlp.torch.cpdtorch", "jaxlp.torch.cpdtorch.quant",
+    "jaxlp.torch.cpdtorch.quant.quant_function", "jaxlp.torch.cpdtorch.quant.quant_module",
+    "jaxlp.torch.cpdtorch.utils", "jaxlp.torch.cpdtorch.utils.dist_util",
 ]
 
 
@@ -70,6 +77,8 @@ def test_every_public_function_has_args_returns_and_an_example(pkg_name):
 PUBLIC_SUBPACKAGES = [
     "jaxlp", "jaxlp.formats", "jaxlp.ops", "jaxlp.pallas", "jaxlp.parallel",
     "jaxlp.parallel.compressors", "jaxlp.optim", "jaxlp.flax", "jaxlp.torch", "jaxlp.training",
+    "jaxlp.torch.qtorch", "jaxlp.torch.qtorch.quant", "jaxlp.torch.qtorch.optim",
+    "jaxlp.torch.cpdtorch", "jaxlp.torch.cpdtorch.quant", "jaxlp.torch.cpdtorch.utils",
 ]
 
 

@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
   pb = sub.add_parser("bench", help="run the benchmark suite and print its tables")
   pb.add_argument("--small", action="store_true", help="CI-sized inputs")
   pb.add_argument("--only", nargs="+", metavar="NAME",
-                  help="benchmark names (python -m benchmarks lists them)")
+                  help="benchmark names (listed by: python -m benchmarks)")
   pb.set_defaults(func=_cmd_bench)
 
   pf = sub.add_parser("formats", help="show the preset number formats and a rounding demo")

@@ -12,6 +12,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxlp._deprecation import renamed_kwargs
 from jaxlp._util import cdiv, round_up
@@ -64,17 +65,18 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
                        f"({len(shape)} dimension(s))")
     if not shape:  # a scalar is one block of one element
       return block_max_bits(mag.reshape(1), axis=0, block_size=block_size).reshape(())
+    # Blocks cut along the axis where it is (no transpose to the last axis: on XLA:CPU
+    # moving a leading axis last and back cost 4x the block max itself on (512, 128)).
     ax = axis % nd
-    m = jnp.moveaxis(mag, ax, -1)
-    n = m.shape[-1]
+    n = shape[ax]
     bs = n if block_size is None else block_size
     nb = cdiv(n, bs) if n else 0
     pad = nb * bs - n
-    mp = jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, pad)])
-    blk = mp.reshape(m.shape[:-1] + (nb, bs))
-    mx = jnp.max(blk, axis=-1, keepdims=True, initial=B.u32(0))
-    full = jnp.broadcast_to(mx, blk.shape).reshape(mp.shape)[..., :n]
-    return jnp.moveaxis(full, -1, ax)
+    mp = jnp.pad(mag, [(0, 0)] * ax + [(0, pad)] + [(0, 0)] * (nd - ax - 1)) if pad else mag
+    blk = mp.reshape(shape[:ax] + (nb, bs) + shape[ax + 1:])
+    mx = jnp.max(blk, axis=ax + 1, keepdims=True, initial=B.u32(0))
+    full = jnp.broadcast_to(mx, blk.shape).reshape(mp.shape)
+    return lax.slice_in_dim(full, 0, n, axis=ax) if pad else full
   rows, cols, tr, tc = _tile_view(shape, tile)
   m2 = mag.reshape(rows, cols)
   R = round_up(rows, tr)
@@ -276,6 +278,12 @@ class QPyTorchBlock:
   reproduced exactly with integer ops. A block whose max is a float32 subnormal has base 0
   in QPyTorch (degenerate); jaxlp reproduces that case too.
 
+  The rule is the same for every block exponent E (the rebase constant is never formed in
+  float32): scaling a block by a power of two scales its result. QPyTorch differs where the
+  largest magnitude is >= 2**126: its ``6 * 2**E`` overflows float32 and every element comes
+  out near -1.7e38 (E = 126) or -3.4e38 (E = 127). ``wl = 23`` drops no fraction bit of the
+  rebased value (QPyTorch's wl = 23 shifts by -1, undefined behaviour).
+
   Raises:
     ValueError: ``wl`` not an int in 2..23 or ``dim`` not -1 or a non-negative int (and,
       from :func:`jaxlp.formats.quantize`, a ``dim`` out of range for the array).
@@ -328,7 +336,9 @@ class QPyTorchBlock:
     # applied to x's own pattern, and a carry into the exponent field clips (QPyTorch's clip
     # with a zero max exponent).
     rb = bits
-    if rounding == "nearest":
+    if wl == 23:  # no fraction bit dropped: nothing to round
+      pass
+    elif rounding == "nearest":
       rb = rb + B.u32(1 << (22 - wl))
     else:
       rb = rb + ((rand >> B.u32(32 - (23 - wl))) & B.u32((1 << (23 - wl)) - 1))

@@ -81,28 +81,6 @@ def significand_bits(fmt) -> int | None:
   return None
 
 
-
-def block_length(fmt, shape, axis: int, eff_axis: int | None) -> int:
-  """Length of ``fmt``'s blocks along ``axis`` of an operand of ``shape`` (the extent of the
-  axis for one block over the whole axis; 1 when its blocks run along another axis).
-
-  ``eff_axis``: the axis an axis-blocked format was actually blocked along (None: its own).
-  Raises NotImplementedError for tile-blocked formats on operands that are not 2-D.
-  """
-  n = shape[axis]
-  if isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None):
-    a = (fmt.axis if eff_axis is None else eff_axis) % len(shape)
-    if a != axis:
-      return 1
-    return n if fmt.block_size is None else min(fmt.block_size, n)
-  if len(shape) != 2:
-    raise NotImplementedError(
-        f"jaxlp.dot_general: block_dot with the tile-blocked format {fmt!r} needs 2-D "
-        f"operands, got shape {shape}")
-  t = fmt.tile[axis]
-  return n if t is None else min(t, n)
-
-
 def contraction_blocks(len_a: int, len_b: int, k: int) -> int:
   """The K-block length ``g`` of a GEMM from its operands' block lengths along K: ``gcd``,
   where a block over the whole axis (``>= k``) imposes nothing."""

@@ -106,8 +106,11 @@ class QPyTorchFloat:
   the noise comes from jaxlp's counter-based hash, so the draws differ from QPyTorch's RNG
   while the distribution is the same). Quirks kept: NaN/inf -> ±max for exp < 8; for
   exp = 8 overflow gives ±inf and a NaN with man = 0 becomes -0.0; -0.0 -> +0.0.
-  man = 23 is the identity (QPyTorch's intended semantics; its x86 CPU build flips the
-  sign there, which is undefined behaviour and not reproduced).
+  man = 23 drops no fraction bit, so only the exponent range acts, as for every other man:
+  overflow saturates to ``(2 - 2**-23) * 2**(2**(exp-1))``, values below ``2**min_exp``
+  go to the subnormal grid ``2**(min_exp-23)`` (the rebase add rounds to nearest even);
+  (8, 23) is float32 itself and returns the input unchanged. (QPyTorch's man = 23 is
+  undefined behaviour, ``1 << -1``: its x86 CPU build flips the sign; not reproduced.)
 
   Raises:
     ValueError: ``exp_bits`` not an int in 1..8 or ``man_bits`` not an int in 0..23.
@@ -119,6 +122,9 @@ class QPyTorchFloat:
     >>> # all-ones exponent is an ordinary binade, so the max is 114688 and 1e6 saturates
     >>> F.quantize(jnp.array([1.125, -1.125, 1e6]), F.QPyTorchFloat(5, 2))
     Array([ 1.25000e+00, -1.25000e+00,  1.14688e+05], dtype=float32)
+    >>> # man = 23 keeps every fraction bit but still has exp = 5's range: 1e6 saturates
+    >>> F.quantize(jnp.array([1.1, 1e6]), F.QPyTorchFloat(5, 23))
+    Array([1.1000000e+00, 1.3107199e+05], dtype=float32)
 
   References:
     Tiiiger/QPyTorch@f58bba7, ``qtorch/quant/quant_cpu/quant_cpu.cpp``, ``bit_helper.cpp``.
@@ -144,8 +150,8 @@ class QPyTorchFloat:
 
   def _round_bits(self, bits, rounding, rand, rand_bits):
     E, M = self.exp_bits, self.man_bits
-    if M == 23:
-      return bits
+    if (E, M) == (8, 23):
+      return bits  # float32 itself
     min_exp = 2 - 2 ** (E - 1)
     max_exp = 2 ** (E - 1)
     drop = 23 - M
@@ -153,6 +159,8 @@ class QPyTorchFloat:
     keep = B.high_mask(drop)
 
     def round_pattern(b):
+      if drop == 0:  # man = 23: no fraction bit is dropped (only the exponent range acts)
+        return b
       if rounding == "nearest":
         add = B.u32(1 << (drop - 1))
       else:

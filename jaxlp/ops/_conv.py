@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -11,17 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlp._util import cdiv
-from jaxlp.formats._block import MXFormat
+from jaxlp.formats._block import BlockFormat, MXFormat
 from jaxlp.formats._block_dot import check_exact, contraction_blocks, significand_bits
 from jaxlp.ops._dot_general import (
   SlotGeometry,
   _exact_gemm,
   _fp8_gemm,
   _is_axis_blocked,
+  pad_segments,
   quantized_bilinear,
 )
-from jaxlp.ops._policy import DotPolicy
+from jaxlp.ops._policy import DotPolicy, Quant
 
 
 def _conv_geometry(dn: lax.ConvDimensionNumbers) -> dict[str, SlotGeometry]:
@@ -54,7 +55,10 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
   Blocking: tile-blocked formats (``hbfp``, ``hbfp_batched``) see activations and gradients
   as (N, C, spatial...) and kernels as (O, I, spatial...) — HBFPEmulator's NCHW/OIHW views:
   a Flax HWIO kernel is transposed to OIHW, tiled on the (O, I·kh·kw) view, and transposed
-  back. Axis-blocked formats (MX) are blocked along the contraction axis: input/kernel input
+  back (``layout="auto"`` or ``"hbfp"``; with ``layout="contraction"`` the activations and
+  gradients are blocked like axis-blocked formats, one pixel per block, ``tc`` of a
+  ``(1, tc)`` tile long, and kernels keep their OIHW tiles). Axis-blocked formats (MX) are
+  blocked along the contraction axis: input/kernel input
   features in the forward pass, gradient/kernel output features in the dlhs GEMM, and the
   batch axis of input and gradient in the drhs GEMM. Accumulator emulation is not supported
   for convolutions (NotImplementedError).
@@ -111,9 +115,10 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
   Raises:
     TypeError: ``policy`` is not a :class:`jaxlp.DotPolicy` (or None).
     NotImplementedError: the policy emulates accumulators (``fwd_acc``/``dlhs_acc``/
-      ``drhs_acc``); calling it with ``block_dot`` and ``feature_group_count`` or
-      ``batch_group_count`` > 1. Calling it raises ValueError when a K-block is too long for
-      an exact int32 dot (``block_dot="exact"``).
+      ``drhs_acc``), or has ``layout="contraction"`` and an activation or gradient tile
+      ``(None, tc)`` (rows spanning the whole tensor); calling it with ``block_dot`` and
+      ``feature_group_count`` or ``batch_group_count`` > 1. Calling it raises ValueError when
+      a K-block is too long for an exact int32 dot (``block_dot="exact"``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -132,8 +137,10 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
   if any(a is not None for a in (policy.fwd_acc, policy.dlhs_acc, policy.drhs_acc)):
     raise NotImplementedError(
         "jaxlp.conv_general_dilated: accumulator emulation (fwd_acc/dlhs_acc/drhs_acc) is "
-        "only implemented for 2-D dot_general; use a policy without accumulators for convs")
+        "implemented for jaxlp.dot_general, not for convolutions; use a policy without "
+        "accumulators for convs")
   default_key = key
+  qpolicy = _contraction_policy(policy) if policy.layout == "contraction" else policy
 
   def jaxlp_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
                                  rhs_dilation=None, dimension_numbers=None,
@@ -162,9 +169,9 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
               f"{name}=1 (no grouped or depthwise convolutions), got {name}={v}")
       cv = _conv_shape(dn, lhs.shape, rhs.shape, window_strides, padding, lhs_dilation,
                        rhs_dilation)
-      gemms = _block_conv_gemms(policy, dn, cv)
+      gemms = _block_conv_gemms(qpolicy, dn, cv)
     k = default_key if key is None else key
-    return quantized_bilinear(op, lhs, rhs, policy, _conv_geometry(dn), key=k, gemms=gemms)
+    return quantized_bilinear(op, lhs, rhs, qpolicy, _conv_geometry(dn), key=k, gemms=gemms)
 
   jaxlp_conv_general_dilated.policy = policy
   return jaxlp_conv_general_dilated
@@ -190,6 +197,31 @@ class _Conv(NamedTuple):
   pads: tuple[tuple[int, int], ...]
   ldil: tuple[int, ...]
   rdil: tuple[int, ...]
+
+
+def _contraction_policy(policy: DotPolicy) -> DotPolicy:
+  """``layout="contraction"`` for a convolution: tile formats of the activation and gradient
+  slots become blocks along the slot's contraction axis (``_conv_geometry``: channels per
+  pixel in the forward pass, output channels in the dlhs GEMM, the batch in the drhs GEMM),
+  ``tc`` elements long (None: the whole axis); kernels keep HBFPEmulator's OIHW tiles (the
+  (O, I*kh*kw) view: their contraction view)."""
+  kw = {}
+  for slot in ("lhs", "grad", "drhs_lhs", "drhs_grad"):
+    q = getattr(policy, slot)
+    if not isinstance(q, Quant) or not isinstance(q.fmt, BlockFormat) or q.fmt.axis is not None:
+      continue
+    tr, tc = q.fmt.tile
+    if tr is None and tc is None:
+      continue  # one exponent per tensor
+    if tr is None:
+      raise NotImplementedError(
+          f"jaxlp.conv_general_dilated: layout='contraction' blocks the {slot!r} operand "
+          f"along its contraction axis, one pixel per block; its format {q.fmt!r} has tiles "
+          f"{q.fmt.tile} spanning every row: use layout='hbfp' or a tile (1, {tc})")
+    fmt = BlockFormat(q.fmt.man_bits, axis=1, block_size=tc, exponent=q.fmt.exponent,
+                      eps=q.fmt.eps)
+    kw[slot] = Quant(fmt, q.rounding)
+  return dataclasses.replace(policy, **kw)
 
 
 def _conv_shape(dn, lhs_shape, rhs_shape, window_strides, padding, lhs_dilation,
@@ -340,17 +372,6 @@ def _conv_plan(policy: DotPolicy, cv: _Conv):
   return plan
 
 
-def _segments(x, L: int, g: int):
-  """(R, K) -> (R, K'): each segment of L along K zero-padded to a multiple of g (so the
-  blocks of g never cross a segment boundary; zero padding adds nothing to any block)."""
-  R, K = x.shape
-  Lp = cdiv(L, g) * g if L else 0
-  if Lp == L:
-    return x
-  x = x.reshape(R, K // L, L)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, Lp - L))).reshape(R, (K // L) * Lp)
-
-
 def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
   """The three GEMMs of the convolution for ``policy.block_dot`` on im2col matrices."""
   ls, rs, os_ = (tuple(int(d) for d in t) for t in dn)
@@ -370,9 +391,10 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
   def gemm(name, a, bt):
     """a (M, K) . bt (Ncol, K).T with the plan's segments padded."""
     _, L, g = plan[name]
-    return ops[name](_segments(a, L, g), _segments(bt, L, g).T)
+    return ops[name](pad_segments(a, L, g), pad_segments(bt, L, g).T)
 
-  def fwd(l, r):
+  def fwd(l, r, key):
+    del key
     x, w = jnp.transpose(l, ls), jnp.transpose(r, rs)  # (N, C, *S), (O, C, *R)
     p = _im2col(x, cv)  # (N, C, T, *So)
     sp = tuple(range(3, 3 + nd))
@@ -386,7 +408,8 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
     y = jnp.transpose(y, (0, nd + 1, *range(1, nd + 1)))  # (N, O, *So)
     return jnp.transpose(y, inv(os_))
 
-  def dlhs(gr, r):
+  def dlhs(gr, r, key):
+    del key
     gc, w = jnp.transpose(gr, os_), jnp.transpose(r, rs)  # (N, O, *So), (O, C, *R)
     p = _grad_cols(gc, cv)  # (N, O, T, *S)
     sp = tuple(range(3, 3 + nd))
@@ -396,7 +419,8 @@ def _block_conv_gemms(policy: DotPolicy, dn, cv: _Conv):
     dx = jnp.transpose(dx, (0, nd + 1, *range(1, nd + 1)))  # (N, C, *S)
     return jnp.transpose(dx, inv(ls))
 
-  def drhs(l, gr):
+  def drhs(l, gr, key):
+    del key
     x, gc = jnp.transpose(l, ls), jnp.transpose(gr, os_)  # (N, C, *S), (N, O, *So)
     p = _im2col(x, cv)  # (N, C, T, *So)
     sp = tuple(range(3, 3 + nd))

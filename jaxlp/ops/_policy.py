@@ -19,10 +19,14 @@ dim 0), ``hbfp(m, T)`` = T x T tiles, ``mx(elem, block)`` / ``BlockFormat(axis=.
 along one axis. For axis-blocked formats (MX, ``BlockFormat(axis=...)``) the axis given in the
 format is REPLACED, per operand and per pass, by that operand's contraction axis in that GEMM
 (see :func:`jaxlp.ops.dot_general`), since block dot products share a scale along the
-reduction. Tile-blocked formats see the operand in the (dim0, rest) view of the operand as
-given for ``dot_general``, and in PyTorch's channel-first layout for convolutions (``NCHW``
-activations and gradients, ``OIHW`` kernels: a Flax ``HWIO`` kernel is transposed before tiling
-and back after), as HBFPEmulator tiles them.
+reduction. Tile-blocked formats take their tiles on a 2-D view that the policy's ``layout``
+chooses (:class:`DotPolicy`): HBFPEmulator's (dim0, rest) view of the operand as given
+(``"hbfp"``; for convolutions PyTorch's channel-first layout: ``NCHW`` activations and
+gradients, ``OIHW`` kernels, a Flax ``HWIO`` kernel transposed before tiling and back after),
+or the matrix each GEMM multiplies, one token per block for activations (``"contraction"``);
+``"auto"`` (the default) takes the first for plain 2-D matrix products and convolutions and
+the second for every other ``dot_general`` (sequence models). The table in
+:class:`DotPolicy` shows which elements share an exponent.
 
 ``mul`` / ``acc`` accumulator emulation (:class:`Accum`) routes a GEMM through
 ``jaxlp.ops.matmul`` (products rounded to ``mul``, running sum rounded to ``acc``).
@@ -65,6 +69,7 @@ from jaxlp.ops._block_dot import (
 FWD = "fwd"
 GRAD = "grad"
 HBFP_ACTIVATIONS = ("per_sample", "tiled")
+LAYOUTS = ("auto", "hbfp", "contraction")
 ALGORITHMS = ("naive", "kahan", "chunked")
 
 
@@ -196,11 +201,11 @@ class DotPolicy:
         int8 dot: ``gpu_impl``). Relative to None only the rounding
         of sums that cross K-blocks differs (within a block both are exact for
         HBFP8-sized blocks); measured in the README ("Block formats on tensor cores").
-        Supported for 2-D ``dot_general``
-        with one contracting dimension and no batch dimensions, and for ungrouped
-        convolutions (GEMMs on im2col matrices, K-blocks = the quantization blocks: see
-        :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run across the
-        contraction get K-blocks of 1 (valid, slow). Definition:
+        Supported for every ``dot_general`` (batch dimensions, several contracting
+        dimensions: one 2-D GEMM per batch index, K-blocks = the quantization blocks; see
+        :func:`jaxlp.ops.dot_general`) and for ungrouped convolutions (GEMMs on im2col
+        matrices: see :func:`jaxlp.ops.conv_general_dilated`); operands whose blocks run
+        across the contraction get K-blocks of 1 (valid, slow). Definition:
         ``jaxlp/formats/_block_dot.py``.
       * ``"fp8"``: fast mode for ``mx(E4M3FN/E5M2/...)`` and elementwise float formats
         with <= 3 mantissa bits: operands cast to fp8 dtypes with per-block (MX) or
@@ -221,6 +226,48 @@ class DotPolicy:
     fp8_gpu_impl: the ``block_dot="fp8"`` GEMM with per-block (MX) scales on a GPU:
       ``"pallas"`` (default: the blocks summed in one kernel) or ``"xla"`` (a batched fp8
       dot, then the scaled sum).
+    layout: the 2-D view on which tile-blocked formats (``hbfp``, ``hbfp_batched``,
+      ``BlockFormat(tile=...)``) take their tiles in a ``dot_general``:
+
+      * ``"hbfp"``: HBFPEmulator's (dim0, rest) view of the operand as given.
+      * ``"contraction"``: the matrix the GEMM multiplies: rows = the operand's other axes
+        (in its own order), columns = its contracting axes in the GEMM it is quantized for
+        (forward lhs / rhs, dlhs grad / rhs, drhs lhs / grad; the K order of
+        :func:`jaxlp.ops.dot_general`). A tile ``(tr, tc)`` covers ``tc`` consecutive
+        elements of the contraction. Activations and gradients never span two rows (an
+        integer ``tr`` counts as 1: one token, sample or head per block; ``None``, the
+        whole extent, is kept), so a block never crosses a token or a sequence; a weight
+        (the ``rhs`` / ``dlhs_rhs`` slots of a ``dot_general`` without batch dimensions)
+        keeps its ``tr x tc`` tiles, and square tiles are then the same blocks in the
+        forward and the dlhs GEMM (and the same as HBFPEmulator's for a 2-D weight).
+      * ``"auto"`` (default): ``"hbfp"`` for a plain matrix product (2-D operands, one
+        contracting dimension, no batch dimensions: every MLP/CNN result of earlier
+        versions unchanged) and ``"contraction"`` for every other ``dot_general``
+        ((batch, seq, features) activations, attention einsums, ``DenseGeneral``).
+
+      Which elements share an exponent, for ``x`` of shape (batch 2, seq 3, features 48)
+      times a (48, 24) weight ``w``, tile 24:
+
+      ======================  =================================  ============================
+      format                  ``"hbfp"``                          ``"contraction"``
+      ======================  =================================  ============================
+      x, ``hbfp(m, 24)``      6 tiles of the (2, 144) view, one  12 blocks, one per token and
+                              per token position s and feature   feature block:
+                              block, across BOTH sequences:      ``x[b, s, 0:24]``,
+                              ``x[:, s, 0:24]``,                 ``x[b, s, 24:48]``
+                              ``x[:, s, 24:48]``
+      x, ``hbfp_batched(m)``  2: one per sequence, ``x[b]``      6: one per token, ``x[b, s]``
+      w, ``hbfp(m, 24)``      2 tiles ``w[0:24]``, ``w[24:48]``  the same 2 tiles
+      ``mx(e, 24)``           along each GEMM's contraction in   the same
+                              every layout: ``x[b, s, 0:24]``,
+                              ``w[0:24, n]``, ...
+      ======================  =================================  ============================
+
+      Convolutions: ``"auto"`` and ``"hbfp"`` tile NCHW / OIHW as HBFPEmulator does;
+      ``"contraction"`` blocks activations and gradients along their contraction axis, one
+      pixel per block (channels in the forward pass, output channels in the dlhs GEMM), and
+      keeps the kernels' OIHW tiles. Axis-blocked formats (MX, ``BlockFormat(axis=...)``)
+      and elementwise formats do not depend on the layout.
 
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.
@@ -229,7 +276,7 @@ class DotPolicy:
     TypeError: an operand slot that is not None, a format, a :class:`Quant` (or its
       allowed ``"fwd"`` / ``"grad"``), or an accumulator slot that is not None or an
       :class:`Accum`.
-    ValueError: an unknown ``block_dot``; ``block_dot`` together with accumulator
+    ValueError: an unknown ``block_dot`` or ``layout``; ``block_dot`` together with accumulator
       emulation; ``"exact"`` with an operand of some GEMM that is not a block format with
       integer significands, or ``"fp8"`` with one that has no fp8 twin (the message
       names the GEMM and slot); a ``gpu_impl``, ``gpu_route`` or ``fp8_gpu_impl`` that is
@@ -273,6 +320,7 @@ class DotPolicy:
   gpu_impl: str = GPU_IMPL
   gpu_route: str = GPU_ROUTE
   fp8_gpu_impl: str = FP8_GPU_IMPL
+  layout: str = "auto"
 
   def __post_init__(self):
     for name in ("lhs", "rhs", "grad"):
@@ -286,6 +334,8 @@ class DotPolicy:
     check_gpu_choice(self.gpu_impl, GPU_IMPLS, "DotPolicy: gpu_impl")
     check_gpu_choice(self.gpu_route, GPU_ROUTES, "DotPolicy: gpu_route")
     check_gpu_choice(self.fp8_gpu_impl, FP8_GPU_IMPLS, "DotPolicy: fp8_gpu_impl")
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"DotPolicy: layout={self.layout!r} not in {LAYOUTS}")
 
   def gemm_operands(self) -> dict[str, tuple[tuple[str, Quant | None], ...]]:
     """GEMM name -> its two (slot, Quant or None) operands, ``"fwd"``/``"grad"`` resolved
@@ -336,7 +386,7 @@ class DotPolicy:
 
 def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sample", *,
                 weight_man_bits: int | None = None, rounding: str = "nearest",
-                block_dot: str | None = None) -> DotPolicy:
+                block_dot: str | None = None, layout: str = "auto") -> DotPolicy:
   """HBFP (BFP dot products, FP32 elsewhere), HBFPEmulator's two versions.
 
   * ``activations="per_sample"`` (HBFPEmulator v1.0, the README/paper description): the
@@ -350,6 +400,14 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
   In both, dX = op_backward(Q(dY), W_used) and dW = op_backward(Q(dY), Q(x)) with the
   forward-quantized operands, computed in FP32 and returned unquantized.
 
+  ``layout`` (:class:`DotPolicy`) says what a tile is on N-D operands: with the default
+  ``"auto"`` a plain 2-D matrix product or a convolution is tiled as HBFPEmulator tiles it,
+  and a sequence model's (batch, seq, features) activations and gradients get one
+  exponent per token (``"per_sample"``) or per token and ``tile`` features (``"tiled"``),
+  along the contraction of each GEMM, while weights keep ``tile x tile`` tiles.
+  ``layout="hbfp"`` keeps HBFPEmulator's (dim0, rest) view everywhere (a tile of a
+  (batch, seq, features) activation then spans several sequences and token positions).
+
   Args:
     man_bits: mantissa bits (sign excluded, no hidden bit): 7 = "HBFP8", 11 = "HBFP12".
     tile: tile size T (T x T tiles of the (dim0, rest) view; 0 = one exponent per tensor).
@@ -360,6 +418,8 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` computes every GEMM as exact
       integer dots per K-block (needs quantized weights: ``activations="tiled"`` or
       ``weight_man_bits``).
+    layout: :class:`DotPolicy`'s ``layout``: ``"auto"`` (default), ``"hbfp"`` or
+      ``"contraction"``.
 
   References:
     parsa-epfl/HBFPEmulator ``bfp/bfp_ops.py`` (``_gen_bfp_op``, v1.0 tag 69bfdde and main
@@ -370,8 +430,8 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     gradients; the backward GEMMs reuse the forward-quantized operands).
 
   Raises:
-    ValueError: an unknown ``activations``, a bad ``man_bits``/``tile``, an unknown
-      ``rounding``, or a ``block_dot`` the operands do not allow.
+    ValueError: an unknown ``activations`` or ``layout``, a bad ``man_bits``/``tile``, an
+      unknown ``rounding``, or a ``block_dot`` the operands do not allow.
 
   Example:
     >>> import jaxlp
@@ -381,9 +441,22 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     (True, None)
     >>> jaxlp.hbfp_policy(7, 24, "tiled").rhs.fmt == F.hbfp(7, 24)
     True
+    >>> # a (batch, seq, features) activation: one exponent per token and 24 features
+    >>> # ("auto" = "contraction" here); HBFPEmulator's tiles span both sequences
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((2, 3, 48)).at[1, 2, 30].set(4096.0)  # one huge value in token (1, 2)
+    >>> eye = jnp.eye(48)  # x . I: the quantized x itself
+    >>> for layout in ("auto", "hbfp"):
+    ...   q = jaxlp.dot_general(jaxlp.hbfp_policy(7, 24, "tiled", layout=layout))
+    ...   y = q(x, eye, (((2,), (0,)), ((), ())))
+    ...   print(layout, int((y == 0).sum()), "elements flushed to 0 by the huge exponent")
+    auto 23 elements flushed to 0 by the huge exponent
+    hbfp 47 elements flushed to 0 by the huge exponent
   """
   if activations not in HBFP_ACTIVATIONS:
     raise ValueError(f"hbfp_policy: activations={activations!r} not in {HBFP_ACTIVATIONS}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"hbfp_policy: layout={layout!r} not in {LAYOUTS}")
   if activations == "per_sample":
     act = Quant(hbfp_batched(man_bits), rounding)
     w = None if weight_man_bits is None else Quant(hbfp(weight_man_bits, tile), rounding)
@@ -391,7 +464,7 @@ def hbfp_policy(man_bits: int = 7, tile: int = 24, activations: str = "per_sampl
     act = Quant(hbfp(man_bits, tile), rounding)
     wm = man_bits if weight_man_bits is None else weight_man_bits
     w = Quant(hbfp(wm, tile), rounding)
-  return DotPolicy(lhs=act, rhs=w, grad=act, block_dot=block_dot)
+  return DotPolicy(lhs=act, rhs=w, grad=act, block_dot=block_dot, layout=layout)
 
 
 @renamed_kwargs(elem="fmt", grad_elem="grad_fmt")
@@ -399,7 +472,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
               rounding: str = "nearest", block_dot: str | None = None) -> DotPolicy:
   """OCP MX dot products: every operand of every GEMM in ``mx(fmt, block_size)``.
 
-  Blocks run along the contraction axis of each operand in each GEMM, so the weights and
+  Blocks run along the contraction axis of each operand in each GEMM (the innermost
+  contracting axis of an N-D ``dot_general``; in every ``layout``), so the weights and
   activations are re-quantized for the backward GEMMs (their contraction axes differ from
   the forward pass).
 

@@ -18,8 +18,8 @@ import functools
 import jax
 import torch
 
-# torch dtypes that may be quantized (the others can still be exchanged).
-QUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from jaxlp.torch._errors import DeviceError, check_quantizable
+
 # torch dtypes JAX can import through DLPack.
 _EXCHANGE_DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
@@ -30,12 +30,9 @@ _X64_DTYPES = (torch.float64, torch.int64, torch.complex128)
 
 
 def check_quantize_dtype(t, what: str = "quantize") -> None:
-  """Raise a ``TypeError`` unless ``t`` is float32, float16 or bfloat16."""
-  if t.dtype not in QUANTIZE_DTYPES:
-    raise TypeError(
-        f"jaxlp.torch.{what}: tensor dtype must be torch.float32, torch.float16 or "
-        f"torch.bfloat16, got dtype={t.dtype} (cast explicitly; float64 would be rounded "
-        "twice through float32)")
+  """Raise :class:`~jaxlp.torch.TensorTypeError` (a ``TypeError``) unless tensor ``t`` is
+  dense and float32, float16 or bfloat16."""
+  check_quantizable(t, what)
 
 
 @functools.cache
@@ -47,14 +44,14 @@ def _jax_device(kind: str, index: int | None):
     try:
       gpus = jax.devices("gpu")
     except RuntimeError as e:
-      raise ValueError(
+      raise DeviceError(
           f"jaxlp.torch: tensor is on device={kind}:{index} but JAX has no GPU backend "
           "(install jax[cuda12] or move the tensor to the CPU)") from e
     for d in gpus:
       if d.id == index or getattr(d, "local_hardware_id", None) == index:
         return d
-    raise ValueError(f"jaxlp.torch: no JAX GPU device matches torch device={kind}:{index}")
-  raise ValueError(
+    raise DeviceError(f"jaxlp.torch: no JAX GPU device matches torch device={kind}:{index}")
+  raise DeviceError(
       f"jaxlp.torch: unsupported tensor device={kind}; only 'cpu' and 'cuda' tensors "
       "can be exchanged with JAX")
 

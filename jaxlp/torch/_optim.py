@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
-_MOMENTUM_KEYS = {
-    torch.optim.SGD: ("momentum_buffer",),
-    torch.optim.Adam: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-    torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
+from jaxlp.torch._errors import QuantizeTypeError, QuantizeValueError
+
+# The state entries momentum_quant rounds, by optimizer family (subclasses included, as
+# QPyTorch's isinstance checks; AdamW is an Adam in torch >= 2.2 and listed for older ones).
+_MOMENTUM_KEYS = (
+    (torch.optim.SGD, ("momentum_buffer",)),
+    (torch.optim.Adam, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    (torch.optim.AdamW, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+)
 
 
 class OptimLP(torch.optim.Optimizer):
@@ -24,15 +28,20 @@ class OptimLP(torch.optim.Optimizer):
   momentum_quant(buffer)`` (skipped for SGD groups with momentum 0).
 
   Args:
-    optim: a ``torch.optim.SGD``, ``Adam`` or ``AdamW``.
+    optim: any ``torch.optim.Optimizer`` (QPyTorch accepts ``SGD``, ``Adam`` and their
+      subclasses; jaxlp accepts every optimizer, but ``momentum_quant`` needs an ``SGD`` or
+      ``Adam``/``AdamW`` (subclasses included), whose state entries it knows).
     weight_quant, grad_quant, momentum_quant, acc_quant: functions tensor -> tensor (e.g.
       ``lambda t: jaxlp.torch.float_quantize(t, 5, 2, "nearest")``) or None (no quantization).
     grad_scaling: positive factor applied before ``grad_quant``.
 
   Raises:
-    TypeError: ``optim`` is not exactly a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (a
-      subclass is rejected), or a quantizer is neither callable nor None.
-    ValueError: ``grad_scaling`` is not positive.
+    QuantizeTypeError: (a ``TypeError`` and an ``AssertionError``, as QPyTorch's assertion)
+      ``optim`` is not a ``torch.optim.Optimizer``, ``momentum_quant`` is given for an
+      optimizer other than an ``SGD`` or ``Adam``/``AdamW``, or a quantizer is neither
+      callable nor None.
+    QuantizeValueError: (a ``ValueError`` and an ``AssertionError``) ``grad_scaling`` is not
+      positive.
 
   Example:
     >>> import torch
@@ -54,16 +63,21 @@ class OptimLP(torch.optim.Optimizer):
 
   def __init__(self, optim, weight_quant=None, grad_scaling=1.0, grad_quant=None,
                momentum_quant=None, acc_quant=None):
-    keys = next((k for cls, k in _MOMENTUM_KEYS.items() if type(optim) is cls), None)
-    if keys is None:
-      raise TypeError(f"OptimLP: optim must be torch.optim.SGD, Adam or AdamW, got "
-                      f"{type(optim).__name__}")
+    if not isinstance(optim, torch.optim.Optimizer):
+      raise QuantizeTypeError(f"OptimLP: optim must be a torch.optim.Optimizer, got "
+                              f"{type(optim).__name__}")
+    keys = next((k for cls, k in _MOMENTUM_KEYS if isinstance(optim, cls)), ())
+    if momentum_quant is not None and not keys:
+      raise QuantizeTypeError(
+          f"OptimLP: momentum_quant rounds the momentum buffers of torch.optim.SGD and "
+          f"Adam/AdamW (subclasses included); {type(optim).__name__} is neither (pass "
+          "momentum_quant=None, or quantize its state yourself)")
     if not grad_scaling > 0:
-      raise ValueError(f"OptimLP: grad_scaling must be positive, got {grad_scaling=}")
+      raise QuantizeValueError(f"OptimLP: grad_scaling must be positive, got {grad_scaling=}")
     for name, f in (("weight_quant", weight_quant), ("grad_quant", grad_quant),
                     ("momentum_quant", momentum_quant), ("acc_quant", acc_quant)):
       if f is not None and not callable(f):
-        raise TypeError(f"OptimLP: {name} must be callable or None, got {f!r}")
+        raise QuantizeTypeError(f"OptimLP: {name} must be callable or None, got {f!r}")
     super().__init__(optim.param_groups, optim.defaults)
     self.param_groups = optim.param_groups  # shared with the wrapped optimizer
     self.optim = optim
@@ -107,7 +121,7 @@ class OptimLP(torch.optim.Optimizer):
         p.data = self.weight_quant(p.data).data
     if self.momentum_quant is not None:
       for group, p in self._params(with_grad=True):
-        if isinstance(self.optim, torch.optim.SGD) and group["momentum"] == 0:
+        if isinstance(self.optim, torch.optim.SGD) and group.get("momentum", 0) == 0:
           continue
         state = self.optim.state[p]
         for key in self.momentum_keys:

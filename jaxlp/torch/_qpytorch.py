@@ -20,6 +20,7 @@ from jaxlp.formats._block import qpytorch_block
 from jaxlp.formats._compat import qpytorch_float
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.torch._dlpack import check_quantize_dtype
+from jaxlp.torch._errors import BlockDimError, QuantizeTypeError, QuantizeValueError, check_tensor
 from jaxlp.torch._formats import QPyTorchFixedPoint
 from jaxlp.torch._quantize import (
     TORCH_FORMAT_TYPES,
@@ -49,20 +50,20 @@ def _format(ctor, *args):
 
 
 def _check(x, rounding, what):
-  if not isinstance(x, torch.Tensor):
-    raise TypeError(f"jaxlp.torch.{what}: x must be a torch.Tensor, got {type(x).__name__}")
-  check_quantize_dtype(x, what)
+  check_tensor(x, what)
   if rounding not in _QPT_ROUNDINGS:
-    raise ValueError(f"jaxlp.torch.{what}: rounding must be 'stochastic' or 'nearest', "
-                     f"got rounding={rounding!r}")
+    raise QuantizeValueError(f"jaxlp.torch.{what}: rounding must be 'stochastic' or "
+                             f"'nearest', got rounding={rounding!r}")
 
 
 def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=None):
   """QPyTorch's ``float_quantize(x, exp, man, rounding)`` (format :func:`qpytorch_float`).
 
   Nearest: round half away from zero, saturating, QPyTorch's subnormal trick, bit for bit.
-  ``man=23`` is the identity (QPyTorch's x86 CPU build flips the sign there: undefined
-  behaviour, not reproduced).
+  ``man=23`` keeps every fraction bit but still the format's exponent range (overflow
+  saturates, small values go to the subnormal grid), as for every other ``man``; ``(8, 23)``
+  is the identity. (QPyTorch's ``man=23`` is undefined behaviour: its x86 CPU build flips
+  the sign; not reproduced.)
 
   Args:
     x: float32, float16 or bfloat16 tensor on the CPU or a CUDA device.
@@ -77,12 +78,16 @@ def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=N
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``exp`` / ``man`` is
-      not an int in range.
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``exp`` / ``man`` is not an int in range.
 
   Example:
     >>> import torch
@@ -116,12 +121,18 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, ``wl`` is not an int in
-      2..23, or ``dim`` is below -1 or not below ``x.dim()``.
+    BlockDimError: ``dim`` is below -1 or not below ``x.dim()`` (a ``ValueError``; also an
+      ``IndexError``, as torch's "Dimension out of range").
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``wl`` is not an int in 2..23.
 
   Example:
     >>> import torch
@@ -133,6 +144,10 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
             [ 0.0000, 96.0000]])
   """
   _check(x, rounding, "block_quantize")
+  if not isinstance(dim, int) or isinstance(dim, bool) or (dim != -1 and not 0 <= dim < x.dim()):
+    raise BlockDimError(
+        f"jaxlp.torch.block_quantize: dim must be -1 (one exponent for the whole tensor) or "
+        f"an axis in 0..{x.dim() - 1} of the {x.dim()}-d tensor, got dim={dim!r}")
   fmt = _format(qpytorch_block, wl, dim)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
@@ -156,13 +171,17 @@ def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stoch
     The quantized tensor: same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor or its dtype is not float32, float16 or bfloat16;
-      with stochastic rounding also when ``generator`` is not a ``torch.Generator`` or
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; also an ``AssertionError``,
+      as QPyTorch's check).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or ``x`` is sparse
+      (a ``TypeError``; also a ``RuntimeError``, as QPyTorch's extension).
+    QuantizeValueError: ``rounding`` is neither "stochastic" nor "nearest" (a ``ValueError``;
+      also an ``AssertionError``).
+    TypeError: with stochastic rounding, ``generator`` is not a ``torch.Generator`` or
       ``seed`` is not an int.
-    ValueError: ``rounding`` is neither "stochastic" nor "nearest", both ``generator`` and
-      ``seed`` are given, a stochastic ``seed`` is outside ``[0, 2**64)``, or ``wl`` / ``fl`` is
-      out of range (see :class:`QPyTorchFixedPoint`); TypeError also when ``clamp`` or
-      ``symmetric`` is not a bool.
+    ValueError: both ``generator`` and ``seed`` are given, a stochastic ``seed`` is outside
+      ``[0, 2**64)``, or ``wl`` / ``fl`` is out of range (see :class:`QPyTorchFixedPoint`);
+      TypeError also when ``clamp`` or ``symmetric`` is not a bool.
 
   Example:
     >>> import torch
@@ -195,7 +214,8 @@ def as_format(number, what="quantizer"):
     The jaxlp format (``number`` itself when it already is one), or None.
 
   Raises:
-    TypeError: ``number`` is none of the above.
+    QuantizeTypeError: ``number`` is none of the above (a ``TypeError`` and an
+      ``AssertionError``, as QPyTorch's check).
     ValueError: the QPyTorch number's parameters are out of range for the jaxlp format.
 
   Example:
@@ -210,6 +230,9 @@ def as_format(number, what="quantizer"):
   """
   if number is None or isinstance(number, TORCH_FORMAT_TYPES):
     return number
+  fmt = getattr(number, "format", None)  # jaxlp.torch.qtorch's numbers carry their format
+  if isinstance(fmt, TORCH_FORMAT_TYPES) and type(number).__module__.startswith("jaxlp."):
+    return fmt
   name = type(number).__name__
   if name == "FloatingPoint" and hasattr(number, "exp") and hasattr(number, "man"):
     return qpytorch_float(int(number.exp), int(number.man))
@@ -218,7 +241,7 @@ def as_format(number, what="quantizer"):
   if name == "FixedPoint" and all(hasattr(number, a) for a in ("wl", "fl", "clamp", "symmetric")):
     return QPyTorchFixedPoint(int(number.wl), int(number.fl), bool(number.clamp),
                               bool(number.symmetric))
-  raise TypeError(
+  raise QuantizeTypeError(
       f"jaxlp.torch.{what}: a number must be None, a jaxlp format or a qtorch Number "
       f"(FloatingPoint, BlockFloatingPoint, FixedPoint), got {number!r}")
 
@@ -255,12 +278,14 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
     raises a ``TypeError`` when a quantized tensor is not float32, float16 or bfloat16.
 
   Raises:
-    TypeError: a number is not None, a jaxlp format or a QPyTorch number (see
-      :func:`as_format`), or ``generator`` is not a ``torch.Generator`` (raised on the
-      first stochastic call).
-    ValueError: a rounding is unknown or unsupported by its format, a number's parameters
-      are out of range, or ``clamping_grad_zero=True`` with a forward number that is not a
-      clamping fixed-point format.
+    QuantizeTypeError: a number is not None, a jaxlp format or a QPyTorch number (see
+      :func:`as_format`; a ``TypeError`` and an ``AssertionError``).
+    TypeError: ``generator`` is not a ``torch.Generator`` (raised on the first stochastic
+      call).
+    QuantizeValueError: a rounding is unknown or unsupported by its format, or
+      ``clamping_grad_zero=True`` with a forward number that is not a clamping fixed-point
+      format (a ``ValueError`` and an ``AssertionError``).
+    ValueError: a number's parameters are out of range.
 
   Example:
     >>> import torch
@@ -284,8 +309,8 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
   hooks = tuple(backward_hooks)
   if clamping_grad_zero and fwd is not None:
     if not getattr(fwd, "clamp", False):
-      raise ValueError("jaxlp.torch.quantizer: clamping_grad_zero=True needs a clamping "
-                       f"fixed-point forward_number, got {fwd!r}")
+      raise QuantizeValueError("jaxlp.torch.quantizer: clamping_grad_zero=True needs a "
+                               f"clamping fixed-point forward_number, got {fwd!r}")
     fwd_unclamped = _unclamped(fwd)
 
   def _fwd(x):
@@ -332,7 +357,7 @@ def quantizer(forward_number=None, backward_number=None, forward_rounding="stoch
       return Rounding.apply(x)
     if fwd is None:
       return x
-    check_quantize_dtype(x, "quantizer")
+    check_tensor(x, "quantizer")
     return _fwd(x.contiguous())[0]
 
   return quantize
@@ -348,7 +373,7 @@ class Quantizer(torch.nn.Module):
       ``backward_hooks``, ``generator``).
 
   Raises:
-    TypeError, ValueError: as :func:`quantizer`.
+    QuantizeTypeError, QuantizeValueError, TypeError, ValueError: as :func:`quantizer`.
 
   Example:
     >>> import torch

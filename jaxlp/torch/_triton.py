@@ -94,7 +94,7 @@ def plan(fmt, rounding: str):
   if type(fmt) is QPyTorchFixedPoint:
     lo, hi = fmt.bounds_bits
     return "qpytorch_fixed_kernel", dict(ROUND=rc, FL=fmt.fl, CLAMP=fmt.clamp, HI=hi, LO=lo)
-  if type(fmt) is QPyTorchBlock and fmt.wl < 23:  # (wl = 23 keeps the JAX route)
+  if type(fmt) is QPyTorchBlock:
     return "qpytorch_block_kernel", dict(ROUND=rc, WL=fmt.wl, CLIPV=f32_bits(2 ** (fmt.wl - 1) - 1))
   return None
 

@@ -236,7 +236,7 @@ def _float_format(bits, rand, ROUND: tl.constexpr, M: tl.constexpr, EMIN: tl.con
 def _qpytorch_float(bits, rand, ROUND: tl.constexpr, E: tl.constexpr, M: tl.constexpr,
                     SAT: tl.constexpr, SMAG: tl.constexpr):
   """``QPyTorchFloat._round_bits``; SAT: bits of its max value, SMAG: bits of 2**min_exp."""
-  if M == 23:
+  if E == 8 and M == 23:
     out = bits
   else:
     MIN_EXP: tl.constexpr = 2 - 2 ** (E - 1)
@@ -244,7 +244,9 @@ def _qpytorch_float(bits, rand, ROUND: tl.constexpr, E: tl.constexpr, M: tl.cons
     DROP: tl.constexpr = 23 - M
     MASK: tl.constexpr = (1 << DROP) - 1
     KEEP: tl.constexpr = 0xFFFFFFFF ^ MASK
-    if ROUND == 0:
+    if M == 23:  # no fraction bit dropped: only the exponent range acts
+      add = bits * 0
+    elif ROUND == 0:
       add = (bits * 0) + (1 << (DROP - 1))
     else:
       add = (rand >> (32 - DROP)) & MASK
@@ -425,7 +427,9 @@ def _qpytorch_block(bits, mxb, rand, ROUND: tl.constexpr, WL: tl.constexpr,
   q = tl.where(q >= _pow2_bits(_clip(e + 1, -149, 128)), clip, q)
   out = q | tl.where((sgn != 0) & (q != 0), SIGN, 0)
   DROP: tl.constexpr = 23 - WL
-  if ROUND == 0:
+  if WL == 23:  # no fraction bit dropped
+    rb = bits
+  elif ROUND == 0:
     rb = bits + (1 << (22 - WL))
   else:
     rb = bits + ((rand >> (32 - DROP)) & ((1 << DROP) - 1))

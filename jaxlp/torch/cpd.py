@@ -16,6 +16,7 @@ import torch
 from jaxlp.formats._compat import cpd_float
 from jaxlp.ops._matmul import matmul
 from jaxlp.torch._dlpack import check_quantize_dtype, to_jax, to_torch
+from jaxlp.torch._errors import QuantizeTypeError, QuantizeValueError, TensorTypeError, check_tensor
 from jaxlp.torch._quantize import quantize_raw
 
 __all__ = [
@@ -39,7 +40,10 @@ def float_quantize(x, exp, man):
     The cast tensor (round to nearest even): same shape, dtype and device as ``x``.
 
   Raises:
-    TypeError: ``x`` is not a tensor, or its dtype is not float32, float16 or bfloat16.
+    QuantizeTypeError: ``x`` is not a tensor (a ``TypeError``; CPD asserts: also an
+      ``AssertionError``).
+    TensorTypeError: ``x``'s dtype is not float32, float16 or bfloat16, or it is sparse (a
+      ``TypeError``; CPD's extension raises ``RuntimeError``: also one).
     ValueError: ``exp`` or ``man`` is not an int in range.
 
   Example:
@@ -50,10 +54,7 @@ def float_quantize(x, exp, man):
     >>> cpd.float_quantize(torch.tensor([1e-40, 1.0]), 8, 23)  # subnormals flush to +0
     tensor([0., 1.])
   """
-  if not isinstance(x, torch.Tensor):
-    raise TypeError(f"jaxlp.torch.cpd.float_quantize: x must be a torch.Tensor, got "
-                    f"{type(x).__name__}")
-  check_quantize_dtype(x, "cpd.float_quantize")
+  check_tensor(x, "cpd.float_quantize")
   return quantize_raw(x, cpd_float(exp, man), "nearest", None)
 
 
@@ -162,8 +163,12 @@ def quant_gemm(a, b, man=23, exp=8):
     The ``(M, N)`` float32 product.
 
   Raises:
-    TypeError: ``a`` or ``b`` is not a 2-D float32 tensor.
-    ValueError: the inner dimensions differ, or ``exp`` / ``man`` is out of range.
+    QuantizeTypeError: ``a`` or ``b`` is not a 2-D tensor (a ``TypeError``; CPD asserts:
+      also an ``AssertionError``).
+    TensorTypeError: ``a`` or ``b`` is not a dense float32 tensor (``TypeError`` and
+      ``RuntimeError``).
+    QuantizeValueError: the inner dimensions differ (``ValueError`` and ``AssertionError``).
+    ValueError: ``exp`` / ``man`` is out of range.
 
   Example:
     >>> import torch
@@ -174,15 +179,16 @@ def quant_gemm(a, b, man=23, exp=8):
     tensor([[1.5000]])
   """
   for name, t in (("a", a), ("b", b)):
-    if not isinstance(t, torch.Tensor):
-      raise TypeError(f"jaxlp.torch.cpd.quant_gemm: {name} must be a torch.Tensor, got "
-                      f"{type(t).__name__}")
-    if t.dtype != torch.float32 or t.dim() != 2:
-      raise TypeError(f"jaxlp.torch.cpd.quant_gemm: {name} must be a 2-D float32 tensor, got "
-                      f"dtype={t.dtype}, shape={tuple(t.shape)}")
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+      raise QuantizeTypeError(
+          f"jaxlp.torch.cpd.quant_gemm: {name} must be a 2-D float32 tensor, got "
+          + (f"shape={tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if t.dtype != torch.float32 or t.layout is not torch.strided:
+      raise TensorTypeError(f"jaxlp.torch.cpd.quant_gemm: {name} must be a dense float32 "
+                            f"tensor, got dtype={t.dtype}, layout={t.layout}")
   if a.shape[1] != b.shape[0]:
-    raise ValueError(f"jaxlp.torch.cpd.quant_gemm: inner dimensions differ: a.shape="
-                     f"{tuple(a.shape)}, b.shape={tuple(b.shape)}")
+    raise QuantizeValueError(f"jaxlp.torch.cpd.quant_gemm: inner dimensions differ: a.shape="
+                             f"{tuple(a.shape)}, b.shape={tuple(b.shape)}")
   return to_torch(_gemm_fn(int(exp), int(man))(to_jax(a), to_jax(b)))
 
 

@@ -108,11 +108,11 @@ def test_qpytorch_exp8_behaviour():
   assert got.view(np.uint32)[0] == 0x80000000
 
 
-def test_qpytorch_man23_identity():
+def test_qpytorch_man23_exp8_identity():
+  # (8, 23) is float32 itself; man = 23 with exp < 8 keeps the exponent range (below)
   rng = np.random.default_rng(1)
   x = rng.integers(0, 2**32, 10_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
-  for e in (1, 5, 8):
-    _ref.assert_same_bits(_q(x, F.qpytorch_float(e, 23)), x, x, f"qpytorch({e},23)")
+  _ref.assert_same_bits(_q(x, F.qpytorch_float(8, 23)), x, x, "qpytorch(8,23)")
 
 
 def test_qpytorch_negative_zero_to_positive():
@@ -270,3 +270,51 @@ def test_cpd_every_exp_man_against_the_stepwise_reference(E):
   for M in range(24):
     got = np.asarray(jax.jit(lambda v, M=M: F.quantize(v, F.cpd_float(E, M)))(xj))
     _ref.assert_same_bits(got, _ref.cpd_float_reference(x, E, M), x, f"cpd({E},{M})")
+
+
+# ---- QPyTorch float_quantize with man = 23 (issue 50) -----------------------------------------
+def _qpytorch_man23_reference(x, e):
+  """``qpytorch_float(e, 23)`` by its definition, in float64: no fraction bit is dropped, so
+  only the exponent range acts, as for every other man: |x| above the largest value
+  ``(2 - 2**-23) * 2**(2**(e-1))`` saturates (inf and NaN too, with their sign bit); |x| below
+  ``2**min_exp`` (``min_exp = 2 - 2**(e-1)``) is rounded to nearest even onto the subnormal
+  grid ``2**(min_exp - 23)``; zeros give +0.0."""
+  min_exp, max_exp = 2 - 2 ** (e - 1), 2 ** (e - 1)
+  big = (2 - 2.0**-23) * 2.0**max_exp
+  step = 2.0 ** (min_exp - 23)
+  with np.errstate(invalid="ignore"):  # signalling NaNs
+    xd = x.astype(np.float64)
+    q = np.where(np.abs(xd) < 2.0**min_exp, np.round(xd / step) * step, xd)
+    over = np.isnan(xd) | (np.abs(xd) > big)
+  q = np.where(over, np.where(np.signbit(x), -big, big), q)
+  return (q + 0.0).astype(np.float32)  # -0.0 + 0.0 = +0.0
+
+
+def test_qpytorch_man23_honours_the_exponent_range():
+  rng = np.random.default_rng(23)
+  bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+  for e in (1, 2, 3, 4, 5, 6, 7):
+    min_exp, max_exp = 2 - 2 ** (e - 1), 2 ** (e - 1)
+    edges = np.array([2.0**max_exp, (2 - 2.0**-23) * 2.0**max_exp, 2.0 ** (max_exp + 1), 1e6,
+                      2.0**min_exp, 2.0**min_exp * (1 - 2.0**-24), 2.0 ** (min_exp - 24),
+                      1.5 * 2.0 ** (min_exp - 23), 2.5 * 2.0 ** (min_exp - 23), 1e-40, 0.0,
+                      np.inf, np.nan, 1.1], np.float32)
+    # random patterns (every exponent), the edges, and values of the format's own scale
+    scale = (rng.standard_normal(2000) * np.exp2(rng.integers(min_exp - 26, max_exp + 2,
+                                                              2000))).astype(np.float32)
+    x = np.concatenate([bits.view(np.float32), edges, -edges, scale])
+    want = _qpytorch_man23_reference(x, e)
+    _ref.assert_same_bits(_q(x, F.qpytorch_float(e, 23)), want, x, f"qpytorch({e},23)")
+  # the issue's case: 1e6 is beyond exp = 5's range (largest finite about 131072)
+  got = _q(np.array([1e6, -1e6, 1.1], np.float32), F.qpytorch_float(5, 23))
+  np.testing.assert_array_equal(got, [(2 - 2.0**-23) * 2.0**16, -(2 - 2.0**-23) * 2.0**16,
+                                      np.float32(1.1)])
+
+
+def test_qpytorch_man23_is_continuous_with_man22():
+  # every man = 22 value is a man = 23 value: quantizing it again to man = 23 changes nothing
+  rng = np.random.default_rng(3)
+  x = (rng.standard_normal(50_000) * np.exp2(rng.integers(-20, 20, 50_000))).astype(np.float32)
+  for e in (4, 5, 6):
+    q22 = _q(x, F.qpytorch_float(e, 22))
+    _ref.assert_same_bits(_q(q22, F.qpytorch_float(e, 23)), q22, q22, f"({e},22)->({e},23)")

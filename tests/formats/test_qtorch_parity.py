@@ -186,3 +186,75 @@ def test_stochastic_distributions_match(qt):
   vals = np.unique(np.concatenate([want, got]))
   assert vals.size == 2, vals
   _prop_test(int((got == vals.max()).sum()), int((want == vals.max()).sum()), n)
+
+
+# ---- qpytorch_block's rule for every block exponent (issue 50) --------------------------------
+def _block_reference(x, wl, dim):
+  """``qpytorch_block(wl, dim)`` by its definition, in float64, for blocks whose largest
+  magnitude is a normal float32: ``E = floor(log2 max|x|)``; x rounded to nearest even onto
+  ``2**(E - 21)`` (QPyTorch's rebase add), then half toward +inf onto the step
+  ``2**(E + 2 - wl)``, clipped to ``+-(2**(wl - 1) - 1)`` steps; a zero result is +0.0. The
+  same formula for every E: no value of the block depends on where float32's range ends."""
+  xd = x.astype(np.float64)
+  a = np.abs(xd)
+  mx = a.max() if dim == -1 else a.max(axis=tuple(i for i in range(x.ndim) if i != dim),
+                                       keepdims=True)
+  e = np.frexp(mx)[1] - 1  # floor(log2 mx), exact
+  pre = np.round(xd / 2.0 ** (e - 21)) * 2.0 ** (e - 21)
+  step = 2.0 ** (e + 2 - wl)
+  k = np.clip(np.floor(pre / step + 0.5), -(2 ** (wl - 1) - 1), 2 ** (wl - 1) - 1)
+  return (k * step + 0.0).astype(np.float32)
+
+
+def test_block_rule_is_the_same_for_every_exponent():
+  """Blocks whose largest magnitude is 2**-100 ... 2**127 (the top ones: largest finite value
+  >= 2**126) follow one formula, so scaling a block by a power of two scales its result."""
+  rng = np.random.default_rng(126)
+  base = (rng.standard_normal((6, 40)) * np.exp2(rng.integers(-12, 0, (6, 40)))).astype(
+      np.float32)
+  base[:, 0] = [1.0, -1.9999999, 1.5, -1.25, 1.99, 1.0078125]  # block maxima in [1, 2)
+  base[:, 1] = [2.0**-7, -3 * 2.0**-7, 0.5 + 2.0**-9, -(0.5 + 2.0**-9), 2.0**-22, 0.0]  # ties
+  fmts = [F.qpytorch_block(wl, dim) for wl in (2, 5, 8, 16, 23) for dim in (-1, 0)]
+  quant = jax.jit(lambda v: [F.quantize(v, f) for f in fmts])
+  for s in (-100, -60, 0, 60, 100, 124, 125, 126, 127):
+    x = (base.astype(np.float64) * 2.0**s).astype(np.float32)
+    gots = quant(jnp.asarray(x))
+    for f, got in zip(fmts, gots, strict=True):
+      want = _block_reference(x, f.wl, f.dim)
+      _ref.assert_same_bits(np.asarray(got), want, x, f"{f!r} at 2**{s}")
+      if s:  # and the same values as the unscaled block, scaled
+        unscaled = _block_reference(base, f.wl, f.dim).astype(np.float64) * 2.0**s
+        _ref.assert_same_bits(np.asarray(got), unscaled.astype(np.float32), x, f"{f!r} scaled")
+
+
+def test_block_wl_23_nearest(qt):
+  """wl = 23 (no fraction bit of the rebased value dropped) is defined like every other wl,
+  also for a block whose largest magnitude is a float32 subnormal (degenerate base 0: the
+  values pass unchanged). QPyTorch's own wl = 23 shifts by -1 (undefined behaviour; its x86
+  CPU build flips the sign), so it is compared with the definition, not with QPyTorch."""
+  rng = np.random.default_rng(23)
+  x = (rng.standard_normal((16, 32)) * np.exp2(rng.integers(-30, 30, (16, 1)))).astype(
+      np.float32)
+  for dim in (-1, 0, 1):
+    got = np.asarray(F.quantize(jnp.asarray(x), F.qpytorch_block(23, dim)))
+    _ref.assert_same_bits(got, _block_reference(x, 23, dim), x, f"wl=23 dim={dim}")
+    got = np.asarray(F.quantize(jnp.asarray(x), F.qpytorch_block(23, dim), "stochastic",
+                                key=jax.random.key(0)))
+    assert np.isfinite(got).all()
+  sub = np.array([1e-39, -3e-40, 7e-45, 0.0], np.float32)
+  _ref.assert_same_bits(np.asarray(F.quantize(jnp.asarray(sub), F.qpytorch_block(23))), sub,
+                        sub, "wl=23 subnormal block")
+  want = qt.block_quantize(_t(qt, np.array([1.0, 0.3], np.float32)), 23, -1, "nearest").numpy()
+  assert want[0] != 1.0  # QPyTorch's x86 build: not the definition (the sign flips)
+
+
+def test_block_at_2_126_differs_from_qpytorch(qt):
+  """The stated difference: where a block's largest magnitude is >= 2**126, QPyTorch's rebase
+  constant 6 * 2**E overflows float32 and every element comes out near -1.7e38 or -3.4e38;
+  jaxlp keeps its rule (the unscaled block's values, scaled)."""
+  for s, qpt in ((126, -1.6881e38), (127, -3.3762e38)):
+    x = (np.array([1.0, 0.25, -0.75, 0.5]) * 2.0**s).astype(np.float32)
+    want = qt.block_quantize(_t(qt, x), 8, -1, rounding="nearest").numpy()
+    np.testing.assert_allclose(want, qpt, rtol=1e-4)  # QPyTorch: every element the same
+    got = np.asarray(F.quantize(jnp.asarray(x), F.qpytorch_block(8)))
+    np.testing.assert_array_equal(got, x)  # jaxlp: 1, 0.25, -0.75, 0.5 fit 8 bits exactly

@@ -142,13 +142,6 @@ def test_blocks_and_bounds():
   assert BS.contraction_blocks(24, 16, 100) == 8
   assert BS.contraction_blocks(1, 24, 100) == 1
   assert BS.contraction_blocks(300, 500, 100) == 100
-  assert BS.block_length(F.hbfp(7, 24), (50, 30), 1, None) == 24
-  assert BS.block_length(F.hbfp_batched(7), (50, 30), 0, None) == 1
-  assert BS.block_length(F.hbfp_batched(7), (50, 30), 1, None) == 30
-  assert BS.block_length(F.mx("int8", 32), (50, 64), 1, 0) == 1
-  assert BS.block_length(F.mx("int8", 32), (50, 64), 0, 0) == 32
-  with pytest.raises(NotImplementedError, match="2-D"):
-    BS.block_length(F.hbfp(7, 24), (2, 3, 4), 2, None)
   BS.check_exact(2**17 - 1, 7, 7)
   with pytest.raises(ValueError, match="K-block 131072 with 7- and 7-bit"):
     BS.check_exact(2**17, 7, 7)
@@ -256,8 +249,6 @@ def test_exact_differs_from_emulation_only_in_rounding():
 
 def test_unsupported_ops_refuse():
   policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
-  with pytest.raises(NotImplementedError, match="block_dot='exact' supports only 2-D"):
-    jaxlp.dot_general(policy)(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), (((2,), (0,)), ((), ())))
   conv = jaxlp.conv_general_dilated(policy)
   with pytest.raises(NotImplementedError, match="feature_group_count=1"):
     conv(jnp.ones((1, 4, 5, 5)), jnp.ones((3, 2, 3, 3)), (1, 1), "VALID", feature_group_count=2)
@@ -318,3 +309,34 @@ def test_gpu_auto_splits_the_few_tile_gemms(M, K, N, g, split):
   text, triton = CL.lower_for_cuda(lambda a, b: BD.block_dot_gpu_auto(a, b, g, 7, 7), a, b)
   int8_dot = "xi8>" in text and "stablehlo.dot_general" in text
   assert (int8_dot, bool(triton)) == ((True, False) if split else (False, True))
+
+
+@pytest.mark.parametrize("policy", [
+    dataclasses.replace(jaxlp.mx_policy("int8", 32, block_dot="exact"), gpu_impl="pallas"),
+    jaxlp.mx_policy("int8", 32, block_dot="exact"),
+    jaxlp.mx_policy(F.E4M3FN, 32, block_dot="fp8"),
+], ids=["exact_pallas", "exact_auto", "fp8"])
+def test_batched_dot_general_lowers_for_cuda(policy):
+  """An attention-shaped dot ('bqhd,bkhd->bhqk': batch dims in the middle) runs one 2-D GEMM
+  per batch index (``jax.vmap``): under value_and_grad it lowers for CUDA with the policy's
+  GPU implementation -- the block GEMM kernels batched by Pallas, or batched int8 dots --
+  and no op Triton cannot compile (checked on the CPU; not run on a GPU here)."""
+  import os  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
+  import cuda_lowering as CL  # noqa: PLC0415
+
+  dot = jaxlp.dot_general(policy)
+  attn = (((3,), (3,)), ((0, 2), (0, 2)))
+  q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.float32)
+  loss = lambda q, k: jnp.sum(dot(q, k, attn))
+  text, mods = CL.lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), q, q)
+  assert all(not CL.illegal_ops(m) for m in mods)
+  names = CL.kernel_names(mods)
+  if policy.block_dot == "fp8":
+    assert "jaxlp_fp8_block_gemm" in names
+  elif policy.gpu_impl == "pallas":
+    assert "jaxlp_block_gemm" in names
+  else:  # few tiles, 2 K-blocks: batched XLA int8 dots
+    assert not mods and "xi8>" in text

@@ -1,12 +1,14 @@
 """jaxlp.ops.conv_general_dilated: exactness for every conv geometry, HBFP views, MX axes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
-from jaxlp.formats import E4M3FN, E5M2, hbfp, hbfp_batched, mx
+from jaxlp.formats import E4M3FN, E5M2, BlockFormat, hbfp, hbfp_batched, mx
 from jaxlp.formats._quantize import quantize
 from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._policy import Accum, DotPolicy, float_policy, hbfp_policy, mx_policy
@@ -148,3 +150,27 @@ def test_conv_grads_finite(pol):
 def test_conv_rejects_accumulator_emulation():
   with pytest.raises(NotImplementedError, match="conv"):
     conv_general_dilated(DotPolicy(fwd_acc=Accum(acc=E5M2)))
+
+
+def test_contraction_layout_blocks_activations_per_pixel_along_channels():
+  """layout="contraction": activations and gradients in blocks of 4 channels of one pixel
+  (hbfp tiles (3, 4): the row extent counts as 1), the kernel in its OIHW tiles; "auto" is
+  HBFPEmulator's NCHW view (the existing numbers)."""
+  x = jax.random.normal(jax.random.key(0), (3, 4, 4, 8))
+  w = jax.random.normal(jax.random.key(1), (3, 3, 8, 8))
+  kw = dict(window_strides=(1, 1), padding="SAME", dimension_numbers=NHWC)
+  dy = jax.random.normal(jax.random.key(2), (3, 4, 4, 8))
+  fmt = BlockFormat(5, tile=(3, 4), exponent="hbfp")
+  pol = DotPolicy(lhs=fmt, rhs=fmt, grad=fmt, layout="contraction")
+  got = vjp_all(lambda a, b: conv_general_dilated(pol)(a, b, **kw), x, w, dy)
+  per_pixel = BlockFormat(5, axis=3, block_size=4, exponent="hbfp")
+  xq, wq, dyq = (jax.jit(lambda t: quantize(t, per_pixel))(x),
+                 jax.jit(lambda t: _oihw_tiled(t, fmt))(w),
+                 jax.jit(lambda t: quantize(t, per_pixel))(dy))
+  assert_same(got, vjp_all(lambda a, b: lax.conv_general_dilated(a, b, **kw), xq, wq, dyq))
+  auto = vjp_all(lambda a, b: conv_general_dilated(dataclasses.replace(pol, layout="auto"))(
+      a, b, **kw), x, w, dy)
+  assert not np.array_equal(auto[0], got[0])
+  bad = DotPolicy(lhs=BlockFormat(5, tile=(None, 4)), layout="contraction")
+  with pytest.raises(NotImplementedError, match=r"'lhs'.*tiles \(None, 4\)"):
+    conv_general_dilated(bad)

@@ -243,10 +243,3 @@ def test_policy_validation_and_hashing():
     Accum(algorithm="pairwise")
   with pytest.raises(TypeError, match="policy"):
     dot_general(E4M3FN)
-
-
-def test_accumulator_needs_plain_2d_contraction():
-  pol = DotPolicy(fwd_acc=Accum(acc=E5M2))
-  x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
-  with pytest.raises(NotImplementedError, match="2-D"):
-    dot_general(pol)(x, w, (((2,), (0,)), ((), ())))

@@ -3,8 +3,8 @@ bit for bit (NaN-aware), for every format family and rounding the kernels take.
 
 ``python _triton_check.py cpu`` runs the kernels in Triton's interpreter on CPU tensors (the
 caller sets ``TRITON_INTERPRET=1``); ``cuda`` runs them on the GPU. The reference is always
-the JAX route on the CPU (``jaxlp.torch._quantize`` with a CPU tensor: the spec). Exit status
-1 and one line per difference on failure.
+the JAX route on the CPU (``jaxlp.torch._quantize.jax_route`` with a CPU tensor: the spec).
+Exit status 1 and one line per difference on failure.
 """
 
 import sys
@@ -26,13 +26,13 @@ FORMATS = [
     F.FloatFormat(4, 3, subnormals=False), F.FloatFormat(2, 1, specials="finite"),
     F.FloatFormat(8, 23), F.FloatFormat(5, 10, overflow="saturate"),
     F.qpytorch_float(5, 2), F.qpytorch_float(8, 7), F.qpytorch_float(4, 3),
-    F.qpytorch_float(8, 23), F.qpytorch_float(1, 0),
+    F.qpytorch_float(8, 23), F.qpytorch_float(1, 0), F.qpytorch_float(5, 23),
     F.FixedPoint(8, 4), F.FixedPoint(16, 10, symmetric=True), F.FixedPoint(4, -2, clamp=False),
     QPyTorchFixedPoint(8, 4), QPyTorchFixedPoint(30, 3), QPyTorchFixedPoint(6, 140, clamp=False),
     QPyTorchFixedPoint(8, 4, symmetric=True), QPyTorchFixedPoint(8, 149, clamp=False),
     QPyTorchFixedPoint(8, -100),
     F.qpytorch_block(8, -1), F.qpytorch_block(4, -1), F.qpytorch_block(8, 0),
-    F.qpytorch_block(2, 1),
+    F.qpytorch_block(2, 1), F.qpytorch_block(23, 0),
 ]
 
 
@@ -102,7 +102,7 @@ def whole_block_cases(device, fmt, rounding, w, x, ok_so_far):
         if limit == saved and name == "x" and ok_so_far:
           continue  # checked by the caller
         got = run(xi.to(device), fmt, rounding, w)
-        d = differences(got, Q.quantize_raw(xi, fmt, rounding, w))
+        d = differences(got, Q.jax_route(xi, fmt, rounding, w))
         if d.size:
           route = "one program" if limit else "amax + kernel"
           bad.append(f"{fmt!r} {rounding} {xi.dtype} whole block ({route}), {name}: "
@@ -135,13 +135,13 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
         if got.device != xd.device or got.dtype != dtype or got.shape != x.shape:
           bad.append(f"{fmt!r} {rounding} {dtype}: got {got.device} {got.dtype} {got.shape}")
           continue
-        ref = Q.quantize_raw(x, fmt, rounding, w)
+        ref = Q.jax_route(x, fmt, rounding, w)
         d = differences(got, ref)
         if isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1:
           bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0)
         if isinstance(fmt, QPyTorchFixedPoint):
           gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
-          rm = Q.quantize_raw_mask(x, fmt, rounding, w)
+          rm = Q.jax_route(x, fmt, rounding, w, True)
           d = np.union1d(d, differences(gm[0], rm[0]))
           if not torch.equal(gm[1].cpu(), rm[1]):
             bad.append(f"{fmt!r} {rounding} {dtype}: clamp masks differ")

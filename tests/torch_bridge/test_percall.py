@@ -97,7 +97,8 @@ def test_a_repeated_call_does_not_trace_again(monkeypatch):
     return kernel(*args)
 
   monkeypatch.setattr(Q, "_kernel", counting_kernel)
-  fmt = F.qpytorch_float(4, 3)
+  # a format the CPU tensors' NumPy path does not take (jaxlp/torch/_cpu.py): the JAX route
+  fmt = F.mx(F.E4M3FN, 5)
   t = torch.linspace(-3.0, 3.0, 15).reshape(3, 5)  # a shape no other test uses
   first = jt.quantize(t, fmt, "stochastic", seed=0)
   for seed in (0, 1, 2):
@@ -106,6 +107,11 @@ def test_a_repeated_call_does_not_trace_again(monkeypatch):
   assert len(traces) == 1, traces
   torch.testing.assert_close(jt.quantize(t, fmt, "stochastic", seed=0), first, rtol=0, atol=0)
   jt.quantize(t.reshape(15), fmt, "stochastic", seed=0)  # a new shape is a new key
+  assert len(traces) == 2
+  # the formats of the NumPy path compile nothing, whatever the shape
+  for shape in ((15,), (3, 5), (5, 3), (1, 15, 1)):
+    jt.quantize(t.reshape(shape), F.qpytorch_float(4, 3), "stochastic", seed=0)
+    jt.float_quantize(t.reshape(shape), 4, 3, "nearest")
   assert len(traces) == 2
 
 

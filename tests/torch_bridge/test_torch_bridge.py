@@ -192,8 +192,21 @@ def test_optimlp_sgd_momentum_semantics(scaling):
     assert torch.equal(p.data, _q(acc))
     assert torch.equal(opt.optim.state[p]["momentum_buffer"], buf)
     assert torch.equal(opt.weight_acc[p], acc)
-  with pytest.raises(TypeError, match="SGD"):
-    jt.OptimLP(torch.optim.RMSprop([p]))
+  # any optimizer is accepted; momentum_quant needs one whose buffers OptimLP knows
+  jt.OptimLP(torch.optim.RMSprop([p]), weight_quant=_q)
+  with pytest.raises(TypeError, match="SGD") as e:
+    jt.OptimLP(torch.optim.RMSprop([p]), momentum_quant=_q)
+  assert isinstance(e.value, AssertionError)  # what QPyTorch's assertion raises
+
+  class MySGD(torch.optim.SGD):  # a subclass (QPyTorch accepts those): same semantics
+    pass
+
+  p2 = torch.nn.Parameter(p0.clone())
+  opt2 = jt.OptimLP(MySGD([p2], lr=0.1, momentum=0.9), weight_quant=_q, momentum_quant=_q)
+  p2.grad = grads[0].clone()
+  opt2.step()
+  assert torch.equal(opt2.optim.state[p2]["momentum_buffer"], _q(grads[0]))
+  assert torch.equal(p2.data, _q(p0 - 0.1 * grads[0]))
 
 
 def test_optimlp_unit_grad_scaling_skips_the_multiply():

@@ -50,8 +50,7 @@ def test_plan_covers_the_qpytorch_formats_and_refuses_the_rest():
     for rounding in fmt.supported_roundings:
       assert T.plan(fmt, rounding) is not None, (fmt, rounding)
   for fmt, rounding in ((F.mx(F.E4M3FN, 32), "nearest"), (F.hbfp(7, 16), "nearest"),
-                        (F.cpd_float(5, 2), "nearest"), (F.E4M3, "no_such_rounding"),
-                        (F.qpytorch_block(23), "nearest")):
+                        (F.cpd_float(5, 2), "nearest"), (F.E4M3, "no_such_rounding")):
     assert T.plan(fmt, rounding) is None, fmt
 
 
