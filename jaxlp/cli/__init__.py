@@ -357,7 +357,8 @@ def _cmd_reproduce(args) -> int:
     raise ValueError(f"unknown claim {args.claim!r}; choose from {', '.join(CLAIMS)} or all")
   for name in names:
     reproduce(name, seeds=args.seeds, out=args.out, data_dir=args.data_dir, toy=args.toy,
-              overwrite=args.overwrite, plots=not args.no_plot)
+              overwrite=args.overwrite, plots=not args.no_plot, epochs=args.epochs,
+              max_steps=args.max_steps)
   return 0
 
 
@@ -491,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--toy", action="store_true",
                   help="a narrow MLP (the language models at width 1), 2 workers, one epoch of "
                        "two steps per run (smoke test; no verdicts)")
+  pr.add_argument("--epochs", type=_int(1), default=None, metavar="E",
+                  help="a reduced run: every run trains E epochs (default: the setting's)")
+  pr.add_argument("--max-steps", type=_int(1), default=None, metavar="N",
+                  help="a reduced run: at most N steps per epoch; the report marks the "
+                       "settings reduced (for a machine too slow for their size)")
   pr.add_argument("--overwrite", action="store_true",
                   help="replace run folders whose configuration differs")
   pr.add_argument("--no-plot", action="store_true", help="skip the PNG plots")

@@ -907,7 +907,9 @@ class Trainer:
     rows, seq_len = cfg.batch_size, cfg.seq_len
     x = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
     xe, ye, we = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.eval_windows)
-    step = self._make_train_step(self._compressor_at(0))
+    # the step of stage 0, kept: run_epoch uses this jitted function (its trace is cached)
+    step = self._train_steps.setdefault(self._stage(0),
+                                        self._make_train_step(self._compressor_at(0)))
     try:
       jax.eval_shape(step, self.params, self.batch_stats, self.opt_state, self.comp_state, x, x,
                      self.step_key)

@@ -262,12 +262,17 @@ def _run_dir(out, claim, setting_index, label, seed):
 
 
 def _config(base: dict, flags: dict, seed: int, out: str, *, data_dir, toy: bool,
-            overwrite: bool) -> TrainConfig:
+            overwrite: bool, epochs: int | None = None,
+            max_steps: int | None = None) -> TrainConfig:
   from jaxlp.training._models import LM_MODELS
 
   fields = dict(base) | dict(flags) | {"seed": seed, "out": out, "quiet": True}
   if data_dir is not None:
     fields["data_dir"] = data_dir
+  if epochs is not None:  # a reduced run: fewer epochs (a warm-up no longer than the run)
+    fields |= {"epochs": epochs, "warmup_epochs": min(fields.get("warmup_epochs", 0), epochs)}
+  if max_steps is not None:
+    fields["max_steps_per_epoch"] = max_steps
   if toy and fields.get("model") in LM_MODELS:  # the same language model, smallest
     fields |= {"width": 1, "layers": 1, "seq_len": 8, "epochs": 1, "max_steps_per_epoch": 2,
                "nodes": 2, "batch_size": 4}
@@ -285,7 +290,8 @@ def _stats(xs):
 
 def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
               data_dir: str | None = None, toy: bool = False, overwrite: bool = False,
-              plots: bool = True, stream=None) -> dict[str, Any]:
+              plots: bool = True, stream=None, epochs: int | None = None,
+              max_steps: int | None = None) -> dict[str, Any]:
   """Train every row of claim ``name`` for every seed and judge the claim.
 
   Finished runs in ``out`` are reused (resumed: a run with the same configuration continues to
@@ -310,6 +316,10 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     plots: write ``accuracy_vs_epoch.png`` / ``accuracy_vs_wire_bytes.png`` (language
       models: ``perplexity_vs_...``) per setting (seed 0 of every row; needs matplotlib).
     stream: where the progress and the report go (default ``sys.stdout``).
+    epochs, max_steps: a reduced run, for a machine too slow for the settings' size: every
+      run trains ``epochs`` epochs (None: the setting's) of at most ``max_steps`` steps
+      (None: all). The verdicts are those of the reduced runs; the setting's name in the
+      report says so, and the summary records both under ``reduced``.
 
   Returns:
     The summary (also written to ``out/name/summary.json``): the claim, its statement,
@@ -321,7 +331,8 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     instead.
 
   Raises:
-    ValueError: an unknown ``name``; no seeds; ``out/name`` in use by another reproduce; or
+    ValueError: an unknown ``name``; no seeds; ``epochs`` or ``max_steps`` below 1 or with
+      ``toy``; ``out/name`` in use by another reproduce; or
       an error of :func:`jaxlp.training.train` (a run folder with another configuration,
       without ``overwrite``; a damaged checkpoint).
     KeyboardInterrupt: Ctrl-C (``jaxlp.training._runs.Interrupted`` naming the run folder);
@@ -351,6 +362,15 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
   if not seeds:
     raise ValueError("jaxlp reproduce: give at least one seed")
   stream = stream or sys.stdout
+  for arg, v in (("epochs", epochs), ("max_steps", max_steps)):
+    if v is None:
+      continue
+    flag = f"{arg} (--{arg.replace('_', '-')})"
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"jaxlp reproduce: {flag} must be an int >= 1, got {v!r}")
+    if toy:
+      raise ValueError(f"jaxlp reproduce: {flag} and toy (--toy) both set the size of the "
+                       "runs; choose one")
   if claim.metric not in METRICS:
     raise ValueError(f"jaxlp reproduce: Claim.metric must be one of {METRICS}, got "
                      f"{claim.metric!r}")
@@ -359,13 +379,26 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
                              "statement": claim.statement, "metric": claim.metric,
                              margin_key: claim.margin,
                              "seeds": list(seeds), "toy": toy, "data_dir": data_dir,
+                             "reduced": ({"epochs": epochs, "max_steps_per_epoch": max_steps}
+                                         if epochs or max_steps else None),
                              "settings": []}
   with RunLock(os.path.join(out, name)):  # one reproduce of a claim per output folder
     return _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary)
 
 
+def _reduced_label(reduced, base) -> str:
+  """`` [reduced: E epochs of at most N steps]`` (empty for a full-size run)."""
+  if not reduced:
+    return ""
+  e = reduced["epochs"] or base.get("epochs", 10)
+  n = reduced["max_steps_per_epoch"]
+  return f" [reduced: {e} epoch{'s' if e != 1 else ''}" + \
+      (f" of at most {n} steps]" if n else "]")
+
+
 def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary):
   name = claim.name
+  reduced = summary["reduced"] or {}
   stream.write(f"jaxlp reproduce {name}: {claim.system}\n  claim: {claim.statement}\n")
   for si, setting in enumerate(claim.settings):
     base = dict(setting.full) if data_dir is not None else dict(setting.base)
@@ -375,7 +408,8 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
     toy_what = ("the same model at width 1, 1 layer, windows of 8" if base.get("model") in
                 LM_MODELS else "MLP of width 2")
     label = setting.name + (" (full scale)" if data_dir is not None else "") + \
-        (f" [toy size: {toy_what}, 2 workers, 2 steps]" if toy else "")
+        (f" [toy size: {toy_what}, 2 workers, 2 steps]" if toy else "") + \
+        _reduced_label(summary["reduced"], base)
     stream.write(f"\n  setting {si + 1}: {label}\n")
     ppl = claim.metric == "perplexity"
     key = "perplexity" if ppl else "test_accuracy"
@@ -384,7 +418,8 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
       accs, wires, dirs = [], [], []
       for seed in seeds:
         d = _run_dir(out, name, si, row.label, seed)
-        cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite)
+        cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite,
+                      epochs=reduced.get("epochs"), max_steps=reduced.get("max_steps_per_epoch"))
         hist = train(cfg)
         accs.append(hist[-1][key])
         wires.append(sum(h["wire_bytes"] for h in hist) / 1e6)
@@ -406,8 +441,10 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
     what = (f"{claim.margin}% above fp32 (final test perplexity against fp32's of the same "
             "seed, averaged" if claim.metric == "perplexity" else
             f"{claim.margin} points below fp32 (mean final test accuracy")
+    size = ("Reduced runs (the settings' size did not fit the machine): the verdicts are "
+            "those of runs shorter than the settings'.\n\n" if reduced else "")
     f.write(f"# jaxlp reproduce {name}\n\n{claim.system}\n\nClaim: {claim.statement}\n\n"
-            f"Margin: {what} over seeds {', '.join(map(str, seeds))}).\n\n{table}")
+            f"Margin: {what} over seeds {', '.join(map(str, seeds))}).\n\n{size}{table}")
   with open(os.path.join(folder, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   if plots:

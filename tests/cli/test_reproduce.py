@@ -48,6 +48,9 @@ def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
     (["reproduce", "cgx", "--seeds", "1,x"], "--seeds"),
     (["reproduce", "cgx", "--seeds", "1,1"], "distinct seeds"),
     (["reproduce", "cgx", "--seeds", "0,99999999999999999999"], "at most 4294967295"),
+    (["reproduce", "hbfp-lstm", "--max-steps", "0"], "--max-steps"),
+    (["reproduce", "hbfp-bert", "--epochs", "x"], "--epochs"),
+    (["reproduce", "hbfp-lstm", "--toy", "--max-steps", "5"], "choose one"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   try:
@@ -57,6 +60,30 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   assert rc == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_reduced_runs_are_marked_and_judged(tmp_path):
+  """--epochs/--max-steps shrink every run of a claim (for a machine too slow for its size):
+  the runs' configs say so, the setting's name and REPORT.md mark the runs reduced, and the
+  rows get real verdicts (unlike --toy)."""
+  import io
+
+  from jaxlp.training import Claim, Row, Setting, reproduce
+
+  mine = Claim("mine", "me", "E5M2 gradients match fp32.", (Setting(
+      "MLP, 2 workers", {"model": "mlp", "nodes": 2, "width": 2, "epochs": 30},
+      (Row("E5M2", {"grad_format": "E5M2"}),)),))
+  s = reproduce(mine, seeds=(0,), out=str(tmp_path), plots=False, stream=io.StringIO(),
+                epochs=1, max_steps=2)
+  assert s["reduced"] == {"epochs": 1, "max_steps_per_epoch": 2} and not s["toy"]
+  setting = s["settings"][0]
+  assert setting["name"] == "MLP, 2 workers [reduced: 1 epoch of at most 2 steps]"
+  assert setting["rows"][1]["verdict"] != "toy run: no verdict"
+  cfg = json.loads((tmp_path / "mine" / "s0" / "E5M2" / "seed0" / "config.json").read_text())
+  assert (cfg["epochs"], cfg["max_steps_per_epoch"], cfg["width"]) == (1, 2, 2)
+  assert "Reduced runs" in (tmp_path / "mine" / "REPORT.md").read_text()
+  with pytest.raises(ValueError, match="max_steps"):
+    reproduce(mine, out=str(tmp_path), max_steps=0)
 
 
 def test_list(capsys):
