@@ -13,8 +13,11 @@ that cannot run on these matmuls yet prints a "not supported yet" row with the r
 
 Policies: ``fp32``; ``hbfp8`` and ``mxfp8`` (``jaxlp train --policy hbfp8`` / ``mxfp8``:
 HBFPEmulator's 24x24 tiles, OCP MXFP8); ``hbfp8_exact`` (the same with
-``block_dot="exact"``: integer block dots); ``acc_bf16`` (``DotPolicy(fwd_acc=Accum(acc=BF16))``:
-a bfloat16 accumulator emulated in every forward GEMM).
+``block_dot="exact"``: integer block dots); ``mxfp8_fp8`` (MXFP8 with ``block_dot="fp8"``: fp8
+dots with per-block scales, the fast mode, not bit-exact; off a GPU a dot batched over the
+K-blocks);
+``acc_bf16`` (``DotPolicy(fwd_acc=Accum(acc=BF16))``: a bfloat16 accumulator emulated in every
+forward GEMM).
 
 The wire table (``--no-wire`` skips it; nothing is timed) gives, for the three language models
 of ``jaxlp train`` at their default size (width 16: 128 units, 2 layers), with the byte
@@ -26,8 +29,10 @@ largest gradient leaf and its share of the parameters (with words: the embedding
 ``--grads`` (nothing is timed) compares, for each model and each 8-bit policy of ``jaxlp
 train`` (hbfp8, mxfp8, e4m3 = E4M3 forward / E5M2 gradients, e5m2), the gradient of one loss
 on a window of the built-in text (32 rows of 64 bytes, the reproductions' size, at
-initialisation, no dropout) with the fp32 gradient, leaf by leaf: the smallest cosine, the
-median and smallest norm ratio, and the leaves whose gradient is exactly zero (underflow).
+initialisation, no dropout) with the fp32 gradient: the cosine of the whole gradient, and
+leaf by leaf the smallest cosine (with that leaf and its fp32 norm relative to the largest
+leaf's), the median and smallest norm ratio, and the leaves whose gradient is exactly zero
+(underflow).
 
 Usage: python benchmarks/sequence.py [--small] [--models transformer,lstm]
        [--policies fp32,hbfp8,...] [--steps N] [--rounds R] [--no-wire] [--grads] [--json F]
@@ -68,16 +73,18 @@ MODELS = ("transformer", "lstm")
 def policies() -> dict:
   """name -> DotPolicy (None: fp32)."""
   hbfp8 = _policy(TrainConfig(model="transformer", policy="hbfp8"))
+  mxfp8 = _policy(TrainConfig(model="transformer", policy="mxfp8"))
   return {
       "fp32": None,
       "hbfp8": hbfp8,
-      "mxfp8": _policy(TrainConfig(model="transformer", policy="mxfp8")),
+      "mxfp8": mxfp8,
       "hbfp8_exact": dataclasses.replace(hbfp8, block_dot="exact"),
+      "mxfp8_fp8": dataclasses.replace(mxfp8, block_dot="fp8"),
       "acc_bf16": jaxlp.DotPolicy(fwd_acc=jaxlp.Accum(acc=F.BF16)),
   }
 
 
-DEFAULT_POLICIES = ("fp32", "hbfp8", "mxfp8", "hbfp8_exact", "acc_bf16")
+DEFAULT_POLICIES = ("fp32", "hbfp8", "mxfp8", "hbfp8_exact", "mxfp8_fp8", "acc_bf16")
 
 
 def make_case(name: str, small: bool):
@@ -236,7 +243,7 @@ def grad_table(models, small: bool) -> list[dict]:
     for pname in GRAD_POLICIES:
       pol = _policy(TrainConfig(model=name, policy=pname))
       l1, g1 = grads(jf.quantize_model(model, pol).apply)
-      cos, ratio, zero = [], [], []
+      cos, ratio, zero, names, norms = [], [], [], [], []
       for (path, a), b in zip(ref, jax.tree_util.tree_leaves(g1), strict=True):
         a, b = np.ravel(np.asarray(a, np.float64)), np.ravel(np.asarray(b, np.float64))
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
@@ -244,10 +251,18 @@ def grad_table(models, small: bool) -> list[dict]:
           continue
         cos.append(float(a @ b / (na * nb)) if nb else 0.0)
         ratio.append(float(nb / na))
+        names.append(jax.tree_util.keystr(path))
+        norms.append(float(na))
         if nb == 0:
-          zero.append(jax.tree_util.keystr(path))
+          zero.append(names[-1])
+      worst = int(np.argmin(cos))
+      flat = [np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in
+                              jax.tree_util.tree_leaves(t)]) for t in (g0, g1)]
+      cos_all = float(flat[0] @ flat[1] / (np.linalg.norm(flat[0]) * np.linalg.norm(flat[1])))
       out.append({"model": name, "policy": pname, "loss_fp32": float(l0), "loss": float(l1),
-                  "leaves": len(cos), "min_cos": min(cos),
+                  "leaves": len(cos), "cos_all": cos_all, "min_cos": min(cos),
+                  "min_cos_leaf": names[worst],
+                  "min_cos_leaf_rel_norm": norms[worst] / max(norms),
                   "median_norm_ratio": float(np.median(ratio)), "min_norm_ratio": min(ratio),
                   "zero_leaves": zero})
   return out
@@ -283,11 +298,14 @@ def main(argv=None):
   dev = jax.devices()[0]
   if args.grads:
     grads = grad_table(models, args.small)
-    print("| model | policy | leaves | min cosine | norm ratio: median (min) | zero gradients |")
-    print("|---|---|---|---|---|---|")
+    print("| model | policy | leaves | cosine, all leaves | min cosine (its leaf; its fp32 "
+          "norm / the largest) | norm ratio: median (min) | zero gradients |")
+    print("|---|---|---|---|---|---|---|")
     for g in grads:
       zero = ", ".join(g["zero_leaves"]) or "none"
-      print(f"| {g['model']} | {g['policy']} | {g['leaves']} | {g['min_cos']:.4f} | "
+      print(f"| {g['model']} | {g['policy']} | {g['leaves']} | {g['cos_all']:.4f} | "
+            f"{g['min_cos']:.4f} "
+            f"({g['min_cos_leaf']}; {g['min_cos_leaf_rel_norm']:.1e}) | "
             f"{g['median_norm_ratio']:.3f} ({g['min_norm_ratio']:.3f}) | "
             f"{len(g['zero_leaves'])}: {zero} |")
     if args.json:

@@ -52,6 +52,7 @@ def test_sequence_benchmark_gradient_check(capsys):
   rows = {r["policy"]: r for r in mod.main(["--grads", "--small", "--models", "lstm"])}
   assert list(rows) == ["hbfp8", "mxfp8", "e4m3", "e5m2"]
   assert rows["hbfp8"]["min_cos"] > 0.98 and rows["hbfp8"]["leaves"] == 26
+  assert rows["hbfp8"]["cos_all"] >= rows["hbfp8"]["min_cos"] - 1e-9
   assert rows["mxfp8"]["median_norm_ratio"] < 0.95
   assert "| lstm | mxfp8 | 26 |" in capsys.readouterr().out
 

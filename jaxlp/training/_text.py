@@ -139,7 +139,9 @@ def load_folder(data_dir: str, tokens: str = "words") -> TextDataset:
   paths = [os.path.join(data_dir, f"{s}.txt") for s in SPLITS]
   texts = [read_text_file(p) for p in paths]
   if tokens == "bytes":
-    return _bytes_dataset([t.encode("utf-8") for t in texts], data_dir)
+    ds = _bytes_dataset([t.encode("utf-8") for t in texts], data_dir)
+    _check_lengths(paths, (ds.train, ds.valid, ds.test))
+    return ds
   words = [[w for line in t.splitlines() for w in line.split() + [EOS]] for t in texts]
   index: dict[str, int] = {}
   for w in words[0]:
@@ -148,12 +150,16 @@ def load_folder(data_dir: str, tokens: str = "words") -> TextDataset:
     index[UNK] = len(index)
   unk = index.get(UNK)
   ids = [np.asarray([index.get(w, unk) for w in ws], np.int32) for ws in words]
-  for p, a in zip(paths, ids):
-    if len(a) < 2:
-      raise ValueError(f"{p} holds {len(a)} token(s); a language model needs at least 2")
+  _check_lengths(paths, ids)
   vocab = tuple(index) + (MASK,)
   return TextDataset(*ids, vocab_size=len(vocab), num_tokens=len(index), mask_id=len(index),
                      tokens="words", name=data_dir, vocab=vocab)
+
+
+def _check_lengths(paths, ids) -> None:
+  for p, a in zip(paths, ids, strict=True):
+    if len(a) < 2:  # no (input, target) pair
+      raise ValueError(f"{p} holds {len(a)} token(s); a language model needs at least 2")
 
 
 def load(data_dir: str | None = None, tokens: str | None = None) -> TextDataset:

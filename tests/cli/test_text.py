@@ -123,6 +123,18 @@ def test_data_dir_that_is_not_a_folder(tmp_path, capsys):
     assert f"--data-dir {bad!r} is not a directory" in capsys.readouterr().err
 
 
+def test_split_with_one_token_is_refused(tmp_path, capsys):
+  """--tokens bytes and a test.txt of one byte: no (input, target) pair to evaluate, refused
+  naming the file (a word file always has 2: every line ends with <eos>)."""
+  _write_corpus(str(tmp_path), test="x")
+  assert main(["train", "--model", "lstm", "--data-dir", str(tmp_path), "--tokens", "bytes"]
+              + TINY) == 2
+  path = os.path.join(str(tmp_path), "test.txt")
+  err = capsys.readouterr().err
+  assert f"{path} holds 1 token(s); a language model needs at least 2" in err, err
+  assert len(err.strip().splitlines()) == 1
+
+
 def test_text_too_short_for_a_batch(tmp_path, capsys):
   _write_corpus(str(tmp_path), train="a b c d e f\n")
   assert main(["train", "--model", "transformer", "--data-dir", str(tmp_path)] + TINY) == 2
@@ -164,6 +176,9 @@ def test_lstm_train_and_resume_equal_one_run(tmp_path):
     ("bert", ["--policy", "mxfp8", "--compress", "powersgd:rank=1"]),
     ("transformer", ["--policy", "e5m2", "--compress", "dgc:ratio=0.01", "--momentum", "0",
                      "--tokens", "words"]),
+    # exact integer block dots on every (batch, sequence, features) GEMM; a folder's bytes
+    ("bert", ["--policy", "mxint8", "--exact-blocks", "--grad-format", "E5M2", "--tokens",
+              "bytes"]),
 ])
 def test_every_policy_and_reduction_runs_on_the_language_models(tmp_path, model, flags):
   """The CNNs' quantization policies, low-precision sums (APS, Kahan) and compressors on the
