@@ -6,10 +6,13 @@ sequence 64, width 128, 4 heads, 2 pre-LN blocks, tied logits: the shape of issu
 ``LSTMLM`` (batch 8, sequence 64, 2 LSTM layers of 128, tied decoder). Each policy is applied
 with ``jaxlp.flax.quantize_model`` (every matmul it reaches: projections, MLPs, attention q.k
 and p.v, ``Embed.attend``, LSTM gates); one jitted Adam step (forward with dropout, backward,
-update). All rows are compiled first, then timed in ``--rounds`` interleaved rounds of
-``--steps`` steps each (so that a change of the machine's load hits every row alike); the
-median step time and its ratio to the fp32 row of the same run are printed. A policy mode
-that cannot run on these matmuls yet prints a "not supported yet" row with the reason.
+update); "dot_general eqns quantized" counts the ``dot_general`` equations of that step's
+jaxpr that jaxlp quantized, of all (``jaxlp.flax.matmul_report``: all of them means no matmul
+runs in fp32; a mode's count depends on how many dots it emits per GEMM). All rows are
+compiled first, then timed in ``--rounds`` interleaved rounds of ``--steps`` steps each (so
+that a change of the machine's load hits every row alike); the median step time and its ratio
+to the fp32 row of the same run are printed. A policy mode that cannot run on these matmuls
+prints a "not supported yet" row with the reason.
 
 Policies: ``fp32``; ``hbfp8`` and ``mxfp8`` (``jaxlp train --policy hbfp8`` / ``mxfp8``:
 HBFPEmulator's 24x24 tiles, OCP MXFP8); ``hbfp8_exact`` (the same with
@@ -317,7 +320,7 @@ def main(argv=None):
   rows = []
   for m in models:
     rows += run_case(m, args.small, names, steps, rounds)
-  print("\n| model | policy | matmuls quantized | step ms | vs fp32 | status |")
+  print("\n| model | policy | dot_general eqns quantized | step ms | vs fp32 | status |")
   print("|---|---|---|---|---|---|")
   for r in rows:
     ms = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"

@@ -177,7 +177,7 @@ def test_lstm_train_and_resume_equal_one_run(tmp_path):
     ("transformer", ["--policy", "e5m2", "--compress", "dgc:ratio=0.01", "--momentum", "0",
                      "--tokens", "words"]),
     # exact integer block dots on every (batch, sequence, features) GEMM; a folder's bytes
-    ("bert", ["--policy", "mxint8", "--exact-blocks", "--grad-format", "E5M2", "--tokens",
+    ("lstm", ["--policy", "mxint8", "--exact-blocks", "--grad-format", "E5M2", "--tokens",
               "bytes"]),
 ])
 def test_every_policy_and_reduction_runs_on_the_language_models(tmp_path, model, flags):
