@@ -1,34 +1,66 @@
 """The exact block dot product's definition (``DotPolicy(block_dot="exact")``): the bits
 that every implementation must equal, in pure jnp (any backend).
 
-Block formats with integer significands (``BlockFormat`` / ``hbfp`` / ``hbfp_batched``, whose
-elements are ``k * 2**(e - man_bits)`` with ``|k| <= 2**man_bits - 1``, and MXINT8 =
-``mx("int8")``, ``k in [-128, 127]`` times ``2**(s - 6)``) make a dot product over a block of
-the contraction axis an integer dot product times a power of two. The "exact" bits of a GEMM
-``C = A (M, K) . B (K, N)`` of quantized operands are defined as:
+Block formats with integer significands make a dot product over a block of the contraction
+axis an integer dot product times a power of two: ``BlockFormat`` / ``hbfp`` /
+``hbfp_batched`` (elements ``k * 2**(e - man_bits)``, ``|k| <= 2**man_bits - 1``), MXINT8
+(``mx("int8")``, ``k in [-128, 127]`` times ``2**(s - 6)``), the MX float formats MXFP4,
+MXFP6 and MXFP8 (``mx(E2M1FN)``, ``mx(E2M3FN / E3M2FN)``, ``mx(E4M3FN / E5M2)``: every value
+of a block is a multiple of the element's quantum times the block's power-of-two scale) and
+the two-level formats (``nvfp4()`` / :class:`~jaxlp.formats.ScaledBlockFormat` with UE4M3 or
+E8M0 block scales: elements ``q`` times block scales ``sb``, plus, with
+``tensor_scale=True``, one float32 scale ``g`` per tensor). :func:`significand_spec` gives
+each format's significand bits. The "exact" bits of a GEMM ``C = A (M, K) . B (K, N)`` of
+quantized operands are defined as:
 
 1. **K-blocks**: K is cut into consecutive blocks of ``g`` elements (the last one may be
    shorter), where ``g`` is the coarsest length both operands' blocks refine: each operand's
    block length along its contraction axis (tile size, ``block_size``, the whole axis, or 1
    when its blocks run along another axis), combined by ``gcd`` (a whole-axis block imposes
    nothing). :func:`contraction_blocks` computes it.
-2. **Block partials**: for output (m, n) and K-block b, ``p = fl32(sum_k a[m, k] * b[k, n])``
-   over the block: the exact dot product, rounded ONCE to float32 (round to nearest even).
+2. **Block partials**: for output (m, n) and K-block b,
+   ``p = fl32(G * sum_k a[m, k] * b[k, n])`` over the block: the exact dot product of the
+   operands' values, times ``G = ga * gb``, the product of the operands' tensor scales (1
+   for an operand without one), rounded ONCE to float32 (round to nearest even). For a
+   two-level operand ``a[m, k] = q * sb`` (:func:`two_level_values`: elements times block
+   scales, exact in float32) and its value is ``a[m, k] * ga``: the tensor scales multiply
+   each block's exact dot before it is rounded, so ``p`` is the rounding of the exact dot of
+   the operands' true values (not of their float32 decodings ``fl(q * fl(g * sb))``).
    On every backend it is computed from integer significands: per (row, K-block) of A and
    per (K-block, column) of B, ``x = k * 2**Q`` with ``Q = max(floor(log2 |x|max') -
    (bits - 1), -149)`` (``|x|'``: negative exact powers of two count one binade lower, so
-   that ``-2**t`` is ``-2**bits * 2**Q``), ``|k| <= 2**bits``; the int32 dot of the
-   significands is exact (``g * 2**(bits_a + bits_b) <= 2**31 - 1`` is required) and
-   :func:`scale_exact` turns ``n * 2**(Qa + Qb)`` into the correctly rounded float32.
+   that ``-2**t`` is ``-2**bits * 2**Q``), ``|k| <= 2**bits``; the dot ``n`` of the
+   significands is an exact integer and ``p = fl32(n * ma * mb * 2**(Qa + Qb + ea + eb))``
+   with ``ga = ma * 2**ea``, ``gb = mb * 2**eb`` (24-bit ``ma``, ``mb``).
 3. **Range**: a partial that overflows is ``±inf``; a partial or running sum below
    ``2**-126`` in magnitude is flushed to zero, keeping its sign (XLA:CPU flushes float32
    subnormals in its arithmetic; flushing explicitly gives the same bits where the hardware
    keeps them). A block holding a non-finite value (the formats turn such blocks into NaN)
-   makes its partials NaN.
+   makes its partials NaN; so does a NaN tensor scale (a tensor holding inf or NaN).
 4. **Accumulation**: ``s = p_0; for b in 1, 2, ...: s = flush(fl32(s + p_b))``, K-blocks in
    ascending order, sequentially, in float32 (never an FMA: the partials are built from
    integer bits). There is no initial ``+0.0`` (XLA folds ``0 + x`` into ``x``, which
    differs for ``x = -0.0``).
+
+**Why the integer dot is exact, and when float32 holds it.** Two block values are
+``ka * 2**Qa`` and ``kb * 2**Qb``: their product is ``ka * kb * 2**(Qa + Qb)``, exact in
+float32 when ``ka * kb`` has at most 24 significant bits (always here: at most 8 + 8). Every
+partial sum of a K-block is a multiple of ``2**(Qa + Qb)`` below ``g * 2**(bits_a + bits_b)``
+of them, so the block sum is exact in float32, in any order and with any alignment that keeps
+24 bits, when ``g * 2**(bits_a + bits_b) <= 2**24``, and in int32 when it is ``<= 2**31 -
+1``. The significand bits come from the element format's exponent range (``bits = emax -
+emin + man_bits + 1``, the span from its quantum to its top binade): MXFP4 (E2M1: 4 bits,
+``|k| <= 12``): 32 * 2**8 = 2**13; NVFP4 (E2M1 times 4-bit UE4M3 scales: 8 bits, ``|k| <=
+180``): 16 * 2**16 = 2**20; MXFP6 E2M3 (6): 2**17, E3M2 (9): 2**23 -- all exact in float32.
+MXFP8's significands are too wide: E4M3FN spans 2**-9 .. 448 (18 bits: 32 * 2**36 = 2**41)
+and E5M2 2**-16 .. 57344 (32 bits: 2**69), which neither float32 nor int32 holds. There the
+significands are cut into limbs of ``W`` bits (:func:`split_limbs`, ``g * 2**(2W) <=
+2**24``: W = 9 for blocks of 32), every limb-pair dot is exact (in int32, or in float32 on a
+tensor core: each limb is a window of a significand with at most 4 significant bits, exact in
+bfloat16), and the dots are assembled as integer digits of ``W`` bits (:func:`digits_of`),
+multiplied by the tensor scales' 48-bit significand product (:func:`tensor_digits`) and
+rounded once with a sticky bit for the bits below (:func:`normalize_digits`,
+:func:`round_mag`). MXFP8 E4M3 takes 2 x 2 limb dots per K-block, E5M2 4 x 4.
 
 Relation to today's emulation (``block_dot=None``: fp32 products, fp32 sums in XLA's dot):
 the products of two block values are exact in float32, and so is every partial sum within a
@@ -36,15 +68,52 @@ block of <= 2**(24 - bits_a - bits_b) elements (they are multiples of ``2**(Qa+Q
 ``2**24`` of them). The two differ in how the sums cross block boundaries: XLA's dot adds
 products in its own (unspecified, backend- and shape-dependent) order and rounds partial
 sums that mix blocks; "exact" rounds each block once and adds the blocks in a declared order.
-Measured differences: README, "Block formats on tensor cores".
+Two-level formats differ further: the emulation multiplies the decoded values
+``fl(q * fl(g * sb))``, which are rounded twice. Measured differences: README, "Block formats
+on tensor cores"; ``benchmarks/block_gemm.py``.
 
-:func:`block_dot_reference` is this definition in pure jnp (an int32 dot per K-block in a
-``lax.scan``). The other implementations with the same bits use its parts
-(:func:`split_significands`, :func:`split_blocks`, :func:`scale_exact`, :func:`accumulate`,
-:func:`check_operands`): the batched XLA int8 dot and the dispatch (``block_dot``) in
-``jaxlp/ops/_block_dot.py``, and the Pallas kernel in ``jaxlp/pallas/_block_gemm.py``. This
-module sits below both (formats <- pallas <- ops), as ``formats/_quantize.py`` does for the
+**Blackwell's block-scaled MMAs.** NVIDIA Blackwell runs these formats natively:
+``tcgen05.mma`` (and ``mma.sync`` on sm_120) with ``.kind::mxf8f6f4``, ``.kind::mxf4`` and
+``.kind::mxf4nvf4`` and ``.block_scale`` computes ``D = C + sum_k (A[i, k] * SFA[i, k /
+SV]) * (B[j, k] * SFB[j, k / SV])`` with one scale per ``SV = 32`` elements of K (UE8M0, MX)
+or ``SV = 16`` (UE4M3, NVFP4; ``scale_vec::4X``), float32 ``C`` and ``D``. That is all the
+public documentation defines: the order in which products and scale blocks are added inside
+one instruction (K = 32 to 64 per ``mma.sync``), the width and rounding of its internal
+alignment and of the addition to ``C``, and the order across instructions (the kernel's K
+loop) are not specified, and NVFP4's per-tensor scales are not operands of the instruction:
+block-scaled GEMMs apply their product as the epilogue's ``alpha``, once, to the float32
+result. Measurements of B200's tensor cores (Khattak and Mikaitis, 2025) model its 8-, 16-
+and 19-bit input formats bit-accurately but not the block-scaled kinds; Hopper's fp8 MMA is
+known to keep fewer than 24 bits in its accumulation. So these bits are a specification,
+not a model of Blackwell: they equal a block-scaled MMA's result exactly where the
+hardware's sums are exact -- a GEMM of one K-block without tensor scales whose block dot
+the instruction keeps whole (NVFP4 and MXFP4 block dots are integers below ``2**20`` units,
+so any accumulator of at least 24 bits does) -- and otherwise differ in the last bits of
+the cross-block float32 sums (order, alignment, truncation) and, for NVFP4, in where the
+tensor scales are rounded in (here inside each block's rounding, there once at the end).
+
+:func:`block_dot_reference` is this definition in pure jnp (an int32 dot per K-block, or
+limb dots and digits, in a ``lax.scan``). The other implementations with the same bits use
+its parts (:func:`split_significands`, :func:`split_blocks`, :func:`split_limbs`,
+:func:`scale_exact`, :func:`exact_partial`, :func:`accumulate`, :func:`check_operands`): the
+batched XLA int8 dot and the dispatch (``block_dot``) in ``jaxlp/ops/_block_dot.py``, the
+Pallas kernels in ``jaxlp/pallas/_block_gemm.py`` (significands of <= 7 bits) and
+``jaxlp/pallas/_limb_gemm.py`` (wider ones and tensor scales, bf16 tensor cores). This
+module sits below them (formats <- pallas <- ops), as ``formats/_quantize.py`` does for the
 quantize kernels.
+
+References:
+  OCP Microscaling Formats (MX) Specification v1.0, 2023. NVIDIA, "Pretraining Large
+  Language Models with NVFP4", arXiv:2509.25149, 2025. NVIDIA PTX ISA (``mma`` with
+  ``.block_scale`` and ``.scale_vec_size``; ``tcgen05.mma`` block scaling:
+  https://docs.nvidia.com/cuda/parallel-thread-execution/). NVIDIA CUTLASS,
+  ``media/docs/cpp/blackwell_functionality.md`` ("Block Scaled GEMMs": the formula above,
+  scale-factor vector sizes 16 / 32, UE4M3 / UE8M0 scale types). flashinfer-ai/flashinfer,
+  ``flashinfer/gemm/kernels/dense_blockscaled_gemm_sm103.py`` (CUTLASS's block-scaled GEMM
+  with the tensor scales as the epilogue's ``alpha``). F. A. Khattak and M.
+  Mikaitis, "Accurate Models of NVIDIA Tensor Cores", arXiv:2512.07004, 2025. DeepSeek-AI,
+  "DeepSeek-V3 Technical Report", arXiv:2412.19437, 2024 (§3.3: Hopper's fp8 GEMMs keep
+  about 14 bits in accumulation).
 """
 
 from __future__ import annotations
@@ -177,8 +246,10 @@ def check_exact(g: int, bits_a: int, bits_b: int, what: str = "block_dot", *,
 
 
 def check_exact_formats(g: int, fmt_a, fmt_b, what: str = "block_dot"):
-  """:func:`check_exact` for two formats (limbs allowed; ValueError naming a format that has
-  no integer significands)."""
+  """:func:`check_exact` for two formats (ValueError naming a format that has no integer
+  significands). Limbs are allowed where both formats' significands have at most 8
+  significant bits (MX float elements, ``nvfp4()``, ``BlockFormat`` up to 8 mantissa bits);
+  wider ``BlockFormat`` significands keep the one-int32-dot bound."""
   specs = []
   for fmt in (fmt_a, fmt_b):
     spec = significand_spec(fmt)
@@ -186,7 +257,8 @@ def check_exact_formats(g: int, fmt_a, fmt_b, what: str = "block_dot"):
       raise ValueError(f"jaxlp {what}: block_dot='exact' needs block formats with integer "
                        f"significands, got {fmt!r}")
     specs.append(spec)
-  check_exact(g, specs[0].bits, specs[1].bits, what, limbs=True)
+  check_exact(g, specs[0].bits, specs[1].bits, what,
+              limbs=max(specs[0].prec, specs[1].prec) <= 8)
 
 
 # ---------------------------------------------------------------------------------------

@@ -98,12 +98,9 @@ def _kernel(nb: int, gp: int, plan: LimbPlan, scaled: bool):
     G = [rest[0][0, j] for j in range(cdiv(48, plan.W))] if scaled else None
 
     def partial(t):
-      dots = {}
-
       def dot(i, j):  # exact integers below 2**24 in float32
         d = _dot_nt(va_ref[:, pl.ds((t * na + i) * gp, gp)],
                     vb_ref[:, pl.ds((t * nbl + j) * gp, gp)])
-        dots[i, j] = d
         return d.astype(jnp.int32)
 
       D = limb_diagonals(dot, na, nbl)
@@ -113,9 +110,10 @@ def _kernel(nb: int, gp: int, plan: LimbPlan, scaled: bool):
       if not fast_ok:
         return exact_partial(D, q, plan, G)
       # one dot: where every partial of the tile is normal, the exact value is the dot
-      # (an integer below 2**24) times 2**q, a float32 multiply without rounding
+      # (an integer below 2**24) times 2**q, a float32 multiply without rounding; taken
+      # from the int32 (a zero sum is +0.0, as in the reference, whatever the MMA's sign)
       fast = (jnp.min(qa) + jnp.min(qb) >= FAST_Q_MIN) & (jnp.max(qa) + jnp.max(qb) <= FAST_Q_MAX)
-      return lax.cond(fast, lambda: dots[0, 0] * B.from_bits(B.pow2_bits(q)),
+      return lax.cond(fast, lambda: D[0].astype(jnp.float32) * B.from_bits(B.pow2_bits(q)),
                       lambda: scale_exact(D[0], q))
 
     o_ref[...] = lax.fori_loop(1, nb, lambda t, s: accumulate(s, partial(t)), partial(0))
