@@ -29,7 +29,7 @@ SAME), forward + both gradients (``jax.vjp``), HBFP8 per-sample (``hbfp_policy(7
 
 GPU rows are printed as "not measured" unless the run is on a GPU (the Pallas kernel is timed
 only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--scaled-size N]
-[--repeats R] [--skip-layers] [--skip-conv] [--skip-scaled] [--conv-size B C HW R]
+[--repeats R] [--skip-gemm] [--skip-layers] [--skip-conv] [--skip-scaled] [--conv-size B C HW R]
 [--tiles BMxBNxWARPS ...] [--json F]
 
 The Pallas kernel is timed on both routes (``route="int8"``, and ``"auto"``: bf16 tensor
@@ -353,6 +353,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--skip-layers", action="store_true")
   ap.add_argument("--skip-conv", action="store_true")
+  ap.add_argument("--skip-gemm", action="store_true",
+                  help="skip the HBFP8 / MXINT8 / fp8 GEMM rows (--size)")
   ap.add_argument("--skip-scaled", action="store_true",
                   help="skip the block-scaled (NVFP4, MXFP4, MXFP8) exact GEMM rows")
   ap.add_argument("--scaled-size", type=int, default=None,
@@ -382,8 +384,10 @@ def main(argv=None):
   print(f"# block GEMM paths: {platform.processor() or platform.machine()}, "
         f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{size}^3, median of {args.repeats}")
-  print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
-  rows = gemm_rows(size, args.repeats, on_gpu, tile_sweep)  # prints each row as it is measured
+  rows = []
+  if not args.skip_gemm:
+    print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
+    rows = gemm_rows(size, args.repeats, on_gpu, tile_sweep)  # prints each row as measured
   scaled = []
   if not args.skip_scaled:
     ss = args.scaled_size or (32 if args.small else 256)
