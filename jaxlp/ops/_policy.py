@@ -487,8 +487,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
     grad_fmt: element format of the output gradients (default ``fmt``; ``E5M2`` is common).
       Formerly ``grad_elem``.
     rounding: rounding of every quantization.
-    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` for MXINT8 (``fmt="int8"``),
-      ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` (every MX format: MXINT8,
+      MXFP4, MXFP6, MXFP8), ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
