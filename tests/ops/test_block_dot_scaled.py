@@ -252,8 +252,8 @@ def test_nvfp4_policy_gemms():
 def test_nvfp4_weight_tiles_and_nd_operands():
   """2-D 16 x 16 weight tiles: K-blocks of 16 in the forward GEMM (tile rows) and of 16 and
   4 in the dlhs GEMM (tile columns of a 20-wide weight, reused from the forward pass); a
-  (2, 4, 48) activation has the bits of its (8, 48) reshape; batch dimensions are one
-  GEMM per batch index with the tensors' own scales."""
+  (2, 4, 48) activation has the bits of its (8, 48) reshape (forward); batch dimensions are
+  one GEMM per batch index with the tensors' own scales."""
   rng = np.random.default_rng(6)
   x, w = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0)
   f, ft = F.nvfp4(), F.nvfp4(tile=16)
@@ -264,17 +264,16 @@ def test_nvfp4_weight_tiles_and_nd_operands():
   assert _same(val, jnp.sum(jnp.sin(y)))
   gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1))
   assert _same(gx, _ref(gq, b.T, 16, 8, 8, (gg, gb)))
-  # N-D activations: the bits of the 2-D GEMM on the reshape
-  x3 = x.reshape(2, 4, 48)
-  v3, (gx3, gw3) = _vg(policy, x3, w, (((2,), (0,)), ((), ())))
-  assert _same(v3, val) and _same(gx3.reshape(8, 48), gx) and _same(gw3, gw)
-  # batch dimensions: 'bik,bkn->bin'
-  wb = _wide(rng, (2, 48, 20), 2.0)
-  out = jax.jit(lambda x, w: jaxlp.dot_general(policy)(x, w, (((2,), (1,)), ((0,), (0,)))))(
-      x3, wb)
+  # N-D activations: the bits of the 2-D GEMM on the reshape; batch dimensions
+  # ('bik,bkn->bin'): one GEMM per batch index, with the tensors' own scales
+  x3, wb = x.reshape(2, 4, 48), _wide(rng, (2, 48, 20), 2.0)
+  dot = jaxlp.dot_general(policy)
+  y3, yb = jax.jit(lambda x, w, wb: (dot(x, w, (((2,), (0,)), ((), ()))),
+                                     dot(x, wb, (((2,), (1,)), ((0,), (0,))))))(x3, w, wb)
+  assert _same(y3.reshape(8, 20), y)
   (a3, ga3), (b3, gb3) = _parts(x3, F.nvfp4(axis=2)), _parts(wb, ft)
   for i in range(2):
-    assert _same(out[i], _ref(a3[i], b3[i], 16, 8, 8, (ga3, gb3)))
+    assert _same(yb[i], _ref(a3[i], b3[i], 16, 8, 8, (ga3, gb3)))
 
 
 def test_mxfp8_policy_gemms():
