@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats._block import BlockFormat, MXFormat
-from jaxlp.formats._block_dot import check_exact, contraction_blocks, significand_bits
+from jaxlp.formats._block_dot import contraction_blocks, significand_bits
+from jaxlp.ops._block_dot import check_exact_operands
 from jaxlp.ops._dot_general import (
   SlotGeometry,
   _exact_gemm,
@@ -366,8 +367,8 @@ def _conv_plan(policy: DotPolicy, cv: _Conv):
       if best is None or g > best[2]:
         best = (order, L, g)
     if policy.block_dot == "exact":
-      check_exact(best[2], significand_bits(qa.fmt), significand_bits(qb.fmt),
-                     what=f"conv_general_dilated ({gemm} GEMM)")
+      check_exact_operands(best[2], qa.fmt, qb.fmt, f"conv_general_dilated ({gemm} GEMM)",
+                           two_level=False)
     plan[gemm] = best
   return plan
 

@@ -190,9 +190,12 @@ class DotPolicy:
       * None (default): the plain float32 lax op on the quantized operands -- products
         exact in fp32, sums rounded in fp32 in the backend's (unspecified) order.
       * ``"exact"``: for block formats with integer significands (``BlockFormat``,
-        ``hbfp``, ``hbfp_batched``, MXINT8 ``mx("int8")``) in every operand of every GEMM:
+        ``hbfp``, ``hbfp_batched``, every ``mx(...)``: MXINT8, MXFP4, MXFP6, MXFP8, and
+        ``nvfp4()`` / ``ScaledBlockFormat`` with UE4M3 or E8M0 block scales, whose tensor
+        scales multiply each block's dot before it is rounded) in every operand of every GEMM:
         K is cut into blocks both operands' blocks refine; per K-block the dot of the
-        integer significands is exact (int32), scaled by ``2**(ea + eb)`` and rounded
+        integer significands is exact (int32; wider ones, MXFP8's, as limbs), scaled by
+        ``2**(ea + eb)`` and rounded
         once to float32 (overflow: inf; below ``2**-126``: a signed zero); the block
         results are summed in float32 sequentially, ascending K-block index. The same
         bits on every backend (a pure-jnp reference on CPU; on a GPU a Pallas kernel on
@@ -356,7 +359,8 @@ class DotPolicy:
                        "(fwd_acc/dlhs_acc/drhs_acc) are exclusive")
     ok = significand_bits if self.block_dot == "exact" else fp8_kind
     need = ("a block format with integer significands (BlockFormat, hbfp, hbfp_batched, "
-            "mx('int8'))" if self.block_dot == "exact" else
+            "mx(...), nvfp4() / ScaledBlockFormat with ue4m3 or e8m0 block scales)"
+            if self.block_dot == "exact" else
             "an mx(...) or FloatFormat with <= 3 mantissa bits (an fp8 twin)")
     for gemm, pair in self.gemm_operands().items():
       for slot, q in pair:
@@ -483,8 +487,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
     grad_fmt: element format of the output gradients (default ``fmt``; ``E5M2`` is common).
       Formerly ``grad_elem``.
     rounding: rounding of every quantization.
-    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` for MXINT8 (``fmt="int8"``),
-      ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` (every MX format: MXINT8,
+      MXFP4, MXFP6, MXFP8), ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data
