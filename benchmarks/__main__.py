@@ -38,6 +38,7 @@ BENCHMARKS = {
     "loopback": ("CPU", ("--smoke",)),
     "torch_quantize": ("CPU, GPU", ("--small",)),
     "engine_compile": ("CPU, GPU", ("--model", "tiny")),
+    "sequence": ("CPU, GPU", ("--small",)),
 }
 
 #: tool name (``benchmarks/tools/NAME.py``) -> where it is meant to run
