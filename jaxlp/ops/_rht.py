@@ -101,10 +101,11 @@ class RHT:
   nearest-even; the result is multiplied by ``1 / sqrt(size)`` (a power of two: exact). The
   inverse runs the same butterfly, the scaling, then the signs. Float32 subnormals (below
   ``2**-126``) in the inputs or results follow the backend's float32 arithmetic (XLA on CPU
-  flushes them to zero). float16/bfloat16 operands are widened to float32 exactly, and the
-  result is rounded to their dtype. Because every stage rounds, ``T^-1(T(v))`` equals ``v``
-  only up to a few float32 ulps of the chunk's largest magnitude (exactly where no sum
-  rounds, e.g. small integers).
+  flushes them to zero); a NaN or an infinity spreads over its chunk as IEEE arithmetic
+  gives (NaN results have no specified sign). float16/bfloat16 operands are widened to
+  float32 exactly, and the result is rounded to their dtype. Because every stage rounds,
+  ``T^-1(T(v))`` equals ``v`` only up to a few float32 ulps of the chunk's largest
+  magnitude (exactly where no sum rounds, e.g. small integers).
 
   Chunks: the contraction axis of length L is cut into ``L // size`` chunks of ``size``
   from index 0; the last ``L % size`` elements are left as they are (an identity block: the
