@@ -66,25 +66,32 @@ def nvfp4_recipe(*, weight_tiles: bool = True, stochastic_gradients: bool = True
     selective high precision, random Hadamard transforms on Wgrad inputs, 2-D weight
     scaling, stochastic rounding of gradients).
 
+  The first and last layers in BF16, every other layer with the recipe (linen or nnx; the
+  paths are the model's module paths, ``qm.quantized_paths(...)`` lists them)::
+
+    qm = jaxlp.flax.quantize_model(model, jaxlp.nvfp4_recipe(),
+                                   rules=[("Conv_0", jaxlp.bf16_policy()),
+                                          ("Dense_1", jaxlp.bf16_policy())])
+    logits = qm.apply(variables, x, rngs={"quantize": step_key})  # a fresh key per step
+
+  (``exclude=("Conv_0", "Dense_1")`` keeps them in FP32 instead; ``jaxlp train --policy
+  nvfp4-recipe`` does the above for the first and last layer with a matmul.)
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> import jaxlp
-    >>> from jaxlp.flax import quantize_model
-    >>> from jaxlp.flax.models import MLP
     >>> p = jaxlp.nvfp4_recipe()
     >>> p.rhs.fmt.tile, p.dlhs_rhs, p.grad.rounding, p.lhs.rounding, p.rht.gemms
     ((16, 16), 'fwd', 'stochastic', 'nearest', ('drhs',))
-    >>> # the first and last layers in BF16, every other one in NVFP4
-    >>> model = MLP(features=(32, 32, 10))
-    >>> qm = quantize_model(model, p, rules=[("Dense_0", jaxlp.bf16_policy()),
-    ...                                      ("Dense_2", jaxlp.bf16_policy())])
-    >>> x = jnp.ones((16, 8))
-    >>> variables = qm.init(jax.random.key(0), x)
-    >>> [(op.path, op.source) for op in qm.matmul_report(variables, x)]
-    [('Dense_0', 'rules[0]'), ('Dense_1', 'policy'), ('Dense_2', 'rules[1]')]
-    >>> loss = lambda v: qm.apply(v, x, rngs={"quantize": jax.random.key(1)}).sum()
-    >>> jax.tree.map(jnp.shape, jax.grad(loss)(variables))["params"]["Dense_1"]["kernel"]
-    (32, 32)
+    >>> x, w = jnp.ones((32, 16)), jnp.ones((16, 8))
+    >>> dot = jaxlp.dot_general(p, key=jax.random.key(0))  # a fresh key per step
+    >>> dw = jax.grad(lambda w: dot(x, w, (((1,), (0,)), ((), ()))).sum())(w)
+    >>> # x and dY all ones: their transformed chunks (+-0.5, +-1.5) are NVFP4 values, and the
+    >>> # transform cancels exactly: dW = x^T . dY = 32 everywhere
+    >>> p.rht.apply(jnp.ones(16))[:4]
+    Array([-1.5,  0.5,  1.5, -0.5], dtype=float32)
+    >>> dw.shape, bool((dw == 32.0).all())
+    ((16, 8), True)
   """
   act = Quant(nvfp4(), "nearest")
   grad = Quant(nvfp4(), "stochastic" if stochastic_gradients else "nearest")
