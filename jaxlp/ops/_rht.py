@@ -120,7 +120,9 @@ class RHT:
   The signs are a function of ``seed`` only (SplitMix64: sign ``i`` is ``-1`` where bit
   ``i % 64`` of the ``(i // 64 + 1)``-th output of SplitMix64 seeded with ``seed`` is set), so
   they are the same on every device, shard and call; the transform is a fixed matrix, not a
-  fresh draw per step.
+  fresh draw per step. Under ``jit`` of sharded arrays the result has the unsharded bits;
+  inside ``shard_map`` the transform sees the local block, whose chunks start at its first
+  element (the global chunks when every shard holds whole chunks of the contraction axis).
 
   Attributes:
     gemms: the GEMMs whose two operands are transformed, from ``("fwd", "dlhs", "drhs")``
