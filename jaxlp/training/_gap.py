@@ -94,8 +94,11 @@ def plot_gap(setting: dict, out_dir: str, ref: str, start: str) -> list[str]:
   ys = [r["gap_closed"] for r in rows]
   by = {r["label"]: r for r in setting["rows"]}
   gap = by[start]["final_loss_mean"] - by[ref]["final_loss_mean"]
-  err = [100.0 * r["delta_loss_se"] / gap for r in rows]
+  err = [100.0 * r["delta_loss_se"] / gap for r in rows] if rows else []
   ax.barh([r["label"] for r in rows], ys, xerr=err, color="tab:blue", alpha=0.8)
+  if not rows:  # the start row is no worse than the reference: nothing to close
+    ax.text(0.5, 0.5, f"no gap: {start} trains as well as {ref}", transform=ax.transAxes,
+            ha="center")
   ax.axvline(0, color="k", lw=0.8)
   ax.axvline(100, color="k", lw=0.8, ls="--")
   ax.invert_yaxis()

@@ -71,6 +71,9 @@ def test_gap_plots(tmp_path):
   paths = plot_gap({"rows": rows}, str(tmp_path / "out"), "bf16", "NVFP4")
   assert [os.path.basename(p) for p in paths] == ["loss_vs_epoch.png", "gap_closed.png"]
   assert all(os.path.getsize(p) > 1000 for p in paths)
+  rows[2]["final_train_loss"] = [0.0, 0.0, 0.0]  # no gap: an empty bar chart, with a note
+  add_gap(rows, "bf16", "NVFP4")
+  assert len(plot_gap({"rows": rows}, str(tmp_path / "none"), "bf16", "NVFP4")) == 2
 
 
 def test_the_nvfp4_claim_rows():
