@@ -47,6 +47,7 @@ TOOLS = {
     "block_programs": "GPU",
     "sparse_select": "CPU, GPU",
     "ptx_per_mac": "CPU",
+    "recipe_grads": "CPU",
 }
 
 
