@@ -44,7 +44,7 @@ import os
 import sys
 from typing import Any
 
-from jaxlp.training._gap import add_gap, gap_table, plot_gap
+from jaxlp.training._gap import add_gap, final_loss, gap_table, plot_gap
 from jaxlp.training._loop import TrainConfig, train
 from jaxlp.training._runs import RunLock, continue_or_replace
 
@@ -364,9 +364,10 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     (mean minus the fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire
     bytes) and ``verdict``. Perplexity claims have ``final_perplexity`` and
     ``delta_percent`` (the mean over seeds of 100 * (ppl / fp32's ppl of the seed - 1))
-    instead. Every row also has ``final_train_loss`` (the last epoch's mean training loss,
-    one per seed); in a setting with a ``gap``, also ``final_loss_mean``, ``final_loss_sd``,
-    ``delta_loss``, ``delta_loss_se`` and ``gap_closed`` (``jaxlp/training/_gap.py``).
+    instead. Every row also has ``final_train_loss`` (the mean training loss of the last 5
+    epochs, one per seed); in a setting with a ``gap``, also ``final_loss_mean``,
+    ``final_loss_sd``, ``delta_loss``, ``delta_loss_se`` and ``gap_closed``
+    (``jaxlp/training/_gap.py``).
 
   Raises:
     ValueError: an unknown ``name``; no seeds; ``epochs`` or ``max_steps`` below 1 or with
@@ -460,7 +461,7 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
                       epochs=reduced.get("epochs"), max_steps=reduced.get("max_steps_per_epoch"))
         hist = train(cfg)
         accs.append(hist[-1][key])
-        losses.append(hist[-1]["train_loss"])
+        losses.append(final_loss(hist))
         wires.append(sum(h["wire_bytes"] for h in hist) / 1e6)
         dirs.append(d)
       mean, sd = _stats(accs)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
 
 from jaxlp.training import CLAIMS  # noqa: E402
-from jaxlp.training._gap import add_gap, gap_table, plot_gap  # noqa: E402
+from jaxlp.training._gap import add_gap, final_loss, gap_table, plot_gap  # noqa: E402
 
 
 def _rows():
@@ -45,6 +45,14 @@ def test_gap_closed_and_paired_differences():
   assert table.splitlines()[0].startswith("| row | final loss")
 
 
+def test_final_loss_is_the_mean_of_the_last_epochs():
+  hist = [{"train_loss": v, "steps": 10} for v in (9.0, 1.0, 2.0, 3.0, 4.0, 5.0)]
+  assert final_loss(hist) == 3.0  # the last 5 epochs
+  assert final_loss(hist, 2) == 4.5 and final_loss(hist[:1]) == 9.0
+  hist[-1]["steps"] = 30  # a longer epoch weighs more
+  assert math.isclose(final_loss(hist, 2), (4.0 * 10 + 5.0 * 30) / 40)
+
+
 def test_no_gap_and_bad_labels():
   rows = _rows()
   rows[2]["final_train_loss"] = [0.1, 0.1, 0.1]  # NVFP4 better than bf16: no gap to close
@@ -71,6 +79,9 @@ def test_gap_plots(tmp_path):
   paths = plot_gap({"rows": rows}, str(tmp_path / "out"), "bf16", "NVFP4")
   assert [os.path.basename(p) for p in paths] == ["loss_vs_epoch.png", "gap_closed.png"]
   assert all(os.path.getsize(p) > 1000 for p in paths)
+  rows[4]["final_train_loss"] = [90.0, 80.0, 70.0]  # off the axis: clipped, value written
+  add_gap(rows, "bf16", "NVFP4")
+  assert len(plot_gap({"rows": rows}, str(tmp_path / "far"), "bf16", "NVFP4")) == 2
   rows[2]["final_train_loss"] = [0.0, 0.0, 0.0]  # no gap: an empty bar chart, with a note
   add_gap(rows, "bf16", "NVFP4")
   assert len(plot_gap({"rows": rows}, str(tmp_path / "none"), "bf16", "NVFP4")) == 2
