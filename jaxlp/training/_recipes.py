@@ -11,6 +11,9 @@
 * ``mxfp4``: ``mx_policy(E2M1FN)`` (OCP's floor scale rule) on every layer.
 * ``mxfp8-rceil``: :func:`jaxlp.mxfp8_recipe` (``"rceil"`` scales); ``mxfp8`` (the existing
   preset) is the same with OCP's ``"floor"`` rule.
+
+Every matmul the model's layers perform gets the policy (language models: attention's q.k and
+p.v and the tied logits too, which the NVFP4 paper keeps in BF16).
 """
 
 from __future__ import annotations
