@@ -48,6 +48,7 @@ TOOLS = {
     "sparse_select": "CPU, GPU",
     "ptx_per_mac": "CPU",
     "reliability_probes": "CPU",
+    "recipe_grads": "CPU",
 }
 
 

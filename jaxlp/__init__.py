@@ -20,7 +20,8 @@ _NAMES = {
     "BlockFormat": "formats", "FixedPoint": "formats", "FloatFormat": "formats",
     "Accum": "ops", "DotPolicy": "ops", "Quant": "ops", "conv_general_dilated": "ops",
     "dot_general": "ops", "float_policy": "ops", "hbfp_policy": "ops", "matmul": "ops",
-    "mx_policy": "ops", "quantize": "ops",
+    "mx_policy": "ops", "quantize": "ops", "RHT": "ops", "bf16_policy": "ops",
+    "mxfp8_recipe": "ops", "nvfp4_recipe": "ops",
 }
 
 
@@ -45,6 +46,8 @@ __all__ = [
     "FixedPoint",
     "FloatFormat",
     "Quant",
+    "RHT",
+    "bf16_policy",
     "conv_general_dilated",
     "dot_general",
     "float_policy",
@@ -52,6 +55,8 @@ __all__ = [
     "hbfp_policy",
     "matmul",
     "mx_policy",
+    "mxfp8_recipe",
+    "nvfp4_recipe",
     "ops",
     "pallas",
     "parallel",

@@ -135,7 +135,9 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                  help="HBFP wide weight storage mantissa bits (e.g. 16; needs --hbfp)")
   g.add_argument("--policy", default=None,
                  help="layer policy preset: hbfp8, hbfp12, mxfp8, mxint8, e4m3 (E4M3 forward, "
-                      "E5M2 gradients), e5m2")
+                      "E5M2 gradients), e5m2; recipes: bf16, mxfp4, mxfp8-rceil, nvfp4 "
+                      "(plain) with pieces +tiles, +sr, +rht, +ends (e.g. nvfp4+sr+rht), "
+                      "nvfp4-recipe (all four)")
   g.add_argument("--exact-blocks", action="store_true",
                  help="integer block policies (--hbfp, --policy hbfp8/hbfp12/mxint8): exact "
                       "integer dot per K-block, K-blocks summed in fp32 in a declared order "
@@ -475,12 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
 
   pr = sub.add_parser("reproduce", help="reproduce a replaced system's headline claim",
                       description="Train the settings of one claim (cpd, aps, hbfp, cgx, "
-                                  "hipress, ddp, hbfp-lstm, hbfp-bert) over several seeds and "
-                                  "judge it against fp32: a table with every seed, wire bytes "
+                                  "hipress, ddp, hbfp-lstm, hbfp-bert, nvfp4) over several seeds "
+                                  "and judge it against fp32: a table with every seed, wire bytes "
                                   "and a verdict, plus plots. 'all' runs every claim; --list "
                                   "shows them.")
   pr.add_argument("claim", nargs="?", default=None, metavar="NAME",
-                  help="cpd, aps, hbfp, cgx, hipress, ddp, hbfp-lstm, hbfp-bert or all")
+                  help="cpd, aps, hbfp, cgx, hipress, ddp, hbfp-lstm, hbfp-bert, nvfp4 or "
+                       "all")
   pr.add_argument("--list", action="store_true", help="list the claims and exit")
   pr.add_argument("--seeds", type=_seeds, default=(0, 1, 2), metavar="S,S,...",
                   help="comma-separated seeds (default 0,1,2)")

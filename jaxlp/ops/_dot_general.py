@@ -56,12 +56,16 @@ class SlotGeometry(NamedTuple):
   take their tiles on the 2-D matrix ``transpose(x, rows + cols)`` reshaped to
   ``(prod(rows), prod(cols))``; block maxima there, rounding and noise in the operand's own
   layout. ``weight``: in that view keep the tile's row extent (a weight matrix); otherwise a
-  tile never spans two rows (tokens)."""
+  tile never spans two rows (tokens). ``matrix_perm``: for 2-D tiles of a two-level format
+  (``nvfp4(tile=16)``), the transpose that puts the weight's (contraction, free) axes of the
+  GEMM last, tiled there (a conv kernel: (spatial..., in, out)); None = ``perm``.
+  ``axis`` is also the axis a :class:`jaxlp.RHT` transforms."""
 
   perm: tuple[int, ...] | None = None
   axis: int | None = None
   view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   weight: bool = False
+  matrix_perm: tuple[int, ...] | None = None
 
 
 def _is_axis_blocked(fmt) -> bool:
@@ -163,6 +167,9 @@ def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry,
   if geom.view is not None and _is_tiled(fmt):
     return _quantize_view(x, fmt, quant.rounding, k, geom)
   perm = geom.perm
+  if geom.matrix_perm is not None and getattr(fmt, "tile", None) is not None and isinstance(
+      fmt, ScaledBlockFormat):
+    perm = geom.matrix_perm
   if perm is None or perm == tuple(range(x.ndim)):
     return quantize(x, fmt, quant.rounding, key=k)
   inv = tuple(int(i) for i in np.argsort(perm))
@@ -223,8 +230,16 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
   lhs_aval = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   rhs_aval = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
 
+  rht_slots = set()
+  if policy.rht is not None:
+    ops = policy.gemm_operands()
+    rht_slots = {slot for g in policy.rht.gemms for slot, _ in ops[g]}
+
   def q(x, slot, k):
-    return quantize_operand(x, getattr(policy, slot), k, slot, geometry[slot], parts)
+    geom = geometry[slot]
+    if slot in rht_slots and geom.axis is not None:  # RHT first, then quantize
+      x = policy.rht.apply(x, geom.axis)
+    return quantize_operand(x, getattr(policy, slot), k, slot, geom, parts)
 
   def gemm_key(k, name):
     return None if k is None else jax.random.fold_in(k, len(SLOTS) + GEMMS.index(name))
@@ -349,6 +364,13 @@ def dot_geometry(dims: DotDims, layout: str) -> dict[str, SlotGeometry]:
   shape_of = {"lhs": "lhs", "rhs": "rhs", "grad": "grad", "dlhs_rhs": "rhs",
               "drhs_lhs": "lhs", "drhs_grad": "grad"}
   geo = {}
+  # a weight's 2-D tiles (two-level formats) on its (innermost contraction, innermost free)
+  # axes of the forward GEMM, in both weight slots: W and W^T tile alike
+  mperm = None
+  if dims.rc and dims.rf and not dims.lb:
+    kr, fr = dims.rc[-1], dims.rf[-1]
+    mperm = tuple(a for a in range(nd["rhs"]) if a not in (kr, fr)) + (kr, fr)
+    mperm = None if mperm == tuple(range(nd["rhs"])) else mperm
   for slot in SLOTS:
     k = dims.slot_contraction(slot)
     axis = k[-1] if k else None
@@ -357,7 +379,8 @@ def dot_geometry(dims: DotDims, layout: str) -> dict[str, SlotGeometry]:
       n = nd[shape_of[slot]]
       view = (tuple(a for a in range(n) if a not in k), k)
     geo[slot] = SlotGeometry(axis=axis, view=view,
-                             weight=slot in WEIGHT_SLOTS and not dims.lb)
+                             weight=slot in WEIGHT_SLOTS and not dims.lb,
+                             matrix_perm=mperm if slot in WEIGHT_SLOTS else None)
   return geo
 
 

@@ -36,6 +36,7 @@ from jaxlp.parallel._compressed import (
   init_compression_state,
 )
 from jaxlp.training import _portable, _runs
+from jaxlp.training._recipes import NVFP4_PIECES, RECIPE_NAMES, ends_rules, recipe_policy
 
 
 @dataclasses.dataclass
@@ -231,8 +232,12 @@ def _policy(cfg: TrainConfig):
     policy = hbfp(cfg.hbfp)
   elif cfg.policy in presets:
     policy = presets[cfg.policy]()
+  elif recipe_policy(cfg.policy) is not None:  # bf16, nvfp4[+pieces], mxfp4, mxfp8-rceil
+    policy = recipe_policy(cfg.policy)[0]
   else:
-    raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}")
+    raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}, "
+                     f"{', '.join(RECIPE_NAMES)} or nvfp4+PIECE+... (PIECE: "
+                     f"{', '.join(NVFP4_PIECES)})")
   if not cfg.exact_blocks:
     return policy
   # exact integer block dots (DotPolicy(block_dot="exact")): the same bits on every backend
@@ -259,6 +264,7 @@ LAYERS_MAX = 64
 SEQ_LEN_MAX = 65536
 OPTIMIZERS = ("sgd", "adam")
 _LM_KEY_TAG = 0x6C6D  # folded into the step key for the language models' own randomness
+_Q_KEY_TAG = 0x7174  # ... for the classifiers' stochastic rounding (quantize_model's rngs)
 EVAL_ROWS = 10  # streams of the language models' valid/test text (AWD-LSTM's eval batch)
 _INT_FIELDS = {  # field: (lowest allowed, highest allowed, None allowed)
     "nodes": (1, INT_MAX, False), "devices": (0, INT_MAX, False),
@@ -626,7 +632,11 @@ class Trainer:
                        f"({len(self.ds.x_train)} images of --data {cfg.data})")
     steps_per_epoch = self._steps_per_epoch(steps_per_epoch)
     kw = {}
-    if policy is not None:
+    # stochastic policies and per-layer choices (a recipe's BF16 ends) go through
+    # quantize_model (keys from the rng stream "quantize"); the others into every layer
+    ends = bool(cfg.policy and (recipe_policy(cfg.policy) or (None, False))[1])
+    use_q = policy is not None and (policy.stochastic or ends)
+    if policy is not None and not use_q:
       kw = dict(dot_general=jaxlp.dot_general(policy),
                 conv_general_dilated=jaxlp.conv_general_dilated(policy))
     # --exact-blocks with the MLP or the CNN and an fp32 reduction: every op of the step has
@@ -637,11 +647,19 @@ class Trainer:
     self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
                          portable=self.portable, **kw)
     self.apply_model = self.model.apply
+    self.policy, self.qmodel = policy, None
+    x0 = jnp.asarray(self.ds.x_train[:2])
+    if use_q:
+      from jaxlp.flax import quantize_model  # noqa: PLC0415 -- flax: the examples extra
+
+      rules = (ends_rules(quantize_model(self.model, policy), init_key, x0, train=False)
+               if ends else ())
+      self.qmodel = quantize_model(self.model, policy, rules=rules)
+      self.apply_model = self.qmodel.apply
     init = lambda k, x: self.model.init(k, x, train=False)
     if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
       init = jax.jit(init)
     init_dev = _portable.init_device() if self.portable else None
-    x0 = jnp.asarray(self.ds.x_train[:2])
     # before allocating: the shapes of the plain model (a policy or the portable layers
     # change no parameter), traced abstractly
     plain = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width))
@@ -685,13 +703,16 @@ class Trainer:
     self.model = M.build(cfg.model, self.ds.vocab_size, width=int(cfg.width),
                          layers=cfg.layers, dropout=cfg.dropout, seq_len=seq_len)
     self.qmodel = None
+    x0 = jnp.zeros((2, seq_len), jnp.int32)
     if policy is not None:
       from jaxlp.flax import quantize_model  # noqa: PLC0415 -- flax: the examples extra
 
-      self.qmodel = quantize_model(self.model, policy)
+      ends = bool(cfg.policy and (recipe_policy(cfg.policy) or (None, False))[1])
+      rules = (ends_rules(quantize_model(self.model, policy), init_key, x0, train=False)
+               if ends else ())
+      self.qmodel = quantize_model(self.model, policy, rules=rules)
     self.apply_model = (self.qmodel or self.model).apply
     self.policy = policy
-    x0 = jnp.zeros((2, seq_len), jnp.int32)
     init = lambda k, x: self.model.init(k, x, train=False)
     _check_memory(self.cfg, jax.eval_shape(init, init_key, x0), self.ndev)
     with _device_memory(cfg, "initialising the model"):
@@ -761,13 +782,17 @@ class Trainer:
     """One worker's loss on its images, pre-scaled by 1/W (CPD), and its batch statistics."""
     import optax
 
-    model, W = self.model, self.cfg.nodes
+    apply, W = self.apply_model, self.cfg.nodes
+    kw = {}
+    if self.qmodel is not None and self.policy.stochastic:  # this worker's rounding noise
+      kw["rngs"] = {"quantize": jax.random.fold_in(jax.random.fold_in(key, _Q_KEY_TAG),
+                                                   lax.axis_index(self.axis))}
     if has_bn:
-      logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                                mutable=["batch_stats"])
+      logits, upd = apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                          mutable=["batch_stats"], **kw)
       new_bs = upd["batch_stats"]
     else:
-      logits = model.apply({"params": params}, x, train=True)
+      logits = apply({"params": params}, x, train=True, **kw)
       new_bs = batch_stats
     if self.portable:  # the same pre-scaled mean, every rounding specified
       scale = np.float32(1.0 / (x.shape[0] * W))
@@ -810,7 +835,7 @@ class Trainer:
   def _build_step(self):
     import optax
 
-    model, W = self.model, self.cfg.nodes
+    W = self.cfg.nodes
     has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
 
     if self.lm:
@@ -867,7 +892,10 @@ class Trainer:
       v = {"params": params}
       if has_bn:
         v["batch_stats"] = batch_stats
-      return jnp.argmax(model.apply(v, x, train=False), -1)
+      if self.qmodel is not None and self.policy.stochastic:  # a fixed key: the same noise
+        return jnp.argmax(self.apply_model(v, x, train=False,
+                                           rngs={"quantize": jax.random.key(0)}), -1)
+      return jnp.argmax(self.apply_model(v, x, train=False), -1)
 
     self._predict = jax.jit(predict)
     if self.lm:

@@ -44,6 +44,7 @@ import os
 import sys
 from typing import Any
 
+from jaxlp.training._gap import add_gap, final_loss, gap_table, plot_gap
 from jaxlp.training._loop import TrainConfig, train
 from jaxlp.training._runs import RunLock, continue_or_replace
 
@@ -77,17 +78,23 @@ class Setting:
     base: :class:`~jaxlp.training.TrainConfig` fields shared by every row (built-in data).
     rows: the compared rows (the fp32 baseline is added first, as row ``fp32``).
     full: fields that replace ``base`` for the full-scale version (``data_dir`` given).
+    gap: ``(reference, start)`` row labels: the report adds a table of every row's final
+      training loss and the part of the loss gap from ``start`` to ``reference`` it closes
+      (``jaxlp/training/_gap.py``), and its plots; None: no such table.
 
   Example:
     >>> from jaxlp.training import CLAIMS
     >>> CLAIMS["cgx"].settings[0].base["model"]
     'cnn'
+    >>> CLAIMS["nvfp4"].settings[0].gap
+    ('bf16', 'NVFP4')
   """
 
   name: str
   base: dict
   rows: tuple
   full: dict = dataclasses.field(default_factory=dict)
+  gap: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +153,23 @@ _BERT_FULL = {"model": "bert", "nodes": 8, "epochs": 20, "width": 32, "layers": 
               "seq_len": 128, "batch_size": 64}
 # HBFPEmulator's LSTM scripts (lstm/scripts/run_bfp8.sh): --mant_bits 8 --bfp_tile_size 24
 # --weight_mant_bits 16; the other 8-bit formats of jaxlp for comparison
+# The NVFP4 recipe (arXiv:2509.25149) piece by piece, on the CNN with one worker (the recipe
+# is about the GEMMs, not the reduction): NVFP4 with no piece of the recipe, each piece alone
+# on top of it, the whole recipe; MXFP4, and MXFP8 with OCP's floor scales vs rounded-up ones
+_NVFP4_CNN = {"model": "cnn", "nodes": 1, "epochs": 30}
+_NVFP4_ROWS = (
+    Row("bf16", {"policy": "bf16"}, claim=False),
+    Row("NVFP4", {"policy": "nvfp4"}, claim=False),
+    Row("+ 2-D weight tiles", {"policy": "nvfp4+tiles"}, claim=False),
+    Row("+ SR of gradients", {"policy": "nvfp4+sr"}, claim=False),
+    Row("+ RHT on Wgrad", {"policy": "nvfp4+rht"}, claim=False),
+    Row("+ BF16 first/last", {"policy": "nvfp4+ends"}, claim=False),
+    Row("NVFP4 recipe", {"policy": "nvfp4-recipe"}),
+    Row("MXFP4", {"policy": "mxfp4"}, claim=False),
+    Row("MXFP8 (floor)", {"policy": "mxfp8"}, claim=False),
+    Row("MXFP8 (rceil)", {"policy": "mxfp8-rceil"}),
+)
+
 _LM_ROWS = (
     Row("HBFP8 + 16-bit weights", {"hbfp": 8, "tile": 24, "weight_man": 16}),
     Row("MXFP8", {"policy": "mxfp8"}),
@@ -249,6 +273,18 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
                  "masking of 15%, every matmul (projections, attention q.k and p.v, MLP, tied "
                  "MLM logits) quantized", _BERT, _LM_ROWS, full=_BERT_FULL),),
         margin=2.0, metric="perplexity"),
+    Claim(
+        "nvfp4", "NVIDIA's NVFP4 pretraining recipe (arXiv:2509.25149); the MXFP8 recipe "
+        "(Mishra et al., arXiv:2506.08027)",
+        "Trained with NVFP4 on the GEMMs of its linear layers and the recipe (16x16 2-D "
+        "weight scaling, stochastic rounding of gradients, 16x16 random Hadamard transforms "
+        "on the weight-gradient inputs, a few layers kept in BF16), a 12B model reaches "
+        "training loss and downstream accuracy comparable to FP8 training over 10T tokens; "
+        "the paper's ablations show a higher loss without each piece. MXFP8 (E4M3 on every "
+        "tensor) with scales rounded up (RCEIL) matches BF16.",
+        (Setting("CNN, 1 worker, batch 128, every GEMM (forward, dlhs, weight gradient) of "
+                 "every conv/dense layer quantized; '+' rows add one piece of the recipe to "
+                 "plain NVFP4", _NVFP4_CNN, _NVFP4_ROWS, gap=("bf16", "NVFP4")),)),
 )}
 
 
@@ -302,7 +338,7 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
 
   Args:
     name: a key of :data:`CLAIMS` (``cpd``, ``aps``, ``hbfp``, ``cgx``, ``hipress``, ``ddp``,
-      ``hbfp-lstm``, ``hbfp-bert``), or a :class:`Claim` of your own.
+      ``hbfp-lstm``, ``hbfp-bert``, ``nvfp4``), or a :class:`Claim` of your own.
     seeds: the seeds each row is trained with.
     out: the folder for the run folders, ``summary.json``, ``REPORT.md`` and the plots (in
       ``out/name``).
@@ -328,7 +364,10 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     (mean minus the fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire
     bytes) and ``verdict``. Perplexity claims have ``final_perplexity`` and
     ``delta_percent`` (the mean over seeds of 100 * (ppl / fp32's ppl of the seed - 1))
-    instead.
+    instead. Every row also has ``final_train_loss`` (the mean training loss of the last 5
+    epochs, one per seed); in a setting with a ``gap``, also ``final_loss_mean``,
+    ``final_loss_sd``, ``delta_loss``, ``delta_loss_se`` and ``gap_closed``
+    (``jaxlp/training/_gap.py``).
 
   Raises:
     ValueError: an unknown ``name``; no seeds; ``epochs`` or ``max_steps`` below 1 or with
@@ -415,27 +454,35 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
     key = "perplexity" if ppl else "test_accuracy"
     results = []
     for row in rows:
-      accs, wires, dirs = [], [], []
+      accs, wires, dirs, losses = [], [], [], []
       for seed in seeds:
         d = _run_dir(out, name, si, row.label, seed)
         cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite,
                       epochs=reduced.get("epochs"), max_steps=reduced.get("max_steps_per_epoch"))
         hist = train(cfg)
         accs.append(hist[-1][key])
+        losses.append(final_loss(hist))
         wires.append(sum(h["wire_bytes"] for h in hist) / 1e6)
         dirs.append(d)
       mean, sd = _stats(accs)
       results.append({"label": row.label, "flags": row.flags, "claim": row.claim,
                       "seeds": list(seeds), f"final_{key}": accs, "mean": mean, "sd": sd,
-                      "wire_mb": sum(wires) / len(wires), "dirs": dirs})
+                      "final_train_loss": losses, "wire_mb": sum(wires) / len(wires),
+                      "dirs": dirs})
       stream.write(f"    {row.label:<22} {' '.join(f'{a:.4f}' for a in accs)}  mean {mean:.4f}"
                    f"  wire {results[-1]['wire_mb']:.1f} MB\n")
       stream.flush()
     _judge(results, claim, toy)
     summary["settings"].append({"name": label, "base": base, "rows": results})
+    if setting.gap is not None:
+      add_gap(results, *setting.gap)
+      summary["settings"][-1]["gap"] = list(setting.gap)
   folder = os.path.join(out, name)
   os.makedirs(folder, exist_ok=True)
   table = report_table(summary)
+  for si, s in enumerate(summary["settings"]):
+    if s.get("gap"):
+      table += f"\nSetting {si + 1}, final training loss:\n\n" + gap_table(s, *s["gap"])
   stream.write("\n" + table)
   with open(os.path.join(folder, "REPORT.md"), "w") as f:
     what = (f"{claim.margin}% above fp32 (final test perplexity against fp32's of the same "
@@ -453,6 +500,8 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
     for si, s in enumerate(summary["settings"]):
       paths = plot_runs([r["dirs"][0] for r in s["rows"]], os.path.join(folder, f"s{si}"),
                         labels=[r["label"] for r in s["rows"]])
+      if s.get("gap"):
+        paths += plot_gap(s, os.path.join(folder, f"s{si}"), *s["gap"])
       stream.write(f"plots: {', '.join(paths)}\n")
   return summary
 

@@ -33,6 +33,11 @@ def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
       assert all(len(r["final_perplexity"]) == 1 for r in setting["rows"])
     else:
       assert all(0.0 <= r["mean"] <= 1.0 for r in setting["rows"])
+    if spec.gap is not None:  # nvfp4: every row's final loss and the gap it closes
+      assert setting["gap"] == list(spec.gap)
+      assert all(len(r["final_train_loss"]) == 1 and "gap_closed" in r
+                 for r in setting["rows"])
+      assert "final training loss" in (tmp_path / name / "REPORT.md").read_text()
   assert (tmp_path / name / "REPORT.md").exists()
   if name == "ddp":
     assert (tmp_path / name / "s0" / "accuracy_vs_epoch.png").exists()
