@@ -71,7 +71,7 @@ from jaxlp.parallel._aggregate import (
   _fuse_states,
   _ring_in_narrow_type,
   _unfuse_states,
-  cast_ring_sum,
+  cast_gathered_sum,
   cast_share,
   powersgd_finish,
   powersgd_middle,
@@ -336,16 +336,15 @@ _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 @functools.cache
 def _cast_fns(comp, w: int):
   """Jitted ``share(x) -> narrow addend`` and ``total(stack) -> float32 sum``: the engine's
-  :func:`~jaxlp.parallel._aggregate.cast_share` and :func:`cast_ring_sum` (psum's ring over
-  the gathered addends, emulated with a named ``vmap`` of the W rows)."""
+  :func:`~jaxlp.parallel._aggregate.cast_share` and its ring sum from the gathered addends
+  (:func:`~jaxlp.parallel._aggregate.cast_gathered_sum`, the bits of ``cast_ring_sum``)."""
   dt = comp.native_dtype
 
   def share(x):
     return lax.convert_element_type(cast_share(comp, x.astype(jnp.float32), w), dt)
 
   def total(stack):
-    return jax.vmap(lambda v: cast_ring_sum(comp, v.astype(jnp.float32), "w"),
-                    axis_name="w")(stack)[0]
+    return cast_gathered_sum(comp, stack)
 
   return jax.jit(share), jax.jit(total)
 
