@@ -29,6 +29,7 @@ ROOT = os.path.dirname(HERE)
 #: benchmark name -> (where its numbers are measured, the arguments of its CI-sized run)
 BENCHMARKS = {
     "quantize": ("CPU", ("--small",)),
+    "fp4": ("CPU", ("--small",)),
     "kernels": ("GPU", ("--small",)),
     "block_gemm": ("CPU, GPU", ("--small",)),
     "layers": ("CPU, GPU", ("--small",)),
@@ -46,6 +47,7 @@ TOOLS = {
     "block_programs": "GPU",
     "sparse_select": "CPU, GPU",
     "ptx_per_mac": "CPU",
+    "reliability_probes": "CPU",
 }
 
 

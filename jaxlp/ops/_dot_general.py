@@ -32,7 +32,7 @@ from jax import lax
 
 from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
-from jaxlp.formats._block import BlockFormat, MXFormat, block_max_bits
+from jaxlp.formats._block import BlockFormat, MXFormat, block_max_bits, is_axis_blocked
 from jaxlp.formats._block_dot import check_exact, significand_bits
 from jaxlp.formats._quantize import is_elementwise, join_key, prepare, split_key
 from jaxlp.formats._quantize import quantize_words as spec_quantize_words
@@ -64,7 +64,7 @@ class SlotGeometry(NamedTuple):
 
 
 def _is_axis_blocked(fmt) -> bool:
-  return isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None)
+  return is_axis_blocked(fmt)  # mx, BlockFormat(axis=...), 1-D nvfp4 (the formats' protocol)
 
 
 def _is_tiled(fmt) -> bool:

@@ -1,4 +1,5 @@
-"""jaxlp.parallel: low-precision, order-faithful gradient reduction, APS, node emulation.
+"""jaxlp.parallel: low-precision, order-faithful gradient reduction, APS, node emulation,
+sharded (FSDP / ZeRO) reduce-scatter and all-gather with specified bits.
 
 Everything runs inside ``jax.pmap``, ``jax.shard_map`` and ``jax.vmap(axis_name=...)``.
 """
@@ -26,16 +27,29 @@ from jaxlp.parallel._secopa import SeCoPaCosts as SeCoPaCosts
 from jaxlp.parallel._secopa import hipress_costs as hipress_costs
 from jaxlp.parallel._secopa import measure_costs as measure_costs
 from jaxlp.parallel._secopa import secopa_plan as secopa_plan
+from jaxlp.parallel._sharded import REDUCE_SCATTER_ORDERS as REDUCE_SCATTER_ORDERS
+from jaxlp.parallel._sharded import all_gather as all_gather
+from jaxlp.parallel._sharded import reduce_scatter as reduce_scatter
+from jaxlp.parallel._sharded import wire_payload_bytes as wire_payload_bytes
+from jaxlp.parallel._sharded_compressed import ShardedState as ShardedState
+from jaxlp.parallel._sharded_compressed import (
+  compressed_reduce_scatter as compressed_reduce_scatter,
+)
+from jaxlp.parallel._sharded_compressed import init_sharded_state as init_sharded_state
+from jaxlp.parallel._sharded_compressed import sharded_support as sharded_support
+from jaxlp.parallel._sharded_compressed import sharded_wire_bytes as sharded_wire_bytes
 from jaxlp.parallel._two_level import psum_two_level as psum_two_level
 
 __all__ = [
-    "HIPRESS_COSTS", "ORDERS", "CompressionState", "LinearCost", "PlanEntry",
-    "ReduceGradientsState", "SeCoPaCosts", "compressed_allreduce", "compressed_optimizer",
+    "HIPRESS_COSTS", "ORDERS", "REDUCE_SCATTER_ORDERS", "CompressionState", "LinearCost",
+    "PlanEntry", "ReduceGradientsState", "SeCoPaCosts", "ShardedState", "all_gather",
+    "compressed_allreduce", "compressed_optimizer", "compressed_reduce_scatter",
     "compressed_wire_bytes",
     "compressors", "emulate",
-    "format_emax", "hipress_costs", "init_compression_state", "initialize",
-    "measure_costs", "ordered_psum", "payload_bytes", "psum", "psum_two_level",
-    "reduce_gradients", "secopa_plan", "shutdown",
+    "format_emax", "hipress_costs", "init_compression_state", "init_sharded_state",
+    "initialize", "measure_costs", "ordered_psum", "payload_bytes", "psum", "psum_two_level",
+    "reduce_gradients", "reduce_scatter", "secopa_plan", "sharded_support",
+    "sharded_wire_bytes", "shutdown", "wire_payload_bytes",
 ]
 
 

@@ -51,6 +51,10 @@ EXTRA_FORMATS = {
     "bfp_axis_whole": jaxlp.BlockFormat(12, axis=1),
     "mx_e4m3": F.mx(F.E4M3FN, 32), "mx_e5m2": F.mx(F.E5M2, 32), "mx_e2m1": F.mx(F.E2M1FN, 32),
     "mx_e3m2": F.mx(F.E3M2FN, 32), "mx_int8": F.mx("int8", 32),
+    "mx_e2m1_rceil": F.mx(F.E2M1FN, 32, scale_rule="rceil"),
+    "mx_e4m3_even": F.mx(F.E4M3FN, 32, scale_rule="even"),
+    "nvfp4": F.nvfp4(), "nvfp4_2d": F.nvfp4(tile=16),
+    "scaled_e8m0": F.ScaledBlockFormat(F.E2M1FN, 32, scale_fmt="e8m0", tensor_scale=False),
     "qpt_block(8,0)": F.qpytorch_block(8, 0),  # no kernel: always the spec
 }
 ALL_FORMATS = {**PRESETS, **EXTRA_FORMATS}

@@ -111,3 +111,88 @@ def aps_sum(gs, fmt, summer, q):
   pre = np.stack([q(scaled[r], idx, r, 7) for r in range(w)])
   s = summer(pre)
   return (s.astype(np.float64) * 2.0**-shift).astype(F32)
+
+
+# -- sharded collectives (jaxlp.parallel.reduce_scatter / all_gather) -------------------------
+
+def slab_rows(a, shape, d, w):
+  """(W, m): row o = slab o (indices o*k..(o+1)*k-1 of dimension d) of the flat leaf ``a``,
+  in C order; numpy indexing, independent of jaxlp's reshapes."""
+  arr = np.asarray(a).reshape(shape)
+  k = shape[d] // w
+  rows = []
+  for o in range(w):
+    sl = [slice(None)] * len(shape)
+    sl[d] = slice(o * k, (o + 1) * k)
+    rows.append(arr[tuple(sl)].reshape(-1))
+  return np.stack(rows)
+
+
+def psum_full(order, gs, q, kahan=False):
+  """psum's oracle for one leaf (gs: (W, n) float32)."""
+  if order == "chain":
+    return chain(gs, q, kahan)
+  if order == "ring":
+    return ring(gs, q, kahan)
+  return tree(gs, q)
+
+
+def reduce_scatter(order, gs, shape, d, q, kahan=False, aps_fmt=None):
+  """Row o = worker o's slab of psum's oracle (the key property of reduce_scatter)."""
+  w = len(gs)
+  if aps_fmt is None:
+    full = psum_full(order, gs, q, kahan)
+  else:
+    full = aps_sum(gs, aps_fmt, lambda p: psum_full(order, p, q, kahan), q)
+  return slab_rows(full, shape, d, w)
+
+
+def all_to_all_sum(gs, shape, d, q, signed_zero=True):
+  """order='all_to_all': worker r rounds its (W, m) slab rows once (Q with tag 7, the noise
+  index of every element its flat index in the leaf); worker o sums row o of every worker in
+  float32 in rank order. ``signed_zero=False``: the wire maps -0 to +0 (MXINT8)."""
+  w, n = gs.shape
+  idx = slab_rows(np.arange(n, dtype=np.uint32), shape, d, w)
+  qs = []
+  for r in range(w):
+    qr = q(slab_rows(gs[r], shape, d, w), idx, r, 7)
+    if not signed_zero:
+      qr = np.where(qr == 0, F32(0), qr)
+    qs.append(qr)
+  acc = qs[0].copy()
+  for r in range(1, w):
+    acc = (acc + qs[r]).astype(F32)
+  return acc
+
+
+def gathered_index(gathered_shape):
+  return np.arange(int(np.prod(gathered_shape)), dtype=np.uint32).reshape(gathered_shape)
+
+
+def all_gather(shards, fmt, axis=0, tiled=True, rounding="nearest", key=None, leaf=0,
+               signed_zero=True):
+  """Every shard rounded once to ``fmt`` (its own blocks; the noise word of an element its
+  flat index in the gathered array under key fold_in(key, leaf)), then joined along axis."""
+  w = len(shards)
+  join = (lambda a: np.concatenate(list(a), axis=axis)) if tiled else (
+      lambda a: np.stack(list(a), axis=axis))
+  if fmt is None:
+    return join(shards)
+  gshape = join(np.zeros_like(shards)).shape
+  gidx = gathered_index(gshape)
+  # each worker's part of the gathered index array, by the same join
+  parts = np.stack([np.take(gidx, range(j * (shards.shape[axis + 1] if tiled else 1),
+                                        (j + 1) * (shards.shape[axis + 1] if tiled else 1)),
+                            axis=axis).reshape(shards.shape[1:]) for j in range(w)])
+  if rounding == "stochastic":
+    k0, k1 = key_words(jax.random.fold_in(key, leaf))
+    rands = [np.asarray(_hash(k0, k1, jnp.asarray(p))) for p in parts]
+  else:
+    rands = [np.zeros((), np.uint32)] * w
+  out = []
+  for s, rnd in zip(shards, rands, strict=True):
+    v = np.asarray(_qjit(jnp.asarray(s, jnp.float32), fmt, rounding, jnp.asarray(rnd), None))
+    if not signed_zero:
+      v = np.where(v == 0, F32(0), v)
+    out.append(v)
+  return join(np.stack(out))
