@@ -25,8 +25,15 @@ gradual underflow on every backend: see :mod:`jaxlp.parallel._arith`).
 * ``aps=True``: APS (:func:`jaxlp.parallel.format_emax`): ``shift = emax(fmt) - A`` per leaf, the
   addends become ``Q(g * 2**shift)`` (exact power-of-two scaling on the bits), the sum is
   taken as above and multiplied by ``2**-shift`` (IEEE-rounded). An all-zero leaf gives
-  zeros. If any worker's leaf holds inf or NaN the whole leaf is NaN on every worker (so
-  ``optax.apply_if_finite`` can skip the step).
+  zeros.
+
+Non-finite values (with and without APS; the policy of every jaxlp reduction, see
+:mod:`jaxlp.parallel._compressed`): if any worker's leaf holds a NaN or ±inf, or a partial
+sum overflows to ±inf (or to NaN in a format whose overflow is NaN), the whole leaf is NaN on
+every worker, so ``optax.apply_if_finite`` and ``jaxlp train``'s ``nonfinite_steps`` see the
+step. Non-finite addends enter the sum as NaN (a format without infinities would otherwise
+saturate ±inf to its largest finite value); the packed ring payloads carry NaN in every
+format. No extra communication: every worker holds the summed leaf and decides alike.
 
 Stochastic rounding (``rounding="stochastic"``, ``key`` required, the same key on every
 worker): the rounding done when worker r's addend enters (and, in the ring, the first
@@ -143,6 +150,9 @@ def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
 def _psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack):
   shape, dtype = leaf.shape, leaf.dtype
   x = leaf.astype(jnp.float32).reshape(-1)
+  # non-finite addends enter as NaN: a format without infinities would saturate ±inf to its
+  # largest finite value, and every rounding, add and packed payload carries NaN
+  x = jnp.where(jnp.isfinite(x), x, jnp.float32(jnp.nan))
   n = x.size
   me = _axes.axis_index(axis_name)
   codec = codec_for(q.fmt) if pack else None
@@ -162,6 +172,10 @@ def _psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack):
   if aps:
     res = scale_pow2(res, -shift)
     res = jnp.where(bad, jnp.float32(jnp.nan), res)
+  # the non-finite policy: a leaf with a non-finite value anywhere is NaN everywhere (every
+  # worker holds the same res, so every worker decides the same)
+  if n:
+    res = jnp.where(jnp.all(jnp.isfinite(res)), res, jnp.float32(jnp.nan))
   return res.reshape(shape).astype(dtype)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxlp.parallel._arith import add_f32, sqrt_f32
-from jaxlp.parallel.compressors._base import det_sum, exact_div, materialize, no_fma
+from jaxlp.parallel.compressors._base import DOWN, det_sum, exact_div, materialize, no_fma
 
 
 def thin_matmul(a, b):
@@ -75,6 +75,10 @@ def gram_schmidt(x, epsilon=0.0):
   loses orthogonality when a column is (numerically) in the span of the earlier ones: the
   remainder is rounding noise, and normalising it gives a column that is not orthogonal to
   the others (use :func:`householder_q` there).
+  A column with a NaN or inf gives NaN (never a zero column that would hide it). A finite
+  column whose sum of squares overflows float32 (entries beyond about ``2**64 / sqrt(n)``) is
+  scaled by ``2**-100`` first: Gram-Schmidt's result does not depend on a column's positive
+  scale, and the other columns keep their bits.
 
   Args:
     x: float32 array of shape ``(..., n, r)`` (leading axes are a batch).
@@ -88,7 +92,14 @@ def gram_schmidt(x, epsilon=0.0):
   # divisions into each consumer. The values are unchanged. 2-core CPU, 2026-11-28:
   # 4096 x 4 compile 2.3 s -> 0.7 s, run 5.0 -> 0.51 ms; 512 x 2 run 0.26 -> 0.085 ms.
   # (Materializing the dot products and updated columns too was slower on ResNet-18's leaves.)
-  cols = [x[..., :, i] for i in range(x.shape[-1])]
+  # A finite column whose sum of squares overflows is scaled by 2**-100 (exact but for entries
+  # far below the column's largest, which cannot matter next to it); times 1 elsewhere: the
+  # same bits. Its projections then cannot overflow either.
+  cols = []
+  for i in range(x.shape[-1]):
+    c = x[..., :, i]
+    big = jnp.isinf(det_sum(no_fma(c * c), axis=-1)) & jnp.all(jnp.isfinite(c), axis=-1)
+    cols.append(c * jnp.where(big, jnp.float32(DOWN), jnp.float32(1.0))[..., None])
   for i in range(len(cols)):
     c = cols[i]
     nrm = sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None]
@@ -96,9 +107,10 @@ def gram_schmidt(x, epsilon=0.0):
       nrm = materialize(add_f32(nrm, jnp.float32(epsilon)))
       cols[i] = c = materialize(exact_div(c, nrm))
     else:
+      # a zero column stays zero; a NaN norm (a NaN or inf in the column) gives NaN
       nrm = materialize(nrm)
-      cols[i] = c = materialize(jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)),
-                                          0.0))
+      cols[i] = c = materialize(jnp.where(nrm == 0, 0.0,
+                                          exact_div(c, jnp.where(nrm == 0, 1.0, nrm))))
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
       cols[j] = cols[j] - no_fma(d * c)
