@@ -376,11 +376,14 @@ def cast_ring_sum(comp, c, axis_name):
 
 
 def cast_gathered_sum(comp, stack):
-  """:func:`cast_ring_sum`'s result, bit for bit, from the W workers' addends gathered as the
-  rows of ``stack`` (``(W, n)``; the PyTorch bridge's hooks): psum's ring order (the vector
-  cut into W chunks, chunk c accumulated from worker c's chunk on, ``acc = Q(acc + c_r[c])``
-  for r = c+1, c+2, ... mod W) with psum's own rounding and add (``_Rounder``, ``_step``),
-  without emulating the ring's messages (which costs about 30x the adds on XLA:CPU)."""
+  """:func:`cast_ring_sum`'s sums from the W workers' addends gathered as the rows of
+  ``stack`` (``(W, n)``; the PyTorch bridge's hooks): psum's ring order (the vector cut into
+  W chunks, chunk c accumulated from worker c's chunk on, ``acc = Q(acc + c_r[c])`` for
+  r = c+1, c+2, ... mod W) with psum's own rounding and add (``_Rounder``, ``_step``),
+  without emulating the ring's messages (which costs about 30x the adds on XLA:CPU). The
+  same bits where every sum is finite; psum's non-finite policy (a NaN or inf anywhere makes
+  the whole leaf NaN) is not applied: an element whose sum overflows is ±inf (NaN) alone, as
+  in PyTorch's all-reduce in the narrow dtype."""
   from jaxlp.parallel._psum import TAG_SUM, _iota, _Rounder, _step  # noqa: PLC0415
 
   w, n = stack.shape

@@ -847,7 +847,9 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tens
   of PyTorch's float16 all-reduce: the same bits as PyTorch's hook (a 3e-8 gradient becomes
   0 in both). With more ranks PyTorch sums in the backend's order (gloo's or NCCL's ring),
   jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may differ in
-  their last float16 bit. The result is identical on every rank.
+  their last float16 bit. The result is identical on every rank. An element that overflows
+  float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
+  non-finite policy (a whole leaf NaN) is not applied in the hooks.
 
   Args:
     process_group: the process group (None: the default group).

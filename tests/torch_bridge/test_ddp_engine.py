@@ -161,8 +161,9 @@ def test_keys_are_typed_and_order_values_renamed():
 def test_cast_hook_arithmetic_is_the_engines(name):
   """The fp16/bf16 hooks' two pieces are the engine's: ``cast_share`` (its power-of-two fast
   path gives exact_div's bits) and, from the gathered addends, ``cast_gathered_sum`` = psum's
-  ring (``cast_ring_sum`` under a named vmap), bit for bit, for 2, 3 and 5 workers, with
-  zeros, ties, overflow and values that vanish."""
+  ring (``cast_ring_sum`` under a named vmap), bit for bit, for 2 to 5 workers, with zeros,
+  ties and values that vanish. An overflow: psum's policy makes the whole leaf NaN, the
+  hooks keep PyTorch's lone inf."""
   from jaxlp.parallel import _aggregate as A  # noqa: PLC0415
   from jaxlp.parallel.compressors._base import exact_div  # noqa: PLC0415
   comp = C.cast(name)
@@ -170,7 +171,7 @@ def test_cast_hook_arithmetic_is_the_engines(name):
     rng = np.random.default_rng(w)
     x = (rng.standard_normal((w, 1001)) * 10.0 ** rng.integers(-12, 5, (w, 1001)))
     x = x.astype(np.float32)
-    x[:, :8] = [0.0, -0.0, 65504.0, 1e-8, 3e-8, -6e-5, 7e4, 1.0 + 2.0 ** -11]
+    x[:, :8] = [0.0, -0.0, 6e4, 1e-8, 3e-8, -6e-5, 1e4, 1.0 + 2.0 ** -11]
     c = jax.jit(jax.vmap(lambda v, w=w: A.cast_share(comp, v, w)))(jnp.asarray(x))
     slow = jax.jit(jax.vmap(lambda v, w=w: comp.round(exact_div(comp.round(v), w))))(
         jnp.asarray(x))
@@ -180,3 +181,11 @@ def test_cast_hook_arithmetic_is_the_engines(name):
     gathered = jax.jit(lambda s: A.cast_gathered_sum(comp, s))(c)
     np.testing.assert_array_equal(np.asarray(ring[0]).view(np.uint32),
                                   np.asarray(gathered).view(np.uint32))
+    big = np.asarray(c).copy()
+    big[:, 2] = 3e38 if name == "bf16" else 6e4  # the sum overflows the narrow format
+    ring = np.asarray(jax.jit(jax.vmap(lambda v: A.cast_ring_sum(comp, v, "w"),
+                                       axis_name="w"))(jnp.asarray(big))[0])
+    gathered = np.asarray(jax.jit(lambda s: A.cast_gathered_sum(comp, s))(jnp.asarray(big)))
+    assert np.isnan(ring).all() and gathered[2] == np.inf
+    np.testing.assert_array_equal(np.delete(gathered, 2), np.delete(np.asarray(
+        jax.jit(lambda s: A.cast_gathered_sum(comp, s))(c)), 2))
