@@ -687,7 +687,7 @@ def _powersgd_hook(state, bucket, square):
     q = _draw_q(plan, state.rng.randint(1_000_000_000), buf.dtype,
                 bool(state.batch_tensors_with_same_shape)).to(buf.device)
   else:
-    q = state.q_memory_dict[idx]
+    q = state.q_memory_dict[idx].reshape(-1)
   comp = _hook_comp(rank, state.min_compression_rate, state.orthogonalization_epsilon,
                     buf.dtype != torch.float32)
   out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,
@@ -695,6 +695,9 @@ def _powersgd_hook(state, bucket, square):
                                     error_feedback=state.use_error_feedback)
   if state.use_error_feedback:
     state.error_dict[idx] = err
+  if square:  # PyTorch's layout: P and Q of the batched hook are (s, r) matrices
+    r = plan.mats[0][3]
+    p, q = p.reshape(-1, r), q.reshape(-1, r)
   state.p_memory_dict[idx] = p
   state.q_memory_dict[idx] = q
   if not state.warm_start:

@@ -158,6 +158,11 @@ def run_variant(name, spec, rank):
     for idx, q in t_state.q_memory_dict.items():
       rec[f"{name}/q/b{idx}/torch"] = q.float().numpy()
       rec[f"{name}/q/b{idx}/jaxlp"] = j_state.q_memory_dict[idx].float().numpy()
+    for what in ("error_dict", "p_memory_dict", "q_memory_dict"):  # PyTorch's state layout
+      for st, who in ((t_state, "torch"), (j_state, "jaxlp")):
+        rec[f"{name}/layout/{what}/{who}"] = np.array(
+            [(idx, *tuple(t.shape), int(t.dtype == torch.float16))
+             for idx, t in sorted(getattr(st, what).items())]).reshape(-1)
   return rec
 
 

@@ -133,6 +133,9 @@ def test_powersgd_hooks_follow_pytorchs_step_by_step(runs, name):
       err = np.abs(t - j).max() / np.abs(t).max()
       assert err <= tol, (k, err)
   assert len([s for s in steps if s >= start]) >= 3
+  for what in ("error_dict", "p_memory_dict", "q_memory_dict"):  # PyTorch's state layout
+    np.testing.assert_array_equal(runs[0][f"{name}/layout/{what}/jaxlp"],
+                                  runs[0][f"{name}/layout/{what}/torch"], what)
   q_keys = [k for k in runs[0] if k.startswith(name + "/q/") and k.endswith("/torch")]
   for k in q_keys:
     t, j = runs[0][k].ravel(), runs[0][k.replace("/torch", "/jaxlp")].ravel()
