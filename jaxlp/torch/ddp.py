@@ -418,8 +418,15 @@ def _q_size(plan):
   return sum(m * r for _, _, m, r in plan.mats)
 
 
-def _p_size(plan):
-  return sum(n * r for _, n, _, r in plan.mats)
+def _check_memory(state, what, idx, t, want):
+  """A state tensor of bucket ``idx`` that does not fit the bucket is refused (PyTorch's hook
+  would fail in an ``add_`` or a ``view``; jaxlp's must not silently reset it)."""
+  if t.numel() != want:
+    raise ValueError(
+        f"jaxlp.torch.ddp: {type(state).__name__}.{what}[{idx}] has {t.numel()} elements, "
+        f"bucket {idx} needs {want}: the bucket changed since the state was made (state made "
+        "before DDP's bucket rebuild, i.e. start_powerSGD_iter < 2, or one state shared by "
+        "two models)")
 
 
 def _draw_q(plan, seed, dtype, batch_same_shape):
@@ -681,13 +688,15 @@ def _powersgd_hook(state, bucket, square):
   error = None
   if state.use_error_feedback:
     error = state.error_dict.get(idx)
-    if error is None or error.numel() != n_err:
+    if error is None:
       error = torch.zeros(n_err, dtype=buf.dtype, device=buf.device)
+    _check_memory(state, "error_dict", idx, error, n_err)
   if not state.warm_start or idx not in state.p_memory_dict:
     q = _draw_q(plan, state.rng.randint(1_000_000_000), buf.dtype,
                 bool(state.batch_tensors_with_same_shape)).to(buf.device)
   else:
     q = state.q_memory_dict[idx].reshape(-1)
+    _check_memory(state, "q_memory_dict", idx, q, _q_size(plan))
   comp = _hook_comp(rank, state.min_compression_rate, state.orthogonalization_epsilon,
                     buf.dtype != torch.float32)
   out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,

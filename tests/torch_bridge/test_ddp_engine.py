@@ -189,3 +189,40 @@ def test_cast_hook_arithmetic_is_the_engines(name):
     assert np.isnan(ring).all() and gathered[2] == np.inf
     np.testing.assert_array_equal(np.delete(gathered, 2), np.delete(np.asarray(
         jax.jit(lambda s: A.cast_gathered_sum(comp, s))(c)), 2))
+
+
+class _Group:
+  def size(self):
+    return 2
+
+
+class _Bucket:
+  def __init__(self, n):
+    self._buf = torch.ones(n)
+
+  def buffer(self):
+    return self._buf
+
+  def gradients(self):
+    return [self._buf[:6].view(2, 3), self._buf[6:]]
+
+  def index(self):
+    return 0
+
+  def is_last(self):
+    return True
+
+
+def test_powersgd_state_that_does_not_fit_the_bucket_is_refused():
+  """A state whose error or Q memory does not fit the bucket (made before DDP's bucket rebuild
+  or shared by two models) raises, naming the field: no silent reset."""
+  st = ddp.PowerSGDState(None, start_powerSGD_iter=2)
+  st.process_group, st.iter = _Group(), 5
+  st.error_dict[0] = torch.zeros(3)
+  with pytest.raises(ValueError, match=r"error_dict\[0\] has 3 elements, bucket 0 needs 10"):
+    ddp.powerSGD_hook(st, _Bucket(10))
+  st = ddp.PowerSGDState(None, start_powerSGD_iter=2, matrix_approximation_rank=1)
+  st.process_group, st.iter = _Group(), 5
+  st.p_memory_dict[0], st.q_memory_dict[0] = torch.zeros(1), torch.zeros(7)
+  with pytest.raises(ValueError, match=r"q_memory_dict\[0\] has 7 elements, bucket 0 needs 4"):
+    ddp.batched_powerSGD_hook(st, _Bucket(10))
