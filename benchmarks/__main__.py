@@ -37,6 +37,7 @@ BENCHMARKS = {
     "compressors": ("CPU, GPU", ("--small",)),
     "loopback": ("CPU", ("--smoke",)),
     "torch_quantize": ("CPU, GPU", ("--small",)),
+    "ddp_hooks": ("CPU", ("--small",)),
     "engine_compile": ("CPU, GPU", ("--model", "tiny")),
     "sequence": ("CPU, GPU", ("--small",)),
 }

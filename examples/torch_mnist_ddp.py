@@ -9,9 +9,12 @@ initialisation, in the same process group):
 * PyTorch: ``none``, ``fp16`` (``fp16_compress_hook``), ``powersgd``, ``powersgd_fp16``,
   ``batched_powersgd_fp16`` (``PowerSGDState(matrix_approximation_rank=2,
   start_powerSGD_iter=...)``, optionally wrapped in ``fp16_compress_wrapper``).
+* jaxlp's hooks under PyTorch's names (``jaxlp.torch.ddp``, the same state arguments as the
+  PyTorch choices): ``jaxlp_powersgd`` (``powerSGD_hook``), ``jaxlp_batched_powersgd``
+  (``batched_powerSGD_hook``), ``jaxlp_powersgd_fp16`` (``fp16_compress_wrapper``).
 * jaxlp compressors through ``jaxlp.torch.ddp.comm_hook``: ``cgx`` (4-bit, CGX README usage),
   ``cgx2``, ``qsgd``, ``terngrad``, ``onebit``, ``tbq``, ``topk``, ``randomk``, ``dgc``,
-  ``graddrop``, ``jaxlp_powersgd``, ``jaxlp_batched_powersgd``, ``cast_fp16``, ``cast_bf16``,
+  ``graddrop``, ``cast_fp16`` (``fp16_compress_hook``'s bits), ``cast_bf16``,
   ``cast_e4m3``, ``cast_e5m2``.
 * jaxlp low-precision reduction (CPD's chain sum in rank order): ``lp_e4m3``, ``lp_e4m3_aps``,
   ``lp_e5m2_aps``, ``lp_e5m2_kahan``, ``lp_e3m0_aps`` (``cpd_float(3, 0)``, 4-bit), and
@@ -56,8 +59,6 @@ def jaxlp_choices():
       "randomk": dict(compressor=C.randomk(0.01)),
       "dgc": dict(compressor=C.dgc(0.01)),
       "graddrop": dict(compressor=C.graddrop()),
-      "jaxlp_powersgd": dict(compressor=C.powersgd(rank=2)),
-      "jaxlp_batched_powersgd": dict(compressor=C.powersgd(rank=2, batched=True)),
       "cast_fp16": dict(compressor=C.cast("fp16")),
       "cast_bf16": dict(compressor=C.cast("bf16")),
       "cast_e4m3": dict(compressor=C.cast("e4m3")),
@@ -74,9 +75,9 @@ def jaxlp_choices():
 TORCH_CHOICES = ("none", "fp16", "powersgd", "powersgd_fp16", "batched_powersgd_fp16")
 JAXLP_CHOICES = (
     "cgx", "cgx2", "qsgd", "terngrad", "onebit", "tbq", "topk", "randomk", "dgc", "graddrop",
-    "jaxlp_powersgd", "jaxlp_batched_powersgd", "cast_fp16", "cast_bf16", "cast_e4m3",
-    "cast_e5m2", "lp_e4m3", "lp_e4m3_aps", "lp_e4m3_aps_bucket", "lp_e5m2_aps", "lp_e5m2_kahan",
-    "lp_e3m0_aps")
+    "jaxlp_powersgd", "jaxlp_batched_powersgd", "jaxlp_powersgd_fp16", "cast_fp16",
+    "cast_bf16", "cast_e4m3", "cast_e5m2", "lp_e4m3", "lp_e4m3_aps", "lp_e4m3_aps_bucket",
+    "lp_e5m2_aps", "lp_e5m2_kahan", "lp_e3m0_aps")
 CHOICES = TORCH_CHOICES + JAXLP_CHOICES
 
 
@@ -287,6 +288,14 @@ def register_hook(model, name, args):
     model.register_comm_hook(state, hook if args.device == "cuda" else serialized(hook))
     return state
   from jaxlp.torch import ddp as jddp  # noqa: PLC0415
+  if name.startswith("jaxlp_") and "powersgd" in name:  # jaxlp's hooks, PyTorch's names
+    state = jddp.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                               start_powerSGD_iter=args.start_powersgd_iter)
+    hook = jddp.batched_powerSGD_hook if "batched" in name else jddp.powerSGD_hook
+    if name.endswith("fp16"):
+      hook = jddp.fp16_compress_wrapper(hook)
+    model.register_comm_hook(state, hook)
+    return state
   state = jddp.CommState(layer_min_size=args.layer_min_size, seed=args.seed,
                          **jaxlp_choices()[name])
   model.register_comm_hook(state, jddp.comm_hook)
@@ -413,7 +422,9 @@ def parse_args(argv=None):
   p.add_argument("--batch-size", type=int, default=64, help="per process")
   p.add_argument("--lr", type=float, default=0.01)
   p.add_argument("--start-powersgd-iter", type=int, default=1000)
-  p.add_argument("--layer-min-size", type=int, default=1024)
+  p.add_argument("--layer-min-size", type=int, default=None,
+                 help="jaxlp compressors: parameters below this size are sent in fp32 "
+                      "(default: CommState's, 1024 for quantizers and sparsifiers, 0 for casts)")
   p.add_argument("--bucket-cap-mb", type=float, default=25.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--threads", type=int, default=1, help="torch threads per process")

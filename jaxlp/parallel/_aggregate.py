@@ -58,7 +58,7 @@ from jax import lax
 from jaxlp._util import cdiv
 from jaxlp.parallel import _axes
 from jaxlp.parallel.compressors._base import exact_div, materialize, numel
-from jaxlp.parallel.compressors._lowrank import orthogonalize, outer_sum, thin_matmul, thin_matmul_t
+from jaxlp.parallel.compressors._lowrank import outer_sum, thin_matmul, thin_matmul_t
 from jaxlp.parallel.compressors._protocol import Bucket, ReduceContext
 
 __all__ = ["CASTS", "DENSE_QUANTIZERS", "LOW_RANK", "SPARSIFIERS"]
@@ -344,20 +344,69 @@ def _ring_in_narrow_type(comp) -> bool:
   return comp.native_dtype is not None and comp.bits >= 16
 
 
+def cast_share(comp, x, w):
+  """This worker's addend in PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook``:
+  ``x`` rounded to the cast format, then divided by ``w`` in that format
+  (``buffer.to(dtype).div_(W)``: the float32 quotient of the rounded value, rounded again,
+  which equals the correctly rounded narrow quotient since float32 has more than twice the
+  narrow significand plus two bits). float32 result on the narrow grid. Shared by the
+  engine's :data:`CASTS` family and :mod:`jaxlp.torch.ddp`'s hooks.
+
+  The division is IEEE float32's (:func:`~jaxlp.parallel.compressors._base.exact_div`); for
+  a power-of-two ``w`` whose quotients of the format's values cannot reach float32's
+  subnormal range (float16 for any ``w < 2**100``), it is evaluated as the product with
+  ``1/w``: exact, so the same bits, without the integer division.
+  """
+  c = comp.round(x)
+  k = int(w).bit_length() - 1 if isinstance(w, int) and w > 0 and w & (w - 1) == 0 else None
+  if k is not None and comp.format.min_subnormal * 2.0 ** -k >= 2.0 ** -126:
+    return comp.round(c * jnp.float32(2.0 ** -k))
+  return comp.round(exact_div(c, w))
+
+
+def cast_ring_sum(comp, c, axis_name):
+  """The sum over ``axis_name`` of the narrow values ``c`` in the cast type, as an all-reduce
+  in that dtype (every partial sum rounded to it): :func:`jaxlp.parallel.psum`'s ring
+  (per-hop rounding, 16-bit payloads, the same bits in every mode). float32 result. For two
+  workers this is the one correctly rounded add ``Q(c_0 + c_1)`` of any all-reduce in the
+  narrow dtype (PyTorch's hook with gloo or NCCL); for more, psum's declared ring order."""
+  from jaxlp.parallel._psum import psum  # noqa: PLC0415
+
+  return psum(c, axis_name, fmt=comp.format, order="ring").astype(jnp.float32)
+
+
+def cast_gathered_sum(comp, stack):
+  """:func:`cast_ring_sum`'s sums from the W workers' addends gathered as the rows of
+  ``stack`` (``(W, n)``; the PyTorch bridge's hooks): psum's ring order (the vector cut into
+  W chunks, chunk c accumulated from worker c's chunk on, ``acc = Q(acc + c_r[c])`` for
+  r = c+1, c+2, ... mod W) with psum's own rounding and add (``_Rounder``, ``_step``),
+  without emulating the ring's messages (which costs about 30x the adds on XLA:CPU). The
+  same bits where every sum is finite; psum's non-finite policy (a NaN or inf anywhere makes
+  the whole leaf NaN) is not applied: an element whose sum overflows is ±inf (NaN) alone, as
+  in PyTorch's all-reduce in the narrow dtype."""
+  from jaxlp.parallel._psum import TAG_SUM, _iota, _Rounder, _step  # noqa: PLC0415
+
+  w, n = stack.shape
+  size = cdiv(n, w)
+  xs = jnp.pad(stack.astype(jnp.float32), ((0, 0), (0, w * size - n))).reshape(w, w, size)
+  q = _Rounder(comp.format, "nearest", None, 0)
+  chunks = jnp.arange(w)
+  idx = _iota(w * size).reshape(w, size)
+  acc = q(xs[chunks, chunks], idx, chunks[:, None], TAG_SUM)
+  comp_ = jnp.zeros_like(acc)
+  for k in range(1, w):
+    r = (chunks + k) % w
+    acc, comp_ = _step(acc, comp_, xs[r, chunks], idx, r[:, None], q, False)
+  return acc.reshape(-1)[:n]
+
+
 class _Casts(_Elementwise):
 
   def _reduce_flat(self, comp, x, st, bucket, ctx):
     w = ctx.w
     if _ring_in_narrow_type(comp):
-      # PyTorch's fp16/bf16 hooks: cast, divide in the narrow type, all-reduce in that type
-      # (every partial sum rounded to it). jaxlp.parallel.psum's ring: per-hop rounding,
-      # 16-bit payloads, 2(W-1)/W x 2 bytes per element, the same bits in every mode.
-      from jaxlp.parallel._psum import psum  # noqa: PLC0415
-
-      c = comp.round(x)  # float32 on the narrow grid (see Cast.round)
-      if ctx.mean:
-        c = comp.round(exact_div(c, w))
-      return psum(c, ctx.axis_name, fmt=comp.format, order="ring").astype(jnp.float32), st
+      c = cast_share(comp, x, w) if ctx.mean else comp.round(x)
+      return cast_ring_sum(comp, c, ctx.axis_name), st
     out, _ = allgather_reduce(comp, x, (), None, ctx.axis_name, w)
     return (exact_div(out, w) if ctx.mean else out), st
 
@@ -379,16 +428,16 @@ def powersgd_start(comp, mats, states, keys):
   ms = [m + st["error"].reshape(m.shape) if comp.error_feedback else m
         for m, st in zip(mats, states, strict=True)]
   if comp.warm_start:
-    qs = [orthogonalize(st["q"]) for st in states]
+    qs = [comp.orth(st["q"]) for st in states]
   else:
-    qs = [orthogonalize(jax.random.normal(k, st["q"].shape, jnp.float32))
+    qs = [comp.orth(jax.random.normal(k, st["q"].shape, jnp.float32))
           for st, k in zip(states, keys, strict=True)]
   return ms, [thin_matmul(m, q) for m, q in zip(ms, qs, strict=True)]
 
 
-def powersgd_middle(ms, p_sums):
+def powersgd_middle(comp, ms, p_sums):
   """``P = orth(sum P)``, ``Q = M^T P``. Returns ``(ps, local Q's)``; the Q's are then summed."""
-  ps = [orthogonalize(p) for p in p_sums]
+  ps = [comp.orth(p) for p in p_sums]
   return ps, [thin_matmul_t(m, p) for m, p in zip(ms, ps, strict=True)]
 
 
@@ -419,7 +468,7 @@ def _powersgd_core(comp, mats, sts, keys, axis_name, w, mean):
   """PyTorch ``powerSGD_hook`` on a bucket of matrices: P's of all matrices all-reduced in one
   fused sum, then the Q's in another (and the plain mean before ``start_iter`` in one)."""
   ms, ps = powersgd_start(comp, mats, sts, keys)
-  ps, qs = powersgd_middle(ms, fused_gathered_sum(ps, axis_name))
+  ps, qs = powersgd_middle(comp, ms, fused_gathered_sum(ps, axis_name))
   outs, news = powersgd_finish(comp, ms, ps, fused_gathered_sum(qs, axis_name), sts, w, mean)
   if comp.start_iter > 0:
     vanilla = fused_gathered_sum([exact_div(m, w) if mean else m for m in mats], axis_name)

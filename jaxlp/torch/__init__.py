@@ -21,7 +21,9 @@
   :class:`DeviceError` (``docs/migration.rst``).
 * Layers: ``jaxlp.torch.nn.Linear`` / ``Conv2d`` (a :class:`jaxlp.DotPolicy`, same bits as
   ``jaxlp.dot_general`` / ``jaxlp.conv_general_dilated``) and ``nn.quantize_model``.
-* DDP: ``jaxlp.torch.ddp.CommState`` + ``comm_hook`` (low-precision chain reduction with
+* DDP: PyTorch's hooks under PyTorch's names on jaxlp's arithmetic
+  (``jaxlp.torch.ddp.fp16_compress_hook``, ``PowerSGDState`` + ``powerSGD_hook``, ...),
+  ``jaxlp.torch.ddp.CommState`` + ``comm_hook`` (low-precision chain reduction with
   APS/Kahan, or any ``jaxlp.parallel.compressors`` compressor) and ``ddp.sum_gradients``.
 
 torch is imported only inside this subpackage.

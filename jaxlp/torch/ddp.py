@@ -1,5 +1,18 @@
 """DistributedDataParallel communication hooks and CPD's ``sum_gradients`` on jaxlp numerics.
 
+* PyTorch's hooks under PyTorch's names, state class and defaults
+  (``torch.distributed.algorithms.ddp_comm_hooks``): :func:`allreduce_hook`,
+  :func:`fp16_compress_hook`, :func:`bf16_compress_hook`, :func:`fp16_compress_wrapper`,
+  :func:`bf16_compress_wrapper`, :class:`PowerSGDState`, :func:`powerSGD_hook`,
+  :func:`batched_powerSGD_hook`. Migrating is one import:
+  ``from jaxlp.torch.ddp import PowerSGDState, powerSGD_hook``. They compute PyTorch's
+  results where PyTorch is right (the fp16/bf16 hooks bit for bit with two ranks, PowerSGD
+  with PyTorch's initial Q's to float32 rounding) on the JAX engine's arithmetic (the cast
+  family's rounding and ring sum, the low-rank family's stages), and keep PyTorch's state
+  layout. Where they differ is said in each docstring (an all-zero gradient gives 0 where
+  PyTorch's PowerSGD gives NaN; PyTorch 2.13's ``batched_powerSGD_hook`` fails, jaxlp's runs
+  its definition).
+
 * :class:`CommState` + :func:`comm_hook`: ``ddp.register_comm_hook(CommState(...), comm_hook)``
   reduces each gradient bucket to the MEAN over ranks with either
 
@@ -7,32 +20,38 @@
     add (optionally Kahan-compensated), with APS per parameter or per bucket, or
   - a compressor from :mod:`jaxlp.parallel.compressors` (``cgx``, ``onebit``, ``powersgd``,
     ``topk``, ``dgc``, ``cast``, ...): pure JAX encode on each rank, one ``all_gather`` of the
-    packed payload bytes, decode and sum in rank order; error-feedback state kept per bucket.
+    packed payload bytes, decode and sum in rank order; error-feedback state kept per
+    parameter (so it survives DDP's bucket rebuild). ``cast("fp16"/"bf16")`` and
+    ``powersgd`` run the PyTorch hooks above.
 
 * :func:`sum_gradients`: CPD's ``CPDtorch.utils.dist_util.sum_gradients`` for non-DDP loops
   (in place on ``p.grad``, SUM semantics).
 
 Every collective is a plain ``torch.distributed`` call (``all_gather``, ``all_reduce``), so the
-hooks work with gloo (CPU) and NCCL. Results are identical on every rank: the sums are computed
-redundantly, in rank order, from gathered data (``order="chain"``), by the same JAX code as
-:func:`jaxlp.parallel.psum`'s chain (IEEE adds with gradual underflow, the format's rounding
-after each add); PowerSGD runs the stages of :mod:`jaxlp.parallel`'s low-rank family
-(``powersgd_start`` / ``powersgd_middle`` / ``powersgd_finish``) around its two sums.
+hooks work with gloo (CPU) and NCCL. Results are identical on every rank: :class:`CommState`'s
+sums are computed redundantly, in rank order, from gathered data (``order="chain"``), by the
+same JAX code as :func:`jaxlp.parallel.psum`'s chain (IEEE adds with gradual underflow, the
+format's rounding after each add); the PyTorch hooks' sums are PyTorch's (``all_reduce``).
 
 Mean convention: the bucket is divided by W BEFORE the reduction (as ``allreduce_hook`` and
-CGX, and as CPD's examples pre-scale the loss by 1/W); the fp16/bf16 ``cast`` compressor casts
-first and divides the fp32 sum (cast payloads are summed in fp32 here, not in the cast type);
-PowerSGD divides only Q (PyTorch's order). APS then sees ``g/W`` and uses ``max|(g/W)*W|`` as CPD.
+CGX, and as CPD's examples pre-scale the loss by 1/W); the fp16/bf16 casts divide in the cast
+type (PyTorch's order) and sum in it; PowerSGD divides only Q and, in its compressed phase,
+the sum of the uncompressed tensors (PyTorch's order). APS then sees ``g/W`` and uses
+``max|(g/W)*W|`` as CPD.
 
 References:
   drcut/CPD ``CPDtorch/utils/dist_util.py``; IST-DASLab/torch_cgx ``cgx_utils/allreduce_hooks.py``;
   PyTorch ``torch/distributed/algorithms/ddp_comm_hooks`` (default_hooks, powerSGD_hook);
+  Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+  Distributed Optimization", NeurIPS 2019;
   Han, Demmel, You, "Auto-Precision Scaling for Distributed Deep Learning", arXiv:1911.08907.
 """
 
 import functools
+import logging
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,18 +59,39 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from jax import lax
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+  PowerSGDState as _TorchPowerSGDState,
+)
 
-from jaxlp.formats import FP32
+from jaxlp.formats import BF16, FP16, FP32
+from jaxlp.formats import quantize as spec_quantize
 from jaxlp.formats._compat import cpd_float
 from jaxlp.ops._quantize import quantize
-from jaxlp.parallel._aggregate import powersgd_finish, powersgd_middle, powersgd_start
+from jaxlp.parallel._aggregate import (
+  _fuse_states,
+  _ring_in_narrow_type,
+  _unfuse_states,
+  cast_gathered_sum,
+  cast_share,
+  powersgd_finish,
+  powersgd_middle,
+  powersgd_start,
+)
 from jaxlp.parallel._aps import format_emax
 from jaxlp.parallel._psum import _check, _Rounder
 from jaxlp.parallel._psum import chain_sum as _psum_chain
 from jaxlp.parallel.compressors._base import exact_div
+from jaxlp.parallel.compressors._cast import cast
+from jaxlp.parallel.compressors._powersgd import PowerSGD
 from jaxlp.torch._dlpack import to_jax, to_torch
 
-__all__ = ["CommState", "chain_sum", "comm_hook", "sum_gradients"]
+__all__ = [
+    "CommState", "PowerSGDState", "allreduce_hook", "batched_powerSGD_hook",
+    "bf16_compress_hook", "bf16_compress_wrapper", "chain_sum", "comm_hook",
+    "fp16_compress_hook", "fp16_compress_wrapper", "powerSGD_hook", "sum_gradients",
+]
+
+_logger = logging.getLogger(__name__)
 
 # How CommState sums its fp32 parts over ranks (not jaxlp.parallel.ORDERS, the summation
 # orders of the low-precision psum): gathered + rank-order chain, or dist.all_reduce.
@@ -288,31 +328,668 @@ def _codec(comp, n: int):
   return jax.jit(encode), jax.jit(decode_sum), state0
 
 
+# ---------------------------------------------------------------------------------------------
+# fp16 / bf16 casts: the JAX engine's arithmetic (jaxlp.parallel._aggregate.CASTS)
+
+_HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 @functools.cache
-def _powersgd_fns(comp, shape):
-  """The low-rank family's three PowerSGD stages (jitted) for one parameter shape; the hook
-  sums the P's and the Q's over ranks in between."""
+def _cast_fns(comp, w: int):
+  """Jitted ``share(x) -> narrow addend`` and ``total(stack) -> float32 sum``: the engine's
+  :func:`~jaxlp.parallel._aggregate.cast_share` and its ring sum from the gathered addends
+  (:func:`~jaxlp.parallel._aggregate.cast_gathered_sum`, the bits of ``cast_ring_sum``)."""
+  dt = comp.native_dtype
 
-  def start(x, st, key):
-    (mat,), (p,) = powersgd_start(comp, [comp.to_matrix(x, shape)], [st], [key])
-    return mat, p
+  def share(x):
+    return lax.convert_element_type(cast_share(comp, x.astype(jnp.float32), w), dt)
 
-  def middle(mat, p_sum):
-    (p,), (q,) = powersgd_middle([mat], [p_sum])
-    return p, q
+  def total(stack):
+    return cast_gathered_sum(comp, stack)
 
-  def finish(mat, p, q_sum, st, w):
-    (approx,), (new,) = powersgd_finish(comp, [mat], [p], [q_sum], [st], w, mean=True)
-    return approx.reshape(-1), new
+  return jax.jit(share), jax.jit(total)
 
-  return jax.jit(start), jax.jit(middle), jax.jit(finish, static_argnums=4)
+
+def _gather_bits(t, group):
+  """``dist.all_gather`` of a 16-bit float tensor as its bytes (gloo gathers neither int16
+  nor, in every version, bfloat16), stacked in rank order and viewed back as ``t``'s dtype."""
+  return _gather(t.reshape(-1).view(torch.uint8), group).view(t.dtype)
+
+
+def _cast_mean(comp, flat, group, w):
+  """PyTorch's cast hook on ``flat`` (any float dtype): the float32 mean, on the cast grid."""
+  share, total = _cast_fns(comp, w)
+  mine = to_torch(share(to_jax(flat.contiguous())))
+  return to_torch(total(to_jax(_gather_bits(mine, group).contiguous())))
 
 
 # ---------------------------------------------------------------------------------------------
-# DDP hook
+# PowerSGD: PyTorch's powerSGD_hook / batched_powerSGD_hook around the JAX engine's stages
+
+
+class _Plan(NamedTuple):
+  """How one DDP bucket is compressed.
+
+  ``unc``: (start, stop) of the uncompressed tensors, bucket order. ``mats``: (start, n, m, r)
+  of the compressed matrices in PyTorch's order (tensors grouped by their ``(n, m)`` view,
+  groups in order of first appearance); their P's and Q's are concatenated in that order.
+  ``groups``: the indices into ``mats`` of each group. ``square``: the side of the batched
+  hook's zero-padded square (then ``mats`` is that one matrix), else 0.
+  """
+  numel: int
+  unc: tuple
+  mats: tuple
+  groups: tuple
+  square: int
+
+
+def _layerwise_plan(shapes, rank, min_rate, keep=None):
+  """PyTorch's step I (``_should_compress`` per tensor) for a bucket of ``shapes``; ``keep``:
+  an extra per-tensor filter (CommState's explicit ``layer_min_size`` / ``skip_vectors``).
+  Returns the plan and PyTorch's compression-stats increments (elements before, after)."""
+  unc, groups, before, after, off = [], {}, 0, 0, 0
+  starts = []
+  for shape in shapes:
+    size = math.prod(shape)
+    n = shape[0] if len(shape) else 1
+    m = size // n if n else 0
+    r = min(n, m, rank)
+    before += n * m
+    if size and (n + m) * r * min_rate < n * m and (keep is None or keep(shape)):
+      groups.setdefault((n, m), []).append(len(starts))
+      starts.append((off, n, m, r))
+      after += (n + m) * r
+    else:
+      unc.append((off, off + size))
+      after += n * m
+    off += size
+  order = [i for idx in groups.values() for i in idx]
+  mats = tuple(starts[i] for i in order)
+  pos = {i: k for k, i in enumerate(order)}
+  grouped = tuple(tuple(pos[i] for i in idx) for idx in groups.values())
+  return _Plan(off, tuple(unc), mats, grouped, 0), before, after
+
+
+def _square_plan(numel, rank):
+  s = math.isqrt(numel - 1) + 1 if numel else 0
+  return _Plan(numel, (), ((0, s, s, min(s, rank)),), ((0,),), s)
+
+
+def _q_size(plan):
+  return sum(m * r for _, _, m, r in plan.mats)
+
+
+def _check_memory(state, what, idx, t, want):
+  """A state tensor of bucket ``idx`` that does not fit the bucket is refused (PyTorch's hook
+  would fail in an ``add_`` or a ``view``; jaxlp's must not silently reset it)."""
+  if t.numel() != want:
+    raise ValueError(
+        f"jaxlp.torch.ddp: {type(state).__name__}.{what}[{idx}] has {t.numel()} elements, "
+        f"bucket {idx} needs {want}: the bucket changed since the state was made (state made "
+        "before DDP's bucket rebuild, i.e. start_powerSGD_iter < 2, or one state shared by "
+        "two models)")
+
+
+def _draw_q(plan, seed, dtype, batch_same_shape):
+  """PyTorch's initial Q's of one bucket: ``torch.manual_seed(seed)`` (here a generator of its
+  own, seeded the same way, so the global RNG is untouched as with PyTorch's ``fork_rng``),
+  then ``torch.randn`` of each Q in PyTorch's shapes and order (``(1, m, r)`` per matrix, or
+  ``(B, m, r)`` per group of B same-shaped matrices with ``batch_tensors_with_same_shape``;
+  ``(s, r)`` for the batched hook), concatenated: the flat Q memory."""
+  gen = torch.Generator().manual_seed(int(seed))
+  parts = []
+  if plan.square:
+    _, _, m, r = plan.mats[0]
+    parts.append(torch.randn(m, r, generator=gen, dtype=dtype))
+  else:
+    for idx in plan.groups:
+      _, _, m, r = plan.mats[idx[0]]
+      if batch_same_shape and len(idx) > 1:
+        parts.append(torch.randn(len(idx), m, r, generator=gen, dtype=dtype))
+      else:
+        parts.extend(torch.randn(1, m, r, generator=gen, dtype=dtype) for _ in idx)
+  return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, dtype=dtype)
+
+
+def _split(flat, shapes):
+  out, off = [], 0
+  for shp in shapes:
+    k = math.prod(shp)
+    out.append(flat[off:off + k].reshape(shp))
+    off += k
+  return out
+
+
+def _cat(arrays, dtype=jnp.float32):
+  return jnp.concatenate([jnp.ravel(a) for a in arrays]) if arrays else jnp.zeros((0,), dtype)
+
+
+@functools.cache
+def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """The three jitted stages of one bucket: the JAX engine's ``powersgd_start`` /
+  ``powersgd_middle`` / ``powersgd_finish`` (``comp``: without error feedback, warm start:
+  the Q given is orthogonalized), with PyTorch's bucket-level error feedback around them.
+  ``half_fmt``: None for a float32 bucket, else its 16-bit format (the fp16/bf16 wrappers):
+  the values PyTorch holds in the bucket's dtype are rounded to it (bucket + error, P and Q
+  as sent, the output, the error).
+
+  ``start(x, e, q) -> (xe, unc, p)``: ``xe = x + e`` (the batched hook: zero-padded to
+  ``s*s`` first), the uncompressed tensors of ``xe`` concatenated, the local P's.
+  ``middle(xe, p_sum) -> (p, q)``: ``P = orth(sum P)``, the local ``Q = M^T P``.
+  ``finish(xe, p, q_sum, unc_sum) -> (out, err, q)``: the bucket (``unc_sum / W`` for the
+  uncompressed tensors, ``P (sum Q / W)^T`` for the others), ``err = xe - out`` (None
+  without error feedback) and the new Q memory ``sum Q / W``.
+  """
+  rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
+  out_dt = jnp.float32 if half_fmt is None else (
+      jnp.float16 if half_fmt == FP16 else jnp.bfloat16)
+  q_shapes = [(m, r) for _, _, m, r in plan.mats]
+  p_shapes = [(n, r) for _, n, _, r in plan.mats]
+
+  def matrices(xe):
+    if plan.square:
+      return [xe.reshape(plan.square, plan.square)]
+    return [xe[s:s + n * m].reshape(n, m) for s, n, m, _ in plan.mats]
+
+  def start(x, e, q):
+    xe = x.astype(jnp.float32)
+    if plan.square:
+      xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
+    if error_feedback:
+      xe = rnd(xe + e.astype(jnp.float32))
+    unc = _cat([xe[a:b] for a, b in plan.unc])
+    qs = _split(q.astype(jnp.float32), q_shapes)
+    _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
+    return xe, unc.astype(out_dt), _cat(ps).astype(out_dt)
+
+  def middle(xe, p_sum):
+    ps, qs = powersgd_middle(comp, matrices(xe), _split(p_sum.astype(jnp.float32), p_shapes))
+    return rnd(_cat(ps)), _cat(qs).astype(out_dt)
+
+  def finish(xe, p, q_sum, unc_sum):
+    qs = _split(q_sum.astype(jnp.float32), q_shapes)
+    sts = [{"q": qi, "iter": jnp.zeros((), jnp.int32)} for qi in qs]
+    approx, news = powersgd_finish(comp, matrices(xe), _split(p, p_shapes), qs, sts, w,
+                                   mean=True)
+    if plan.square:
+      full = rnd(approx[0].reshape(-1))
+      out = full[:plan.numel]
+    else:
+      out = jnp.zeros((plan.numel,), jnp.float32)
+      sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
+      for (a, b), v in zip(plan.unc, sums, strict=True):
+        out = out.at[a:b].set(v)
+      for (s, n, m, _), v in zip(plan.mats, approx, strict=True):
+        out = out.at[s:s + n * m].set(v.reshape(-1))
+      full = out = rnd(out)
+    err = rnd(xe - full).astype(out_dt) if error_feedback else None
+    q_new = rnd(_cat([st["q"] for st in news])).astype(out_dt)
+    return out.astype(out_dt), err, q_new
+
+  return jax.jit(start), jax.jit(middle), jax.jit(finish)
+
+
+def _hook_comp(rank, min_rate, eps, half, method="auto"):
+  """The low-rank compressor whose stages a hook runs (error feedback and the choice of Q are
+  the hook's): PyTorch's orthogonalization rule, Gram-Schmidt at every rank for
+  half-precision buckets as PyTorch (QR has no half-precision kernel there)."""
+  return PowerSGD(rank=rank, min_compression_rate=float(min_rate), warm_start=True,
+                  error_feedback=False,
+                  orthogonalization="gram_schmidt" if half and method == "auto" else method,
+                  orthogonalization_epsilon=float(eps))
+
+
+def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback):
+  """One PowerSGD step of a bucket: the three stages and the three sums over ranks.
+
+  ``flat``: the bucket (float32, float16 or bfloat16). ``error``: the bucket's error (its
+  dtype, ``plan``'s length; ignored without error feedback). ``q``: the Q memory (flat, in
+  ``plan``'s order; orthogonalized here, as PyTorch does for a warm or a fresh Q).
+  ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). Returns ``(out, err, p, q)``
+  as torch tensors of the bucket's dtype (``err`` None without error feedback).
+  """
+  dt = flat.dtype
+  half_fmt = {torch.float16: FP16, torch.bfloat16: BF16}.get(dt)
+  start, middle, finish = _powersgd_stages(plan, comp, w, half_fmt, bool(error_feedback))
+  x = to_jax(flat.contiguous())
+  e = to_jax(error.contiguous()) if error_feedback else jnp.zeros((0,), jnp.float32)
+  xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
+  unc_sum = sum_fn(to_torch(unc).clone()) if plan.unc else to_torch(unc)
+  p_sum = sum_fn(to_torch(p_loc).clone())
+  p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
+  q_sum = sum_fn(to_torch(q_loc).clone())
+  out, err, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
+  return (to_torch(out), None if err is None else to_torch(err),
+          to_torch(p.astype(out.dtype)), to_torch(q_new))
+
+
+def _allreduce_sum(group):
+  def f(t):
+    dist.all_reduce(t, group=group)
+    return t
+  return f
+
+
+def _done(buf):
+  fut = torch.futures.Future()
+  fut.set_result(buf)
+  return fut
+
+
+def _world(process_group):
+  return process_group if process_group is not None else dist.group.WORLD
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch's hooks (torch.distributed.algorithms.ddp_comm_hooks) on jaxlp's arithmetic
+
+
+class PowerSGDState(_TorchPowerSGDState):
+  r"""PyTorch's ``PowerSGDState``, for :func:`powerSGD_hook` and :func:`batched_powerSGD_hook`.
+
+  A subclass of ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.PowerSGDState``
+  with its signature, defaults, checks and fields: ``matrix_approximation_rank=1``,
+  ``start_powerSGD_iter=1_000``, ``min_compression_rate=2``, ``use_error_feedback=True``,
+  ``warm_start=True``, ``orthogonalization_epsilon=0``, ``random_seed=0``,
+  ``compression_stats_logging_frequency=10_000``, ``batch_tensors_with_same_shape=False``.
+  ``start_powerSGD_iter <= 1`` with error feedback or warm start raises PyTorch's
+  ``ValueError``: DDP rebuilds its buckets after the first iteration, so a state made
+  before would belong to buckets that no longer exist; from iteration 2 on the bucket
+  indices and layouts stay fixed, which is how PyTorch's per-bucket state (and this one,
+  keyed the same way) is kept across the rebuild. The internal state is PyTorch's, in its
+  layout: ``error_dict`` / ``p_memory_dict`` / ``q_memory_dict`` (flat tensors per bucket
+  index, P's and Q's concatenated in PyTorch's order), ``rng`` (the ``numpy`` generator whose
+  draws seed the initial Q's), ``iter``, the compression statistics; a state can be pickled,
+  and moves between PyTorch's hooks and jaxlp's.
+
+  Args:
+    process_group: the process group (None: the default group).
+    matrix_approximation_rank: the rank of the factors.
+    start_powerSGD_iter: iterations of plain all-reduce before compression.
+    min_compression_rate: a tensor is compressed iff
+      ``(n + m) * r * min_compression_rate < n * m``.
+    use_error_feedback: keep the local compression error and add it to the next bucket.
+    warm_start: reuse the last Q (else a fresh random Q every step).
+    orthogonalization_epsilon: added to each column norm in Gram-Schmidt.
+    random_seed: seed of the ``numpy`` generator that seeds the initial Q's.
+    compression_stats_logging_frequency: iterations between the statistics log lines.
+    batch_tensors_with_same_shape: draw (and, in PyTorch, compute) same-shaped tensors as
+      one batch.
+
+  Raises:
+    ValueError: ``start_powerSGD_iter <= 1`` with ``use_error_feedback`` or ``warm_start``.
+
+  Example:
+    >>> from jaxlp.torch.ddp import PowerSGDState
+    >>> state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)
+    >>> state.matrix_approximation_rank, state.start_powerSGD_iter, state.iter
+    (2, 10, 0)
+    >>> PowerSGDState(None, start_powerSGD_iter=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` ...
+  """
+
+  __slots__ = ()
+
+  def __getstate__(self):
+    return {slot: getattr(self, slot) for slot in _TorchPowerSGDState.__slots__
+            if slot != "process_group"}
+
+
+def _check_bucket(what, bucket):
+  buf = bucket.buffer()
+  if buf.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    raise TypeError(f"jaxlp.torch.ddp.{what}: bucket dtype must be float32, float16 or "
+                    f"bfloat16, got dtype={buf.dtype}")
+  return buf
+
+
+def _check_powersgd_state(what, state):
+  if not isinstance(state, _TorchPowerSGDState):
+    raise TypeError(f"jaxlp.torch.ddp.{what}: state must be a PowerSGDState (jaxlp's or "
+                    f"PyTorch's), got {state!r}")
+
+
+def _vanilla(state, group, bucket):
+  """PyTorch's hooks before ``start_powerSGD_iter``: :func:`allreduce_hook`."""
+  state.maybe_increase_iter(bucket)
+  return allreduce_hook(group, bucket)
+
+
+def _report_stats(bucket, state):
+  if bucket.is_last() and state.iter >= state.next_stats_report:
+    rate, before, after = state.compression_stats()
+    _logger.info("Compression stats: iter %s, total before compression %s, total after "
+                 "compression %s, rate %s", state.iter, before, after, rate)
+    state.next_stats_report = state.iter + state.compression_stats_logging_frequency
+
+
+def _powersgd_hook(state, bucket, square):
+  group = _world(state.process_group)
+  w = group.size()
+  buf = bucket.buffer()
+  if state.iter < state.start_powerSGD_iter:
+    return _vanilla(state, group, bucket)
+  flat = buf.reshape(-1)
+  idx = bucket.index()
+  rank = state.matrix_approximation_rank
+  if square:
+    plan = _square_plan(flat.numel(), rank)
+    s = plan.square
+    state.total_numel_before_compression += plan.numel
+    state.total_numel_after_compression += s * rank * 2
+  else:
+    plan, before, after = _layerwise_plan([tuple(g.shape) for g in bucket.gradients()], rank,
+                                          state.min_compression_rate)
+    state.total_numel_before_compression += before
+    state.total_numel_after_compression += after
+  _report_stats(bucket, state)
+  n_err = plan.square * plan.square if square else plan.numel
+  error = None
+  if state.use_error_feedback:
+    error = state.error_dict.get(idx)
+    if error is None:
+      error = torch.zeros(n_err, dtype=buf.dtype, device=buf.device)
+    _check_memory(state, "error_dict", idx, error, n_err)
+  if not state.warm_start or idx not in state.p_memory_dict:
+    q = _draw_q(plan, state.rng.randint(1_000_000_000), buf.dtype,
+                bool(state.batch_tensors_with_same_shape)).to(buf.device)
+  else:
+    q = state.q_memory_dict[idx].reshape(-1)
+    _check_memory(state, "q_memory_dict", idx, q, _q_size(plan))
+  comp = _hook_comp(rank, state.min_compression_rate, state.orthogonalization_epsilon,
+                    buf.dtype != torch.float32)
+  out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,
+                                    sum_fn=_allreduce_sum(group),
+                                    error_feedback=state.use_error_feedback)
+  if state.use_error_feedback:
+    state.error_dict[idx] = err
+  if square:  # PyTorch's layout: P and Q of the batched hook are (s, r) matrices
+    r = plan.mats[0][3]
+    p, q = p.reshape(-1, r), q.reshape(-1, r)
+  state.p_memory_dict[idx] = p
+  state.q_memory_dict[idx] = q
+  if not state.warm_start:
+    state.p_memory_dict.clear()
+    state.q_memory_dict.clear()
+  buf.copy_(out.view_as(buf))
+  state.maybe_increase_iter(bucket)
+  return _done(buf)
+
+
+def powerSGD_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:  # noqa: N802
+  """PyTorch's ``powerSGD_hook`` (layer-wise PowerSGD) on jaxlp's PowerSGD stages.
+
+  PyTorch's algorithm step by step: plain :func:`allreduce_hook` for the first
+  ``start_powerSGD_iter`` iterations; then error feedback over the whole bucket
+  (``x = bucket + error``); the tensors that pass ``_should_compress`` are viewed as
+  ``(shape[0], -1)`` matrices and compressed, the others (biases, small tensors) are
+  all-reduced together, then divided by W; the initial Q's are ``torch.randn`` draws seeded
+  by ``state.rng.randint(1_000_000_000)`` in PyTorch's shapes and order (so the same
+  ``random_seed`` gives PyTorch's Q's), reused afterwards with warm start; per matrix
+  ``orth(Q)``, ``P = M Q``, all-reduce of the bucket's P's, ``orth(P)``, ``Q = M^T P``,
+  all-reduce of the Q's, ``Q /= W``, ``M~ = P Q^T``; error ``x - out`` for the whole bucket.
+  ``orth`` is PyTorch's: Gram-Schmidt for rank <= 2 (and for float16/bfloat16 buckets),
+  Householder QR above (:func:`jaxlp.parallel.compressors.orthogonalize`). The sums are
+  ``dist.all_reduce`` in the bucket's dtype, as PyTorch's.
+
+  Agreement with PyTorch's own hook (2 ranks, gloo, the same state arguments and buckets;
+  ``tests/torch_bridge/test_ddp_hooks.py``): the uncompressed tensors' bits, and the
+  compressed ones to float32 rounding (jaxlp's products are fixed pairwise sums, PyTorch's
+  BLAS's: about 1e-6 relative per step); the initial Q's bit for bit. Deviation: with
+  ``orthogonalization_epsilon=0`` an all-zero column (an all-zero gradient) gives 0 where
+  PyTorch gives NaN. The work is done synchronously and an already completed future is
+  returned (the result is identical on every rank).
+
+  Args:
+    state: a :class:`PowerSGDState` (or PyTorch's own).
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed ``torch.futures.Future`` holding the bucket buffer, overwritten with the
+    (approximate) mean over ranks.
+
+  Raises:
+    TypeError: ``state`` is not a PowerSGDState; the bucket is not float32, float16 or
+      bfloat16.
+
+  Example:
+    Registered like PyTorch's (the lines that need a process group are skipped here):
+
+    >>> from jaxlp.torch.ddp import PowerSGDState, powerSGD_hook
+    >>> state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)
+    >>> ddp_model.register_comm_hook(state, powerSGD_hook)  # doctest: +SKIP
+  """
+  _check_powersgd_state("powerSGD_hook", state)
+  _check_bucket("powerSGD_hook", bucket)
+  return _powersgd_hook(state, bucket, square=False)
+
+
+def batched_powerSGD_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:  # noqa: N802
+  """PyTorch's ``batched_powerSGD_hook``: the whole bucket as one zero-padded square matrix.
+
+  As PyTorch defines it: plain :func:`allreduce_hook` for the first ``start_powerSGD_iter``
+  iterations; then the flat bucket is zero-padded to ``s * s`` (``s = ceil(sqrt(numel))``),
+  the error (``s * s`` long) added, viewed as ``s x s``, compressed with one rank-``r``
+  PowerSGD step (Q drawn as ``torch.randn(s, r)`` seeded by ``state.rng``, warm start, the
+  all-reduces of P and Q, Q divided by W) and cut back to ``numel``. Differences: PyTorch
+  2.13's own hook raises ``AssertionError`` at its first compressed step (its
+  ``_orthogonalize`` wants a batch of matrices, the batched hook passes one matrix); the
+  tests compare with it with that call given the 3-D view it expects. ``r = min(s, rank)``
+  (PyTorch would fail for ``rank > s``). An all-zero bucket gives 0, not NaN.
+
+  Args:
+    state: a :class:`PowerSGDState` (or PyTorch's own).
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed ``torch.futures.Future`` holding the bucket buffer, overwritten with the
+    (approximate) mean over ranks.
+
+  Raises:
+    TypeError: ``state`` is not a PowerSGDState; the bucket is not float32, float16 or
+      bfloat16.
+
+  Example:
+    >>> from jaxlp.torch.ddp import PowerSGDState, batched_powerSGD_hook
+    >>> state = PowerSGDState(None, matrix_approximation_rank=1)
+    >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)  # doctest: +SKIP
+  """
+  _check_powersgd_state("batched_powerSGD_hook", state)
+  _check_bucket("batched_powerSGD_hook", bucket)
+  return _powersgd_hook(state, bucket, square=True)
+
+
+def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+  """PyTorch's ``allreduce_hook``: the bucket divided by W, then summed over ranks.
+
+  A float32 bucket: ``x / W`` (IEEE division) and ``dist.all_reduce`` (float32 adds), PyTorch's
+  arithmetic. A float16/bfloat16 bucket (inside :func:`fp16_compress_wrapper` /
+  :func:`bf16_compress_wrapper`): the cast hooks' arithmetic (divided by W in the bucket's
+  dtype, summed in it, see :func:`fp16_compress_hook`), so
+  ``fp16_compress_wrapper(allreduce_hook)`` equals :func:`fp16_compress_hook`, as in PyTorch.
+
+  Args:
+    process_group: the process group (None: the default group).
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed future holding the bucket buffer, overwritten with the mean over ranks.
+
+  Raises:
+    TypeError: the bucket is not float32, float16 or bfloat16.
+
+  Example:
+    >>> from jaxlp.torch.ddp import allreduce_hook
+    >>> ddp_model.register_comm_hook(None, allreduce_hook)  # doctest: +SKIP
+  """
+  buf = _check_bucket("allreduce_hook", bucket)
+  group = _world(process_group)
+  if buf.dtype in _HALF:
+    buf.copy_(_cast_mean(cast(_HALF[buf.dtype]), buf.reshape(-1), group, group.size())
+              .view_as(buf))
+    return _done(buf)
+  x = to_torch(_div_fn(group.size())(to_jax(buf.reshape(-1).contiguous()))).clone()
+  dist.all_reduce(x, group=group)
+  buf.copy_(x.view_as(buf))
+  return _done(buf)
+
+
+@functools.cache
+def _div_fn(w):
+  return jax.jit(lambda x: exact_div(x, w))
+
+
+def _compress_hook(name, dtype, process_group, bucket):
+  buf = _check_bucket(name, bucket)
+  group = _world(process_group)
+  buf.copy_(_cast_mean(cast(dtype), buf.reshape(-1), group, group.size()).view_as(buf))
+  return _done(buf)
+
+
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+  """PyTorch's ``fp16_compress_hook``, bit for bit: ``fp16(x) / W`` summed in float16.
+
+  Each rank rounds its bucket to float16 and divides by W in float16 (PyTorch's
+  ``buffer.to(torch.float16).div_(W)``); the float16 addends are all-gathered (2 bytes per
+  element) and summed in float16 by :func:`jaxlp.parallel.psum`'s ring (each partial sum
+  rounded to float16): the JAX engine's own arithmetic for ``compressors.cast("fp16")``
+  (``jaxlp.parallel._aggregate.cast_share`` / ``cast_ring_sum``), so the bridge and
+  ``reduce_gradients`` agree. With two ranks that is the one correctly rounded float16 add
+  of PyTorch's float16 all-reduce: the same bits as PyTorch's hook (a 3e-8 gradient becomes
+  0 in both). With more ranks PyTorch sums in the backend's order (gloo's or NCCL's ring),
+  jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may differ in
+  their last float16 bit. The result is identical on every rank. An element that overflows
+  float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
+  non-finite policy (a whole leaf NaN) is not applied in the hooks.
+
+  Args:
+    process_group: the process group (None: the default group).
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed future holding the bucket buffer, overwritten with the mean over ranks (on the
+    float16 grid).
+
+  Raises:
+    TypeError: the bucket is not float32, float16 or bfloat16.
+
+  Example:
+    >>> from jaxlp.torch.ddp import fp16_compress_hook
+    >>> ddp_model.register_comm_hook(None, fp16_compress_hook)  # doctest: +SKIP
+  """
+  return _compress_hook("fp16_compress_hook", "fp16", process_group, bucket)
+
+
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+  """PyTorch's ``bf16_compress_hook``, bit for bit: :func:`fp16_compress_hook` in bfloat16.
+
+  Args:
+    process_group: the process group (None: the default group).
+    bucket: the ``torch.distributed.GradBucket`` DDP passes in.
+
+  Returns:
+    A completed future holding the bucket buffer, overwritten with the mean over ranks (on the
+    bfloat16 grid).
+
+  Raises:
+    TypeError: the bucket is not float32, float16 or bfloat16.
+
+  Example:
+    >>> from jaxlp.torch.ddp import bf16_compress_hook
+    >>> ddp_model.register_comm_hook(None, bf16_compress_hook)  # doctest: +SKIP
+  """
+  return _compress_hook("bf16_compress_hook", "bf16", process_group, bucket)
+
+
+def _compress_wrapper(name, dtype, fmt, hook):
+  if not callable(hook):
+    raise TypeError(f"jaxlp.torch.ddp.{name}: hook must be a communication hook (a callable "
+                    f"(state, bucket) -> Future), got {hook!r}")
+
+  def wrapped(hook_state, bucket) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    if buf.dtype != torch.float32:
+      raise TypeError(f"jaxlp.torch.ddp.{name}: bucket dtype must be float32, got "
+                      f"dtype={buf.dtype}")
+    narrow = to_torch(_round_fn(fmt, dtype)(to_jax(buf.reshape(-1).contiguous())))
+    bucket.set_buffer(narrow.clone().view_as(buf))
+    fut = hook(hook_state, bucket)
+
+    def decompress(f):
+      out = bucket.buffer()
+      out.copy_(f.value())
+      return out
+
+    return fut.then(decompress)
+
+  wrapped.__name__ = f"{name}_hook"
+  wrapped.__qualname__ = wrapped.__name__
+  return wrapped
+
+
+@functools.cache
+def _round_fn(fmt, dtype):
+  return jax.jit(lambda x: lax.convert_element_type(spec_quantize(x, fmt), dtype))
+
+
+def fp16_compress_wrapper(hook):
+  """PyTorch's ``fp16_compress_wrapper``: run ``hook`` on the bucket rounded to float16.
+
+  The bucket buffer is replaced by its float16 rounding (nearest even, jaxlp's FP16), ``hook``
+  runs on it (its ``bucket.gradients()`` are float16 views of it, as in PyTorch), and its
+  float16 result is what DDP writes back into the float32 gradients. Works around any hook:
+  PyTorch's, :func:`powerSGD_hook` (P and Q all-reduced in float16, Gram-Schmidt at every
+  rank as PyTorch for half precision), :func:`comm_hook`. ``fp16_compress_wrapper(
+  allreduce_hook)`` is :func:`fp16_compress_hook`.
+
+  Args:
+    hook: a communication hook ``(state, bucket) -> Future``.
+
+  Returns:
+    The wrapped hook (register it with the state ``hook`` takes).
+
+  Raises:
+    TypeError: ``hook`` is not callable; at run time, a bucket that is not float32.
+
+  Example:
+    >>> from jaxlp.torch.ddp import PowerSGDState, fp16_compress_wrapper, powerSGD_hook
+    >>> hook = fp16_compress_wrapper(powerSGD_hook)
+    >>> hook.__name__
+    'fp16_compress_wrapper_hook'
+    >>> state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+    >>> ddp_model.register_comm_hook(state, hook)  # doctest: +SKIP
+  """
+  return _compress_wrapper("fp16_compress_wrapper", jnp.float16, FP16, hook)
+
+
+def bf16_compress_wrapper(hook):
+  """PyTorch's ``bf16_compress_wrapper``: :func:`fp16_compress_wrapper` in bfloat16.
+
+  Args:
+    hook: a communication hook ``(state, bucket) -> Future``.
+
+  Returns:
+    The wrapped hook.
+
+  Raises:
+    TypeError: ``hook`` is not callable; at run time, a bucket that is not float32.
+
+  Example:
+    >>> from jaxlp.torch.ddp import bf16_compress_wrapper, powerSGD_hook
+    >>> bf16_compress_wrapper(powerSGD_hook).__name__
+    'bf16_compress_wrapper_hook'
+  """
+  return _compress_wrapper("bf16_compress_wrapper", jnp.bfloat16, BF16, hook)
+
+
+# ---------------------------------------------------------------------------------------------
+# jaxlp's hook: CommState + comm_hook
+
 
 class CommState:
-  """State of :func:`comm_hook` (mutable: per-bucket compressor state and a step counter).
+  """State of :func:`comm_hook` (mutable: per-parameter compressor state and a step counter).
 
   Args:
     compressor: a compressor from :mod:`jaxlp.parallel.compressors` (exclusive with ``fmt``).
@@ -322,24 +999,34 @@ class CommState:
       or ``"bucket"`` (one per DDP bucket).
     kahan: Kahan-compensated chain (``fmt`` only).
     layer_min_size: parameters with fewer elements are reduced in fp32 (compressors only; CGX's
-      ``layer_min_size``).
+      ``layer_min_size``). None: 1024 for quantizers and sparsifiers (CGX's default), 0 for
+      ``powersgd`` and ``cast`` (PyTorch's hooks compress every layer: PowerSGD every tensor
+      its ``_should_compress`` test accepts, the fp16/bf16 hooks the whole bucket).
     skip_vectors: reduce parameters with ``ndim <= 1`` (biases, norms) in fp32 (compressors;
-      CGX's ``should_compress_``).
+      CGX's ``should_compress_``). None: True for quantizers and sparsifiers, False for
+      ``powersgd`` (its own test never compresses a vector) and ``cast``.
     order: how the fp32 parts and PowerSGD's P/Q sums are summed over ranks
       (:data:`FP32_SUM_MODES`): ``"chain"`` (all-gather + rank-order IEEE sum, identical bits
       on every backend) or ``"allreduce"`` (``dist.all_reduce``).
-    seed: seed of the per-step compressor noise keys and PowerSGD's initial Q (same on every
-      rank).
+    seed: seed of the per-step compressor noise keys, and of PowerSGD's initial Q's (drawn as
+      PyTorch's ``PowerSGDState(random_seed=seed)`` draws them).
     process_group: the process group (None = default group).
 
   With neither ``compressor`` nor ``fmt`` the hook is PyTorch's ``allreduce_hook`` (divide by
   W, fp32 sum).
 
+  State across DDP's bucket rebuild (after the first iteration DDP regroups the parameters
+  into new buckets): the compressor state (error feedback, warm-start Q) is kept per
+  parameter, so it moves with each parameter into its new bucket and a compressor may start
+  at step 0. Batched PowerSGD's state belongs to a whole bucket, so there, as in PyTorch,
+  ``start_iter`` must be at least 2 when error feedback or warm start is on.
+
   Raises:
     ValueError: both ``compressor`` and ``fmt`` are given; ``aps`` is not one of False,
       True, "parameter", "bucket"; ``aps`` or ``kahan`` is set without ``fmt``; ``order`` is
-      not "chain" or "allreduce"; ``layer_min_size`` is negative; or ``fmt`` is a format
-      whose parameters or roundings are invalid.
+      not "chain" or "allreduce"; ``layer_min_size`` is negative; batched PowerSGD with
+      error feedback or warm start and ``start_iter < 2``; or ``fmt`` is a format whose
+      parameters or roundings are invalid.
     TypeError: ``compressor`` lacks the compressor interface (``init``, ``encode``,
       ``decode``, ``kind``), or ``fmt`` is not a jaxlp format.
 
@@ -348,17 +1035,21 @@ class CommState:
     :func:`comm_hook`):
 
     >>> from jaxlp.formats import cpd_float
-    >>> from jaxlp.parallel.compressors import topk
+    >>> from jaxlp.parallel.compressors import powersgd, topk
     >>> from jaxlp.torch.ddp import CommState
     >>> state = CommState(fmt=cpd_float(5, 2), aps=True, kahan=True)
     >>> state.fmt, state.aps, state.kahan, state.order, state.step
     (CPDFloat(exp_bits=5, man_bits=2), 'parameter', True, 'chain', 0)
-    >>> CommState(compressor=topk(0.1)).compressor
-    TopK(ratio=0.1, error_feedback=True, schedule=None)
+    >>> st = CommState(compressor=topk(0.1))
+    >>> st.compressor, st.layer_min_size, st.skip_vectors
+    (TopK(ratio=0.1, error_feedback=True, schedule=None), 1024, True)
+    >>> st = CommState(compressor=powersgd(2))
+    >>> st.layer_min_size, st.skip_vectors
+    (0, False)
   """
 
-  def __init__(self, compressor=None, fmt=None, aps=False, kahan=False, layer_min_size=1024,
-               skip_vectors=True, order="chain", seed=0, process_group=None):
+  def __init__(self, compressor=None, fmt=None, aps=False, kahan=False, layer_min_size=None,
+               skip_vectors=None, order="chain", seed=0, process_group=None):
     if compressor is not None and fmt is not None:
       raise ValueError("jaxlp.torch.ddp.CommState: give compressor= or fmt=, not both")
     if compressor is not None and not all(hasattr(compressor, a) for a in
@@ -373,19 +1064,32 @@ class CommState:
       quantize(jnp.zeros((1,), jnp.float32), fmt)  # validates the format
     if order not in FP32_SUM_MODES:
       raise ValueError(f"jaxlp.torch.ddp.CommState: {order=} must be one of {FP32_SUM_MODES}")
-    if layer_min_size < 0:
+    if layer_min_size is not None and layer_min_size < 0:
       raise ValueError(f"jaxlp.torch.ddp.CommState: {layer_min_size=} must be >= 0")
+    kind = getattr(compressor, "kind", None)
+    if (kind == "lowrank" and compressor.batched and compressor.start_iter < 2
+        and (compressor.error_feedback or compressor.warm_start)):
+      raise ValueError(
+          f"jaxlp.torch.ddp.CommState: batched PowerSGD keeps its error feedback and warm-start "
+          f"Q per DDP bucket, and DDP rebuilds its buckets after the first iteration; as "
+          f"PyTorch's PowerSGDState, it needs start_iter >= 2 (got start_iter="
+          f"{compressor.start_iter}); use powersgd(..., batched=True, start_iter=2)")
+    pytorch_like = kind in ("lowrank", "cast")
+    self._explicit_filter = layer_min_size is not None or skip_vectors is not None
     self.compressor = compressor
     self.fmt = fmt
     self.aps = "parameter" if aps is True else aps
     self.kahan = bool(kahan)
-    self.layer_min_size = int(layer_min_size)
-    self.skip_vectors = bool(skip_vectors)
+    self.layer_min_size = int(layer_min_size if layer_min_size is not None else
+                              (0 if pytorch_like else 1024))
+    self.skip_vectors = bool(skip_vectors if skip_vectors is not None else not pytorch_like)
     self.order = order
     self.seed = int(seed)
     self.process_group = process_group
     self.step = 0
-    self.buckets = {}   # bucket index -> (layout, per-bucket compressor state)
+    self.rng = np.random.RandomState(self.seed)  # PowerSGD's Q seeds, as PyTorch's state
+    self.param_states = {}   # id(parameter) -> that parameter's compressor state
+    self.bucket_states = {}  # bucket index -> (parameter ids, state): batched PowerSGD
 
   def __repr__(self):
     return (f"CommState(compressor={self.compressor!r}, fmt={self.fmt!r}, aps={self.aps!r}, "
@@ -421,6 +1125,14 @@ def _bucket_layout(bucket, flat):
   return out
 
 
+def _param_keys(bucket, layout):
+  """A key per layout entry that follows the parameter across DDP's bucket rebuild."""
+  params = bucket.parameters()
+  if len(params) == len(layout):
+    return [id(p) for p in params]
+  return [("bucket", bucket.index(), i) for i in range(len(layout))]
+
+
 def _fmt_bucket(state, flat, layout, w):
   x = flat / w
   if state.aps == "parameter":
@@ -432,24 +1144,93 @@ def _fmt_bucket(state, flat, layout, w):
   return _low_precision_sum([x], state.fmt, state.kahan, pieces, state.process_group, w)
 
 
+def _passes_filter(state, shape):
+  n = math.prod(shape)
+  return n > 0 and n >= state.layer_min_size and not (state.skip_vectors and len(shape) <= 1)
+
+
 def _compressible(state, shape):
   comp = state.compressor
-  n = math.prod(shape)
-  if n == 0 or n < state.layer_min_size or (state.skip_vectors and len(shape) <= 1):
-    return False
-  return comp.aggregation.compresses(comp, shape)
+  return _passes_filter(state, shape) and comp.aggregation.compresses(comp, shape)
+
+
+def _comm_powersgd(state, bucket, flat, layout, w):
+  """:func:`powerSGD_hook` / :func:`batched_powerSGD_hook` for a ``powersgd`` compressor, its
+  state kept per parameter (per bucket when batched)."""
+  comp = state.compressor
+  if state.step < comp.start_iter:
+    return state._sum(flat / w)
+  keys = _param_keys(bucket, layout)
+  method = comp.orthogonalization
+  hcomp = _hook_comp(comp.rank, comp.min_compression_rate, comp.orthogonalization_epsilon,
+                     False, method)
+  if comp.batched:
+    plan = _square_plan(flat.numel(), comp.rank)
+    entry = state.bucket_states.get(bucket.index())
+    if entry is None or entry[0] != keys:
+      entry = (keys, {})
+      state.bucket_states[bucket.index()] = entry
+    st = entry[1]
+    n_err = plan.square * plan.square
+    error = st.get("error") if comp.error_feedback else None
+    if comp.error_feedback and error is None:
+      error = torch.zeros(n_err, dtype=torch.float32, device=flat.device)
+    q = st.get("q") if comp.warm_start else None
+    if q is None:
+      q = _draw_q(plan, state.rng.randint(1_000_000_000), torch.float32, False).to(flat.device)
+    out, err, _, q = _powersgd_bucket(flat, plan, comp=hcomp, w=w, error=error, q=q,
+                                      sum_fn=state._sum, error_feedback=comp.error_feedback)
+    st["error"], st["q"] = err, q
+    return out
+  keep = (lambda shape: _passes_filter(state, shape)) if state._explicit_filter else None
+  plan, _, _ = _layerwise_plan([shape for _, _, shape in layout], comp.rank,
+                               comp.min_compression_rate, keep)
+  by_start = {s: i for i, (s, _, _) in enumerate(layout)}
+  mat_params = [by_start[s] for s, _, _, _ in plan.mats]
+  store = state.param_states
+  error = None
+  if comp.error_feedback:
+    error = torch.cat([store.get(k, {}).get("error", torch.zeros(e - s, device=flat.device))
+                       for k, (s, e, _) in zip(keys, layout, strict=True)])
+  qs = [store.get(keys[i], {}).get("q") for i in mat_params]
+  if comp.warm_start and all(q is not None for q in qs):
+    q = torch.cat(qs) if qs else torch.zeros(0, device=flat.device)
+  else:
+    q = _draw_q(plan, state.rng.randint(1_000_000_000), torch.float32, False).to(flat.device)
+  out, err, _, q = _powersgd_bucket(flat, plan, comp=hcomp, w=w, error=error, q=q,
+                                    sum_fn=state._sum, error_feedback=comp.error_feedback)
+  if comp.error_feedback:
+    for k, (s, e, _) in zip(keys, layout, strict=True):
+      store.setdefault(k, {})["error"] = err[s:e]
+  if comp.warm_start:
+    off = 0
+    for i, (_, _, m, r) in zip(mat_params, plan.mats, strict=True):
+      store.setdefault(keys[i], {})["q"] = q[off:off + m * r]
+      off += m * r
+  return out
+
+
+def _fused_state(comp, store, keys, sizes, state0):
+  """The codec state of the concatenation of the given parameters (each one's own state, or
+  a fresh one), as ``state0`` is shaped; None when the compressor's state is not
+  elementwise."""
+  if not getattr(comp, "elementwise_state", False):
+    return None
+  parts = [store[k] if k in store else comp.init((n,), jnp.float32)
+           for k, n in zip(keys, sizes, strict=True)]
+  fused = _fuse_states(parts)
+  same = jax.tree_util.tree_structure(fused) == jax.tree_util.tree_structure(state0) and all(
+      a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(fused),
+                                         jax.tree_util.tree_leaves(state0), strict=True))
+  return fused if same else None
 
 
 def _compressor_bucket(state, bucket, flat, layout, w):
   comp, group = state.compressor, state.process_group
+  if comp.kind == "lowrank":
+    return _comm_powersgd(state, bucket, flat, layout, w)
   rank = dist.get_rank(group)
   index = bucket.index()
-  sig = tuple(shape for _, _, shape in layout)
-  entry = state.buckets.get(index)
-  if entry is None or entry[0] != sig:
-    entry = (sig, {})
-    state.buckets[index] = entry
-  store = entry[1]
   out = torch.empty_like(flat)
   comp_idx = [i for i, (_, _, shape) in enumerate(layout) if _compressible(state, shape)]
   plain = [i for i in range(len(layout)) if i not in comp_idx]
@@ -463,44 +1244,35 @@ def _compressor_bucket(state, bucket, flat, layout, w):
       off += e - s
   if not comp_idx:
     return out
-
-  if comp.kind == "lowrank":
-    warm = state.step < comp.start_iter
-    for i in comp_idx:
-      s, e, shape = layout[i]
-      if warm:
-        out[s:e] = state._sum(flat[s:e] / w)
-        continue
-      n, m, r = comp.matrix_shape(shape)
-      if i not in store:
-        store[i] = comp.init(shape, jnp.float32,
-                             key=jax.random.fold_in(jax.random.key(state.seed),
-                                                    1000003 + 1000 * index + i))
-      start, middle, finish = _powersgd_fns(comp, shape)
-      # the cold-start (warm_start=False) random Q: the same key on every rank
-      key = jax.random.fold_in(state._step_key(), 1000 * index + i)
-      mat, p = start(to_jax(flat[s:e].contiguous()), store[i], key)
-      p_sum = to_jax(state._sum(to_torch(p).reshape(-1)).reshape(n, r))
-      p, qloc = middle(mat, p_sum)
-      q_sum = to_jax(state._sum(to_torch(qloc).reshape(-1)).reshape(m, r))
-      approx, store[i] = finish(mat, p, q_sum, store[i], w)
-      out[s:e] = to_torch(approx)[:e - s]
-    return out
-
   x = torch.cat([flat[layout[i][0]:layout[i][1]] for i in comp_idx])
-  n = x.numel()
-  encode, decode_sum, state0 = _codec(comp, n)
-  cst = store.get("codec", state0)
-  xj = to_jax(x)
-  if comp.kind != "cast":
-    xj = exact_div(xj, w)
-  payload, cst = encode(xj, cst, state._key(rank, index))
-  store["codec"] = cst
-  stack = _gather(to_torch(payload), group)
-  r = decode_sum(to_jax(stack))
-  if comp.kind == "cast":
-    r = exact_div(r, w)
-  r = to_torch(r)
+  if comp.kind == "cast" and _ring_in_narrow_type(comp):
+    r = _cast_mean(comp, x, group, w)   # PyTorch's fp16/bf16 hook, the engine's arithmetic
+  else:
+    n = x.numel()
+    keys = _param_keys(bucket, layout)
+    ckeys = [keys[i] for i in comp_idx]
+    sizes = [layout[i][1] - layout[i][0] for i in comp_idx]
+    encode, decode_sum, state0 = _codec(comp, n)
+    store = state.param_states
+    cst = _fused_state(comp, store, ckeys, sizes, state0)
+    per_param = cst is not None
+    if not per_param:  # state not elementwise: kept per bucket (reset if the bucket changes)
+      entry = state.bucket_states.get(index)
+      cst = entry[1] if entry is not None and entry[0] == ckeys else state0
+    xj = to_jax(x)
+    if comp.kind != "cast":
+      xj = exact_div(xj, w)
+    payload, cst = encode(xj, cst, state._key(rank, index))
+    if per_param:
+      for k, st in zip(ckeys, _unfuse_states(cst, sizes), strict=True):
+        store[k] = st
+    else:
+      state.bucket_states[index] = (ckeys, cst)
+    stack = _gather(to_torch(payload), group)
+    r = decode_sum(to_jax(stack))
+    if comp.kind == "cast":
+      r = exact_div(r, w)
+    r = to_torch(r)
   off = 0
   for i in comp_idx:
     s, e, _ = layout[i]
@@ -517,6 +1289,14 @@ def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
   future is returned; the result is bit-identical on every rank. (This module deliberately
   has no ``from __future__ import annotations``: DDP checks the return annotation object.)
 
+  A ``cast("fp16")`` / ``cast("bf16")`` compressor is :func:`fp16_compress_hook` /
+  :func:`bf16_compress_hook` (the same bits); a ``powersgd`` compressor is
+  :func:`powerSGD_hook` (``batched=True``: :func:`batched_powerSGD_hook`) with
+  ``matrix_approximation_rank=rank``, ``start_powerSGD_iter=start_iter``, the sums in
+  ``order``, and its state kept per parameter. A float16/bfloat16 bucket (inside
+  :func:`fp16_compress_wrapper`) is reduced as float32 values and the result rounded to the
+  bucket's dtype.
+
   Args:
     state: the :class:`CommState` given to ``register_comm_hook``.
     bucket: the ``torch.distributed.GradBucket`` DDP passes in.
@@ -526,7 +1306,8 @@ def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
     mean over ranks.
 
   Raises:
-    TypeError: ``state`` is not a :class:`CommState`, or the bucket is not float32.
+    TypeError: ``state`` is not a :class:`CommState`, or the bucket is not float32, float16
+      or bfloat16.
 
   Example:
     The hook runs inside DDP's backward, which needs an initialised process group, so the
@@ -546,13 +1327,12 @@ def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
   """
   if not isinstance(state, CommState):
     raise TypeError(f"jaxlp.torch.ddp.comm_hook: state must be a CommState, got {state!r}")
-  buf = bucket.buffer()
+  buf = _check_bucket("comm_hook", bucket)
   group = state.process_group
   w = dist.get_world_size(group)
-  if buf.dtype != torch.float32:
-    raise TypeError(f"jaxlp.torch.ddp.comm_hook: bucket dtype must be float32, got "
-                    f"dtype={buf.dtype}")
   flat = buf.detach().reshape(-1)
+  if flat.dtype != torch.float32:
+    flat = flat.float()
   layout = _bucket_layout(bucket, flat)
   if state.fmt is not None:
     res = _fmt_bucket(state, flat, layout, w)
@@ -563,6 +1343,4 @@ def comm_hook(state: CommState, bucket) -> torch.futures.Future[torch.Tensor]:
   if bucket.is_last():
     state.step += 1
   buf.copy_(res.view_as(buf))
-  fut = torch.futures.Future()
-  fut.set_result(buf)
-  return fut
+  return _done(buf)

@@ -1,5 +1,6 @@
 """PowerSGD's linear algebra, bit-reproducible in every execution mode: the thin products
-``M Q`` and ``M^T P``, the rank-r reconstruction ``P Q^T`` and the orthogonalization of P and Q.
+``M Q`` and ``M^T P``, the rank-r reconstruction ``P Q^T`` and the orthogonalization of P and Q
+(PyTorch's rule: Gram-Schmidt up to rank 2, Householder QR above).
 
 Shared by the compressor (:mod:`jaxlp.parallel.compressors._powersgd`) and the aggregation
 engine (:mod:`jaxlp.parallel._aggregate`), below both, so that neither imports the other.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxlp.parallel._arith import sqrt_f32
+from jaxlp.parallel._arith import add_f32, sqrt_f32
 from jaxlp.parallel.compressors._base import DOWN, det_sum, exact_div, materialize, no_fma
 
 
@@ -61,34 +62,30 @@ def outer_sum(p, q):
   return out
 
 
-def orthogonalize(x):
-  """Orthonormal columns spanning ``x`` (..., n, r): modified Gram-Schmidt, as PyTorch's
-  ``_orthogonalize_gram_schmidt`` (``col /= ||col||``; then every later column minus its
-  projection), with the dot products as fixed pairwise sums (the same bits in every execution
-  mode). PyTorch (eps = 0) turns an all-zero column into NaN; here it stays zero. A column
-  with a NaN or inf gives NaN (never a zero column that would hide it). A finite column whose
-  sum of squares overflows float32 (entries beyond about ``2**64 / sqrt(n)``) is scaled by
-  ``2**-100`` first: Gram-Schmidt's result does not depend on a column's positive scale, and
-  the other columns keep their bits.
+ORTHOGONALIZATIONS = ("auto", "gram_schmidt", "qr")
+
+
+def gram_schmidt(x, epsilon=0.0):
+  """Orthonormal columns spanning ``x`` (..., n, r) by one pass of modified Gram-Schmidt, as
+  PyTorch's ``_orthogonalize_gram_schmidt``: ``col /= ||col||`` (``||col|| + epsilon`` when
+  ``epsilon > 0``), then every later column minus its projection on it. The dot products are
+  fixed pairwise sums and the norms IEEE square roots (the same bits in every execution mode).
+
+  With ``epsilon = 0`` PyTorch turns an all-zero column into NaN; here it stays zero. One pass
+  loses orthogonality when a column is (numerically) in the span of the earlier ones: the
+  remainder is rounding noise, and normalising it gives a column that is not orthogonal to
+  the others (use :func:`householder_q` there).
+  A column with a NaN or inf gives NaN (never a zero column that would hide it). A finite
+  column whose sum of squares overflows float32 (entries beyond about ``2**64 / sqrt(n)``) is
+  scaled by ``2**-100`` first: Gram-Schmidt's result does not depend on a column's positive
+  scale, and the other columns keep their bits.
 
   Args:
     x: float32 array of shape ``(..., n, r)`` (leading axes are a batch).
+    epsilon: PyTorch's ``orthogonalization_epsilon``.
 
   Returns:
     An array of ``x``'s shape whose nonzero columns are orthonormal.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jaxlp.parallel import compressors
-    >>> compressors.orthogonalize(jnp.array([[3.0, 4.0], [4.0, -3.0]]))
-    Array([[ 0.6,  0.8],
-           [ 0.8, -0.6]], dtype=float32)
-    >>> compressors.orthogonalize(jnp.array([[3.0, 0.0], [4.0, 0.0]]))  # zero column stays
-    Array([[0.6, 0. ],
-           [0.8, 0. ]], dtype=float32)
-
-  References:
-    PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``.
   """
   # Each column's norm and normalized column are materialized: column i feeds every later
   # column, and XLA otherwise fuses (recomputes) the chain of integer-exact square roots and
@@ -105,11 +102,89 @@ def orthogonalize(x):
     cols.append(c * jnp.where(big, jnp.float32(DOWN), jnp.float32(1.0))[..., None])
   for i in range(len(cols)):
     c = cols[i]
-    nrm = materialize(sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None])
-    # a zero column stays zero; a NaN norm (a NaN or inf in the column) gives NaN
-    cols[i] = c = materialize(jnp.where(nrm == 0, 0.0,
-                                        exact_div(c, jnp.where(nrm == 0, 1.0, nrm))))
+    nrm = sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None]
+    if epsilon:
+      nrm = materialize(add_f32(nrm, jnp.float32(epsilon)))
+      cols[i] = c = materialize(exact_div(c, nrm))
+    else:
+      # a zero column stays zero; a NaN norm (a NaN or inf in the column) gives NaN
+      nrm = materialize(nrm)
+      cols[i] = c = materialize(jnp.where(nrm == 0, 0.0,
+                                          exact_div(c, jnp.where(nrm == 0, 1.0, nrm))))
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
       cols[j] = cols[j] - no_fma(d * c)
   return jnp.stack(cols, axis=-1)
+
+
+def householder_q(x):
+  """The ``Q`` factor of the reduced Householder QR factorisation of ``x`` (..., n, r),
+  ``n >= r``: ``jnp.linalg.qr(x, mode="reduced")[0]``, which runs LAPACK's ``geqrf`` +
+  ``orgqr`` on the CPU (cuSOLVER's on a GPU), as ``torch.linalg.qr`` does.
+
+  Sign convention: LAPACK's (``dlarfg``), not normalised. Step k reflects column k's part
+  from row k down, ``v`` with leading element ``a``: if ``v`` has a nonzero below ``a``,
+  ``R[k, k] = -sign(a) * ||v||`` (``sign(0) = +1``), so column k of ``Q`` is the Gram-Schmidt
+  column times ``-sign(a)``; if not, no reflection (``R[k, k] = a``, column k of ``Q`` is the
+  unit vector e_k). The diagonal of ``R`` is not made positive. ``torch.linalg.qr`` on the CPU
+  follows the same convention, so P and Q have PyTorch's signs; a PowerSGD approximation
+  ``P Q^T`` (and its error feedback) does not depend on the signs at all. ``Q`` is orthonormal
+  to working precision also when ``x`` is rank-deficient (an all-zero column gives a unit
+  column, not NaN). Bits: LAPACK's on the CPU (the same under ``vmap``, which loops over the
+  batch); on a GPU the batched and the single-matrix solver may differ in the last bits.
+
+  Args:
+    x: float32 array of shape ``(..., n, r)`` with ``n >= r``.
+
+  Returns:
+    ``Q``, an array of ``x``'s shape with orthonormal columns.
+  """
+  return jnp.linalg.qr(x, mode="reduced")[0]
+
+
+def orthogonalize(x, epsilon=0.0, method="auto"):
+  """Orthonormal columns spanning ``x`` (..., n, r), chosen as PyTorch's PowerSGD hook
+  (``_orthogonalize``) chooses: ``method="auto"`` is Gram-Schmidt (:func:`gram_schmidt`,
+  with ``epsilon``) when the rank ``r = x.shape[-1]`` is at most 2, else Householder QR
+  (:func:`householder_q`, ``epsilon`` unused, as PyTorch); PyTorch also uses Gram-Schmidt for
+  half-precision factors, which the PyTorch bridge asks for with
+  ``method="gram_schmidt"``. ``"gram_schmidt"`` and ``"qr"`` force one method (``"qr"``
+  recovers a rank-deficient gradient exactly at ranks 1 and 2 too).
+
+  Args:
+    x: float32 array of shape ``(..., n, r)`` (leading axes are a batch); ``n >= r`` for QR.
+    epsilon: PyTorch's ``orthogonalization_epsilon`` (Gram-Schmidt only).
+    method: ``"auto"``, ``"gram_schmidt"`` or ``"qr"``.
+
+  Returns:
+    An array of ``x``'s shape with orthonormal columns (Gram-Schmidt: an all-zero column stays
+    zero, where PyTorch gives NaN).
+
+  Raises:
+    ValueError: an unknown ``method``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxlp.parallel import compressors
+    >>> compressors.orthogonalize(jnp.array([[3.0, 4.0], [4.0, -3.0]]))
+    Array([[ 0.6,  0.8],
+           [ 0.8, -0.6]], dtype=float32)
+    >>> compressors.orthogonalize(jnp.array([[3.0, 0.0], [4.0, 0.0]]))  # zero column stays
+    Array([[0.6, 0. ],
+           [0.8, 0. ]], dtype=float32)
+    >>> x = jnp.array([[3.0, 0.0, 0.0], [4.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, -5.0]])
+    >>> compressors.orthogonalize(x)  # rank 3: Householder QR with LAPACK's (PyTorch's) signs
+    Array([[-0.6,  0. ,  0. ],
+           [-0.8,  0. ,  0. ],
+           [-0. , -1. ,  0. ],
+           [-0. , -0. ,  1. ]], dtype=float32)
+
+  References:
+    PyTorch ``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``
+    (``_orthogonalize``, ``_orthogonalize_gram_schmidt``); LAPACK ``dgeqrf``/``dlarfg``.
+  """
+  if method not in ORTHOGONALIZATIONS:
+    raise ValueError(f"orthogonalize: method={method!r} must be one of {ORTHOGONALIZATIONS}")
+  if method == "qr" or (method == "auto" and x.shape[-1] > 2):
+    return householder_q(x)
+  return gram_schmidt(x, epsilon)

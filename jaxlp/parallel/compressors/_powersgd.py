@@ -11,7 +11,13 @@ import jax.numpy as jnp
 from jaxlp._util import check_bool, check_int, check_number
 from jaxlp.parallel._aggregate import LOW_RANK
 from jaxlp.parallel.compressors._base import numel
-from jaxlp.parallel.compressors._lowrank import orthogonalize, outer_sum, thin_matmul, thin_matmul_t
+from jaxlp.parallel.compressors._lowrank import (
+  ORTHOGONALIZATIONS,
+  orthogonalize,
+  outer_sum,
+  thin_matmul,
+  thin_matmul_t,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,13 +25,25 @@ class PowerSGD:
   """Rank-``rank`` PowerSGD with error feedback and warm start.
 
   Per leaf ``M = g.reshape(n = shape[0], m)``, ``r = min(n, m, rank)``; compressed iff
-  ``(n + m)*r*min_compression_rate < n*m`` (vectors and small leaves go uncompressed).
-  ``batched=True``: the leaf is flattened, zero-padded to ``s^2`` (``s = ceil(sqrt(numel))``)
-  and viewed as ``s x s`` (rank not clipped). Before ``start_iter`` steps the reduction is a
-  plain mean. Order of operations in the aggregation (``compressed_allreduce``) follows
-  PyTorch: ``M += e``; ``Q = orth(Q_prev)`` (warm start) or ``orth(randn)``; ``P = M Q``;
-  ``P = psum(P)`` (no /W); ``P = orth(P)``; ``Q = M^T P``; ``Q = psum(Q)/W``; ``M~ = P Q^T``;
-  ``e = M - M~``.
+  ``(n + m)*r*min_compression_rate < n*m`` (PyTorch's ``_should_compress``: vectors and
+  small leaves go uncompressed). ``batched=True``: the leaf (with ``bucket_mb``: the whole
+  bucket) is flattened, zero-padded to ``s^2`` (``s = ceil(sqrt(numel))``) and viewed as
+  ``s x s``, ``r = min(s, rank)`` (PyTorch's ``batched_powerSGD_hook``, which does not clip
+  and fails for ``rank > s``). Before ``start_iter`` steps the reduction is a plain mean
+  (0 by default: the JAX engine has no DDP bucket rebuild; the PyTorch bridge enforces
+  PyTorch's ``start_powerSGD_iter >= 2`` where its state is per DDP bucket). Order of
+  operations in the aggregation (``compressed_allreduce``) follows PyTorch: ``M += e``;
+  ``Q = orth(Q_prev)`` (warm start) or ``orth(randn)``; ``P = M Q``; ``P = psum(P)`` (no
+  /W); ``P = orth(P)``; ``Q = M^T P``; ``Q = psum(Q)/W``; ``M~ = P Q^T``; ``e = M - M~``.
+
+  ``orth`` is PyTorch's rule (:func:`~jaxlp.parallel.compressors.orthogonalize` with
+  ``orthogonalization="auto"``): one pass of Gram-Schmidt when ``r <= 2``, Householder QR
+  (``jnp.linalg.qr``, LAPACK's signs) when ``r > 2``. With QR a gradient of rank below
+  ``r`` is reconstructed exactly (to float32 rounding); Gram-Schmidt at ``r = 2`` does not
+  recover a rank-1 gradient exactly (the second column is normalised rounding noise), as in
+  PyTorch: ``orthogonalization="qr"`` uses QR at every rank. Deviation: with
+  ``orthogonalization_epsilon = 0`` Gram-Schmidt keeps an all-zero column zero (an all-zero
+  gradient gives 0) where PyTorch's gives NaN.
 
   References:
     Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
@@ -37,6 +55,8 @@ class PowerSGD:
   warm_start: bool = True
   error_feedback: bool = True
   batched: bool = False
+  orthogonalization: str = "auto"
+  orthogonalization_epsilon: float = 0.0
   kind = "lowrank"
   aggregation = LOW_RANK
   elementwise_state = False
@@ -45,19 +65,30 @@ class PowerSGD:
     check_int("powersgd", "rank", self.rank)
     check_int("powersgd", "start_iter", self.start_iter)
     check_number("powersgd", "min_compression_rate", self.min_compression_rate)
+    check_number("powersgd", "orthogonalization_epsilon", self.orthogonalization_epsilon)
     for name in ("warm_start", "error_feedback", "batched"):
       check_bool("powersgd", name, getattr(self, name))
     if self.rank < 1:
       raise ValueError(f"rank={self.rank} must be >= 1")
     if self.start_iter < 0:
       raise ValueError(f"start_iter={self.start_iter} must be >= 0")
+    if self.orthogonalization not in ORTHOGONALIZATIONS:
+      raise ValueError(f"orthogonalization={self.orthogonalization!r} must be one of "
+                       f"{ORTHOGONALIZATIONS}")
+    if not self.orthogonalization_epsilon >= 0:
+      raise ValueError(f"orthogonalization_epsilon={self.orthogonalization_epsilon} must be "
+                       ">= 0")
+
+  def orth(self, x):
+    """This compressor's orthogonalization of P or Q (``(..., n, r)``)."""
+    return orthogonalize(x, self.orthogonalization_epsilon, self.orthogonalization)
 
   def matrix_shape(self, shape):
     """``(n, m, r)`` of the matrix view, or None if the leaf is not compressed."""
     size = numel(shape)
     if self.batched:
       s = math.isqrt(size - 1) + 1 if size else 0
-      return (s, s, self.rank) if s else None
+      return (s, s, min(s, self.rank)) if s else None
     if len(shape) == 0 or size == 0:
       return None
     n = shape[0]
@@ -90,9 +121,9 @@ class PowerSGD:
     mat = self.to_matrix(g, shape)
     if self.error_feedback:
       mat = mat + state["error"].reshape(mat.shape)
-    q = orthogonalize(state["q"]) if self.warm_start or key is None else orthogonalize(
+    q = self.orth(state["q"]) if self.warm_start or key is None else self.orth(
         jax.random.normal(key, state["q"].shape))
-    p = orthogonalize(thin_matmul(mat, q))
+    p = self.orth(thin_matmul(mat, q))
     q = thin_matmul_t(mat, p)
     new = dict(state, q=q, iter=state["iter"] + 1)
     if self.error_feedback:
@@ -111,7 +142,8 @@ class PowerSGD:
 
 
 def powersgd(rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
-             error_feedback=True, batched=False) -> PowerSGD:
+             error_feedback=True, batched=False, orthogonalization="auto",
+             orthogonalization_epsilon=0.0) -> PowerSGD:
   """PowerSGD low-rank compression (rank-``rank`` factors, two all-reduces per matrix).
 
   Args:
@@ -120,7 +152,12 @@ def powersgd(rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
     min_compression_rate: matrices that would not shrink by this factor are sent dense.
     warm_start: reuse the last ``Q`` factor (PyTorch's default).
     error_feedback: keep the approximation error and add it to the next gradient.
-    batched: compress all matrices as one batch (PyTorch's ``batch_tensors_with_same_shape``).
+    batched: PyTorch's ``batched_powerSGD_hook``: each leaf (with ``bucket_mb``: each
+      bucket) zero-padded to one square matrix.
+    orthogonalization: ``"auto"`` (PyTorch's rule: Gram-Schmidt for rank <= 2, Householder
+      QR above), ``"gram_schmidt"`` or ``"qr"``.
+    orthogonalization_epsilon: PyTorch's ``orthogonalization_epsilon`` (added to each column
+      norm in Gram-Schmidt).
 
   Returns:
     The compressor (a frozen dataclass).
@@ -134,4 +171,5 @@ def powersgd(rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
     >>> compressors.powersgd(rank=2).rank
     2
   """
-  return PowerSGD(rank, start_iter, min_compression_rate, warm_start, error_feedback, batched)
+  return PowerSGD(rank, start_iter, min_compression_rate, warm_start, error_feedback, batched,
+                  orthogonalization, orthogonalization_epsilon)

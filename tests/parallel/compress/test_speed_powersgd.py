@@ -116,7 +116,7 @@ def test_small_factors_are_not_recomputed_per_element():
 
   def body(mat, st):
     ms, ps = A.powersgd_start(c, [mat], [st], [None])
-    ps, qs = A.powersgd_middle(ms, ps)
+    ps, qs = A.powersgd_middle(c, ms, ps)
     outs, news = A.powersgd_finish(c, ms, ps, qs, [st], 4)
     return outs[0][None], news[0]
 
