@@ -20,6 +20,7 @@ counts (two tests have it).
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -38,6 +39,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# this file under a name no other folder's conftest.py takes (tests/test_fast_tier.py reads its
+# lists; a plain ``import conftest`` may find tests/torch_bridge/conftest.py)
+sys.modules["jaxlp_tests_conftest"] = sys.modules[__name__]
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -13,10 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import conftest
-
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
+# tests/conftest.py as pytest loaded it (it registers itself under this name: a plain
+# ``import conftest`` may find tests/torch_bridge/conftest.py when that one was loaded last)
+conftest = sys.modules["jaxlp_tests_conftest"]
 
 
 def _decorated_slow(fn) -> bool:

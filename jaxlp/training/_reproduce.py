@@ -410,6 +410,9 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     if toy:
       raise ValueError(f"jaxlp reproduce: {flag} and toy (--toy) both set the size of the "
                        "runs; choose one")
+  if data_dir is not None and not all(s.full for s in claim.settings):
+    raise ValueError(f"jaxlp reproduce {name}: this claim has no full-scale setting (it runs on "
+                     "built-in data only); leave out data_dir (--data-dir)")
   if claim.metric not in METRICS:
     raise ValueError(f"jaxlp reproduce: Claim.metric must be one of {METRICS}, got "
                      f"{claim.metric!r}")

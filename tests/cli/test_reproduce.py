@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
 
 from jaxlp.cli import main  # noqa: E402
-from jaxlp.training import CLAIMS  # noqa: E402
+from jaxlp.training import CLAIMS, reproduce  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
@@ -161,6 +161,10 @@ def test_full_scale_settings_use_the_seeds_models(tmp_path):
   models = {}
   for name, claim in CLAIMS.items():
     for setting in claim.settings:
+      if not setting.full:  # built-in data only (nvfp4): --data-dir is refused
+        with pytest.raises(ValueError, match="no full-scale setting"):
+          reproduce(name, seeds=(0,), out=str(tmp_path / "o"), data_dir=str(tmp_path / "d"))
+        continue
       models.setdefault(name, set()).add(setting.full["model"])
       for row in setting.rows:
         for toy in (False, True):
