@@ -90,7 +90,7 @@ def _jaxlp(args):
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
   """A finished 2-epoch run."""
   d = str(tmp_path_factory.mktemp("run") / "r")

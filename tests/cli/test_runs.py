@@ -64,7 +64,7 @@ def _cli(argv, capsys):
   return rc, capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ref(tmp_path_factory):
   """An uninterrupted 3-epoch run."""
   d = str(tmp_path_factory.mktemp("ref") / "run")

@@ -49,7 +49,9 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+# session scope: a module-scoped fixture was set up twice in one CI run (pytest-xdist ran
+# other modules' tests between this module's), doubling its 2-process run
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("ddp_hooks")
   port = str(_free_port())

@@ -49,7 +49,7 @@ NO_GPU = ("CUDA buckets need a CUDA device visible to torch and a JAX GPU backen
           "(JAX_PLATFORMS=cuda,cpu); this machine has none")
 
 
-@pytest.fixture(scope="module", params=[
+@pytest.fixture(scope="session", params=[
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not gpu_host(), reason=NO_GPU))])
 def runs(request, tmp_path_factory):
   """Both ranks' records. "cpu": gloo DDP of CPU tensors, the hooks' JAX on XLA:CPU

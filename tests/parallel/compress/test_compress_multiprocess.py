@@ -43,7 +43,7 @@ def _collect(arrays):
   return res
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results(tmp_path_factory):
   """(multi-process results, in-process reference, worker logs); the reference is computed
   while the workers run."""

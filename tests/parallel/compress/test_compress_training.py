@@ -63,7 +63,7 @@ def _train(comp, steps=250, lr=0.5):
   return float(np.mean(np.argmax(np.asarray(_logits(p0, xt)), 1) == yt))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline():
   return _train(None)
 
