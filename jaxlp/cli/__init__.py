@@ -100,6 +100,19 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "needs --momentum 0 (its momentum correction replaces SGD's); "
                       "dgc:warmup=STEPS is the steps per warm-up stage (one compiled step "
                       "per stage)")
+  g.add_argument("--shard", choices=("zero1", "zero2", "fsdp"), default=None,
+                 help="shard the optimizer state over the workers (zero1: gradients "
+                      "all-reduced; zero2: gradients reduce-scattered; fsdp: parameters "
+                      "sharded too, all-gathered each step); with an fp32 or --grad-format "
+                      "reduction the run has the replicated run's bits")
+  g.add_argument("--grad-wire", default=None, metavar="WIRE",
+                 help="--shard zero2/fsdp: gradient reduce-scatter rounded once to WIRE, "
+                      "all-to-all, float32 sum (ZeRO++ qgZ): int8-block[:B], int4-block[:B] "
+                      "(B=64 per power-of-two scale), mxfp8, mxfp6, mxfp4, mxint8, bf16, "
+                      "fp16, e4m3, ...")
+  g.add_argument("--param-wire", default=None, metavar="WIRE",
+                 help="--shard fsdp: parameter all-gather rounded once to WIRE (ZeRO++ qwZ; "
+                      "the float32 shards stay the master copy); names as --grad-wire")
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=_int(1), default=None, metavar="MANT",
                  help="HBFP mantissa bits (activations, weights and gradients in tiles)")
@@ -162,7 +175,28 @@ def _cmd_train(args) -> int:
   from jaxlp.training import train
 
   cfg = _config_from_args(args)
-  train(cfg)
+  mp = (args.coordinator, args.num_processes, args.process_id)
+  if all(v is None for v in mp):
+    train(cfg)
+    return 0
+  if any(v is None for v in mp):
+    raise ValueError("--coordinator, --num-processes and --process-id go together")
+  if args.process_id >= args.num_processes:
+    raise ValueError(f"--process-id {args.process_id} must be below --num-processes "
+                     f"{args.num_processes}")
+  if cfg.shard is None:
+    raise ValueError("a multi-process run (--coordinator) is implemented for sharded "
+                     "training: add --shard zero1, zero2 or fsdp")
+  if cfg.out is not None:
+    raise ValueError("--out is not implemented for a multi-process run (the run folder "
+                     "would need the gathered state); run without --out")
+  from jaxlp.parallel import initialize, shutdown
+
+  initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+  try:
+    train(cfg)
+  finally:
+    shutdown()
   return 0
 
 
@@ -384,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
                       description="Data-parallel training with N emulated workers whose "
                                   "gradients are reduced in low precision or compressed.")
   _add_train_args(pt)
+  g = pt.add_argument_group("multi-process (jax.distributed; one command per process)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="address of process 0 (e.g. 127.0.0.1:1234); every process runs the "
+                      "same command with its own --process-id; needs --shard")
+  g.add_argument("--num-processes", type=_int(1), default=None, help="number of processes")
+  g.add_argument("--process-id", type=_int(0), default=None, help="this process (0-based)")
   pt.set_defaults(func=_cmd_train)
 
   pc = sub.add_parser("compare", help="train several configurations; table + plots",

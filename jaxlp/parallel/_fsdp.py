@@ -31,9 +31,14 @@ then ``grad_wire`` / ``param_wire``. Every pattern must match at least one leaf 
 
 Gradient wires:
 
-* ``None``: :func:`jaxlp.parallel.reduce_scatter` in float32 with ``order`` (``"native"``:
-  the backend's ``psum_scatter``); with ``"ring"``, ``"chain"`` or ``"tree"`` the bits of
-  ``jaxlp.parallel.psum(g, fmt=FP32, order=order)``.
+* ``None``: :func:`jaxlp.parallel.reduce_scatter` in float32 with ``order``; with
+  ``"ring"``, ``"chain"`` or ``"tree"`` the bits of ``jaxlp.parallel.psum(g, fmt=FP32,
+  order=order)``. ``"native"``: the backend's own collectives in float32 -- ``psum_scatter``
+  for a leaf cut along its first dimension, ``lax.psum`` of the whole leaf and this worker's
+  slice for a flattened one (padding it would change how XLA compiles the sum: XLA fuses a
+  ``psum`` with the reduction that computed the gradient). Where the backend's
+  ``psum_scatter`` adds like its ``psum`` (XLA:CPU, tested in ``jaxlp train``) this gives the
+  bits of ``lax.psum(g)``, i.e. of an fp32 replicated data-parallel step.
 * an elementwise format (``jaxlp.formats.BF16``, ``E4M3``, ``cpd_float(...)``...) with an
   order of psum (``"ring"``, ``"chain"``, ``"tree"``, ``"native"``): every partial sum rounded
   (psum's semantics: ``aps``, ``kahan``, ``rounding``), the bits of
@@ -200,9 +205,9 @@ class ShardedOptimizer:
   :func:`sharded_optimizer`; the module docstring of :mod:`jaxlp.parallel._fsdp` has the
   semantics).
 
-  ``shard``, ``gather``, ``init`` and ``update`` run inside the worker's program (a
-  ``shard_map``, ``pmap`` or ``vmap`` over ``axis_name``); ``stack_shards``,
-  ``unstack_shards`` and ``wire_bytes`` run outside it.
+  ``shard``, ``gather``, ``reduce``, ``update`` (and ``init`` without ``num_workers``) run
+  inside the worker's program (a ``shard_map``, ``pmap`` or ``vmap`` over ``axis_name``);
+  ``stack_shards``, ``unstack_shards`` and ``wire_bytes`` run outside it.
 
   Attributes:
     optimizer: the optax transformation applied to the shards.
@@ -303,16 +308,18 @@ class ShardedOptimizer:
       out.append(self._from_gathered(full, leaf, w))
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
-  def init(self, shards) -> ShardedOptState:
+  def init(self, shards, *, num_workers: int | None = None) -> ShardedOptState:
     """The state for this worker: ``optimizer.init(shards)`` and the wire states.
 
     Args:
       shards: this worker's shards (:meth:`shard`).
+      num_workers: W, for a call outside the workers' program (e.g. ``jax.vmap(partial(
+        tx.init, num_workers=W))(stacked)``); None: the size of ``axis_name``.
 
     Returns:
       A :class:`ShardedOptState`.
     """
-    w, _ = self._w("init")
+    w = int(num_workers) if num_workers is not None else self._w("init")[0]
     self._flat(shards, "shards")
     base = jax.random.key(0) if self.key is None else self.key
     wire = []
@@ -338,30 +345,30 @@ class ShardedOptimizer:
     return g is not None and (_is_compressor(g) or not is_elementwise(g)
                               or self.order == "all_to_all")
 
-  def update(self, grads, state: ShardedOptState, shards=None, *, reduced: bool = False):
-    """Reduce-scatter ``grads`` to this worker's shard and run the optimizer on it.
+  def reduce(self, grads, state: ShardedOptState, *, reduced: bool = False):
+    """Reduce-scatter ``grads``: this worker's shard of the (mean) gradient, each leaf over
+    its ``grad_wire`` (the first half of :meth:`update`).
 
     Args:
       grads: this worker's full gradients (shaped like the parameters).
       state: from :meth:`init`.
-      shards: this worker's shards (passed to the optimizer as ``params``; needed by e.g.
-        ``optax.add_decayed_weights``).
       reduced: the gradients are already summed over the workers (identical everywhere, e.g.
         from ``jaxlp.parallel.psum``): take this worker's slice, no communication and no
         ``mean`` division (ZeRO-1).
 
     Returns:
-      ``(updates, new_state)``: updates shaped like the shards, for ``optax.apply_updates``.
+      ``(shard_grads, new_state)``: gradients shaped like the shards; the state with the
+      step count and the wire states advanced (``inner`` unchanged).
     """
-    w, me = self._w("update")
+    w, me = self._w("reduce")
     gl = self._flat(grads, "grads")
     step_key = jax.random.fold_in(state.key, state.count)
     out, new_wire = [], []
     for i, (leaf, g, ws) in enumerate(zip(self.leaves, gl, state.wire, strict=True)):
       g = jnp.asarray(g)
       if tuple(g.shape) != leaf.shape:
-        raise ValueError(f"{_WHO}: update: gradient {leaf.path!r} has shape {g.shape}, "
-                         f"expected {leaf.shape}")
+        raise ValueError(f"{_WHO}: gradient {leaf.path!r} has shape {g.shape}, expected "
+                         f"{leaf.shape}")
       x = self._reduce_layout(g, leaf, w)
       k = self._shard_len(leaf, w)
       if reduced:
@@ -373,6 +380,12 @@ class ShardedOptimizer:
                                           else self.rounding)
         out.append(s)
         new_wire.append(ws)
+      elif leaf.grad_wire is None and self.order == "native" and not self._rows(leaf.shape, w):
+        # the backend's all-reduce of the unpadded leaf, then this worker's slice: padding
+        # would change how XLA compiles the sum (it fuses a psum with the reduction before it)
+        red = lax.psum(_div(g, w) if self.mean else g, _axes.as_tuple(self.axis_name))
+        out.append(lax.dynamic_slice_in_dim(self._reduce_layout(red, leaf, w), me * k, k, 0))
+        new_wire.append(ws)
       else:
         if self.mean:
           x = _div(x, w)
@@ -382,9 +395,26 @@ class ShardedOptimizer:
                                   rounding=self.rounding if leaf.grad_wire is not None
                                   else "nearest", key=key))
         new_wire.append(ws)
-    sg = jax.tree_util.tree_unflatten(self.treedef, out)
+    return (jax.tree_util.tree_unflatten(self.treedef, out),
+            state._replace(count=state.count + 1, wire=tuple(new_wire)))
+
+  def update(self, grads, state: ShardedOptState, shards=None, *, reduced: bool = False):
+    """Reduce-scatter ``grads`` to this worker's shard (:meth:`reduce`) and run the optimizer
+    on it.
+
+    Args:
+      grads: this worker's full gradients (shaped like the parameters).
+      state: from :meth:`init`.
+      shards: this worker's shards (passed to the optimizer as ``params``; needed by e.g.
+        ``optax.add_decayed_weights``).
+      reduced: as in :meth:`reduce` (ZeRO-1: the gradients are already all-reduced).
+
+    Returns:
+      ``(updates, new_state)``: updates shaped like the shards, for ``optax.apply_updates``.
+    """
+    sg, state = self.reduce(grads, state, reduced=reduced)
     updates, inner = self.optimizer.update(sg, state.inner, shards)
-    return updates, ShardedOptState(state.count + 1, state.key, inner, tuple(new_wire))
+    return updates, state._replace(inner=inner)
 
   # -- outside the map -----------------------------------------------------------------------
   def stack_shards(self, params, num_workers: int):
@@ -436,9 +466,12 @@ class ShardedOptimizer:
     for leaf in self.leaves:
       full = jax.ShapeDtypeStruct(self._reduce_shape(leaf, w), jnp.float32)
       comp = self._compressed(leaf)
-      rs += sharded_wire_bytes(full, w, fmt=leaf.grad_wire,
-                               order="all_to_all" if comp else self.order,
-                               kahan=self.kahan and not comp, aps=self.aps and not comp)
+      if leaf.grad_wire is None and self.order == "native" and not self._rows(leaf.shape, w):
+        rs += 2 * (w - 1) * self._shard_len(leaf, w) * 4  # all-reduce (ring) of the leaf
+      else:
+        rs += sharded_wire_bytes(full, w, fmt=leaf.grad_wire,
+                                 order="all_to_all" if comp else self.order,
+                                 kahan=self.kahan and not comp, aps=self.aps and not comp)
       shard = jax.ShapeDtypeStruct(self.shard_shape(leaf, w), leaf.dtype)
       ag += sharded_wire_bytes(shard, w, collective="all_gather", fmt=leaf.param_wire)
     return {"reduce_scatter": int(rs), "all_gather": int(ag)}
@@ -484,8 +517,9 @@ def sharded_optimizer(optimizer, axis_name, params, *, grad_wire=None, param_wir
     key: base PRNG key for stochastic rounding (default ``jax.random.key(0)``).
 
   Returns:
-    A :class:`ShardedOptimizer` with ``shard``, ``init``, ``gather``, ``update`` (inside the
-    workers' program) and ``stack_shards``, ``unstack_shards``, ``wire_bytes`` (outside).
+    A :class:`ShardedOptimizer` with ``shard``, ``init``, ``gather``, ``reduce``, ``update``
+    (inside the workers' program) and ``stack_shards``, ``unstack_shards``, ``wire_bytes``
+    (outside).
 
   Raises:
     TypeError: a wire that is not a jaxlp format or compressor (a block format without axis

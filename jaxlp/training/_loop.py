@@ -45,7 +45,9 @@ class TrainConfig:
   The fields group as in ``jaxlp train --help``: model and data (``model``, ``data``,
   ``data_dir``, ``width``); workers and gradient reduction (``nodes``, ``devices``,
   ``grad_exp``/``grad_man`` or ``grad_format``, ``order``, ``aps``, ``kahan``, ``lars``,
-  ``compress``); forward/backward quantization (``hbfp``, ``tile``, ``weight_man``,
+  ``compress``); sharded training (``shard``: ``"zero1"``, ``"zero2"`` or ``"fsdp"``;
+  ``grad_wire``, ``param_wire``: see :mod:`jaxlp.training._sharded`); forward/backward
+  quantization (``hbfp``, ``tile``, ``weight_man``,
   ``policy``, ``exact_blocks``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
   ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
   ``overwrite``, ``migrate_pickle``, ``quiet``). ``max_steps_per_epoch`` caps an epoch (for
@@ -80,6 +82,9 @@ class TrainConfig:
   kahan: bool = False
   lars: bool = False
   compress: str | None = None
+  shard: str | None = None
+  grad_wire: str | None = None
+  param_wire: str | None = None
   hbfp: int | None = None
   tile: int | None = None
   weight_man: int | None = None
@@ -225,7 +230,7 @@ _FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= 
 _BOOL_FIELDS = ("aps", "kahan", "lars", "exact_blocks", "resume", "overwrite", "migrate_pickle",
                 "quiet")
 _STR_FIELDS = ("model", "data", "data_dir", "grad_format", "order", "compress", "policy",
-               "schedule", "out")
+               "schedule", "out", "shard", "grad_wire", "param_wire")
 
 
 def _flag(name):
@@ -367,7 +372,8 @@ def check_flags(cfg: TrainConfig) -> dict:
   naming the flag): field types and ranges, devices, gradient format, compressor, policy.
 
   Returns the resolved pieces: ``ndev``, ``fmt``, ``compressor``, ``reduce_opts``,
-  ``policy``. ``jaxlp compare`` calls it for every configuration before the first run."""
+  ``grad_wire``, ``param_wire``, ``policy``. ``jaxlp compare`` calls it for every
+  configuration before the first run."""
   check_config(cfg)
   if cfg.devices > 0:
     ndev = cfg.devices
@@ -390,8 +396,9 @@ def check_flags(cfg: TrainConfig) -> dict:
         f"--order {cfg.order} applies only to a low-precision gradient sum (--grad-exp/"
         "--grad-man or --grad-format): fp32 runs reduce with lax.psum and --compress runs "
         "with the compressor's aggregation (choose it with --compress NAME:algorithm=...)")
-  return {"ndev": ndev, "fmt": fmt, "compressor": compressor, "reduce_opts": reduce_opts,
-          "policy": _policy(cfg)}
+  flags = {"ndev": ndev, "fmt": fmt, "compressor": compressor, "reduce_opts": reduce_opts}
+  from jaxlp.training import _sharded
+  return flags | _sharded.check(cfg, flags) | {"policy": _policy(cfg)}
 
 
 def _device_bytes(dev) -> tuple[int | None, str]:
@@ -499,7 +506,7 @@ class Trainer:
     # specified bits (jaxlp.training._portable), so the run is the same on every backend
     self.portable = bool(cfg.exact_blocks and cfg.model in ("mlp", "cnn") and not cfg.lars
                          and cfg.weight_man is None and self.compressor is None
-                         and self.fmt is None)
+                         and self.fmt is None and cfg.shard is None)
     self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
                          portable=self.portable, **kw)
     key = jax.random.key(cfg.seed)
@@ -562,6 +569,10 @@ class Trainer:
     self.epoch = 0
     self.step = 0
     self._build_step()
+    self._shard = None
+    if cfg.shard is not None:  # parameters / optimizer state sharded over the workers
+      from jaxlp.training._sharded import ShardedRun
+      self._shard = ShardedRun(self, flags)
 
   @staticmethod
   def _lr_table(lr, steps: int):
@@ -591,6 +602,8 @@ class Trainer:
     """Bytes each worker sends at step ``step`` (:func:`wire_bytes_per_step` of that step's
     compressor: DGC's warm-up stages send less as the sparsity rises)."""
     stage = self._stage(step)
+    if stage not in self._wire_bytes and self._shard is not None:
+      self._wire_bytes[stage] = self._shard.wire_bytes(self._compressor_at(step))
     if stage not in self._wire_bytes:
       self._wire_bytes[stage] = wire_bytes_per_step(
           self.cfg, self._compressor_at(step), self.params,
@@ -620,7 +633,8 @@ class Trainer:
     return psum(g, self.axis, fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
                 rounding="nearest"), comp_state
 
-  def _build_step(self):
+  def _node_loss(self):
+    """The loss of one worker's batch, pre-scaled by 1/W, and its new batch statistics."""
     import optax
 
     model, W = self.model, self.cfg.nodes
@@ -640,6 +654,14 @@ class Trainer:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
 
+    return node_loss
+
+  def _build_step(self):
+    import optax
+
+    model, W = self.model, self.cfg.nodes
+    has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
+    node_loss = self._node_loss()
     mesh = None
     if self.ndev > 1:
       mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -735,9 +757,10 @@ class Trainer:
     with _device_memory(cfg, "evaluating"):
       acc = self.evaluate()
     self.epoch += 1
+    mem = {} if self._shard is None else self._shard.memory()
     return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), "test_accuracy": acc,
             "wire_bytes": int(wire), "steps": steps,
-            "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0}
+            "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0} | mem
 
   # -- checkpoints -----------------------------------------------------------------------
   def state_dict(self):
@@ -762,6 +785,8 @@ class Trainer:
     """Put the state where the compiled step leaves it (replicated over the mesh; the workers'
     compression state split over it), so that the first step and the later ones share one
     executable instead of compiling twice. A no-op on one device or for placed arrays."""
+    if self._shard is not None:
+      return self._shard.place()
     if self._mesh is None:
       return
     rep = jax.sharding.NamedSharding(self._mesh, P())
@@ -927,6 +952,8 @@ class _Run:
       _runs.atomic_write(metrics_path, b"")
     rec = _runs.recorded_config(cfg) | {"n_params": trainer.n_params,
                                         "wire_bytes_per_step": trainer.wire_per_step}
+    if trainer._shard is not None:
+      rec |= trainer._shard.memory()
     _runs.atomic_write(os.path.join(cfg.out, _runs.CONFIG),
                        (json.dumps(rec, indent=2) + "\n").encode())
     self._header(notes)
@@ -942,6 +969,8 @@ class _Run:
                  f"device(s), gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
+    if trainer._shard is not None:
+      stream.write(trainer._shard.header() + "\n")
     for note in notes:
       stream.write(f"jaxlp train: {note}\n")
     stream.flush()
