@@ -963,7 +963,7 @@ class _Run:
     cfg, trainer, stream = self.cfg, self.trainer, self.stream
     if cfg.quiet:
       return
-    fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
+    fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or cfg.grad_wire or "fp32")
     stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
                  f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} "
                  f"device(s), gradients {fmt}"
