@@ -35,6 +35,7 @@ BENCHMARKS = {
     "reduce": ("CPU", ("--small",)),
     "compressors": ("CPU, GPU", ("--small",)),
     "loopback": ("CPU", ("--smoke",)),
+    "sharded": ("CPU", ("--smoke",)),
     "torch_quantize": ("CPU, GPU", ("--small",)),
     "engine_compile": ("CPU, GPU", ("--model", "tiny")),
 }
