@@ -8,7 +8,9 @@ given rate) and launches W processes that join one ``jax.distributed`` job on 12
 each method and times its compiled training step -- all-gather of the parameters, forward and
 backward on the worker's batch, reduce-scatter of the gradients, SGD with momentum on the
 shard -- on real batches: one warm-up step (compile), then ``--steps`` timed steps; a step's
-time is the slowest worker's (median and min over steps).
+time is the slowest worker's (median and min over steps). "local ms" is the same step with
+the W workers emulated in the driver process (named vmap: the collectives are in-memory
+copies), divided by W: the compute + encode/decode share of a step, without the network.
 
 Methods (``--grad-wire`` / ``--param-wire`` of ``jaxlp train``): ``fp32`` (the backend's
 reduce-scatter and all-gather in float32), ``bf16``, ``int8-block``, ``int4-block`` (the
@@ -251,6 +253,33 @@ def step_rows(results, methods, w):
   return rows
 
 
+def local_ms(a, methods, w):
+  """Per method: the same step with the W workers emulated in this process (named vmap,
+  collectives in memory), divided by W: the compute + encode/decode share of a step."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxlp.training import Trainer
+  out = {}
+  for name in methods:
+    t = Trainer(config(name, a, w, devices=1))
+    step = t._make_train_step(None)
+    ds = t.ds
+    idx = np.arange(a.batch_size)
+    x, y = jnp.asarray(ds.x_train[idx]), jnp.asarray(ds.y_train[idx])
+    state = (t.params, t.batch_stats, t.opt_state, t.comp_state)
+    ts = []
+    for i in range(a.steps + 1):
+      t0 = time.perf_counter()
+      res = jax.block_until_ready(step(*state, x, y, jax.random.fold_in(t.step_key, i)))
+      ts.append(time.perf_counter() - t0)
+      state = res[:4]
+    out[name] = float(np.median(ts[1:])) / w
+    print(f"# local {name}: {1e3 * out[name]:.1f} ms per worker", file=sys.stderr, flush=True)
+  return out
+
+
 def accuracy(a, methods, seeds, w):
   """Final test accuracy of every (method, seed): W emulated workers on one device."""
   from jaxlp.training import train
@@ -277,6 +306,8 @@ def main(argv=None):
   ap.add_argument("--seeds", default="0,1,2", help="accuracy seeds ('' to skip)")
   ap.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs")
   ap.add_argument("--accuracy-methods", default="fp32,int4+int8")
+  ap.add_argument("--no-local", dest="local", action="store_false",
+                  help="skip the no-network timing of each method (W workers in one process)")
   ap.add_argument("--max-steps-per-epoch", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the timed job")
   ap.add_argument("--fast-compile", action="store_true",
@@ -324,21 +355,23 @@ def main(argv=None):
   rc, results = run_env(a.rate, a.workers, a, ok)
   print(f"# timed job: exit {rc}, wall {time.perf_counter() - t0:.0f} s", file=sys.stderr)
   rows = step_rows(results, methods, a.workers)
-  print("| link | W | method | grad wire | param wire | wire MB/worker/step | step ms median | "
-        "step ms min | speedup vs fp32 | params+opt state per device | replicated | "
-        "identical on all workers |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  local = local_ms(a, methods, a.workers) if a.local else {}
+  print("| link | W | method | grad wire | param wire | wire MB/worker/step | local ms (no net) | "
+        "step ms median | step ms min | speedup vs fp32 | params+opt state per device | "
+        "replicated | identical on all workers |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   bad = 0
   for name, d in rows:
     gw, pw = METHODS[name]
     if d is None:
-      print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | - | "
+      print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | - | - | "
             "(did not finish) | - | - | - | - | - |")
       bad = 1
       continue
     sp = f"{d['base'] / d['med']:.2f}x" if d["base"] else "-"
+    loc = f"{1e3 * local[name]:.1f}" if name in local else "-"
     print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | "
-          f"{d['wire'] / 1e6:.3f} | {1e3 * d['med']:.1f} | {1e3 * d['mn']:.1f} | {sp} | "
+          f"{d['wire'] / 1e6:.3f} | {loc} | {1e3 * d['med']:.1f} | {1e3 * d['mn']:.1f} | {sp} | "
           f"{d['dev'] / 2**20:.2f} MiB ({d['dev'] / d['rep']:.3f}x) | "
           f"{d['rep'] / 2**20:.2f} MiB | {'yes' if d['same'] else 'NO'} |")
     bad = bad or not d["same"]

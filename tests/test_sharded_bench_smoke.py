@@ -22,19 +22,19 @@ def test_sharded_bench_smoke():
   rows = {}
   for line in p.stdout.splitlines():
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-    if len(cells) == 12 and cells[2] in ("fp32", "int4+int8"):
+    if len(cells) == 13 and cells[2] in ("fp32", "int4+int8"):
       rows[cells[2]] = cells
   assert set(rows) == {"fp32", "int4+int8"}, log
   throttled = "NOT available" not in p.stdout
-  for name, (link, w, _, _gw, _pw, wire, med, mn, speed, mem, _rep, same) in rows.items():
+  for name, (link, w, _, _gw, _pw, wire, loc, med, mn, speed, mem, _rep, same) in rows.items():
     assert link == ("1gbit" if throttled else "unthrottled") and w == "2", log
-    assert float(wire) > 0 and float(mn) <= float(med), log
+    assert float(wire) > 0 and float(loc) > 0 and float(mn) <= float(med), log
     assert re.fullmatch(r"\d+\.\d\dx", speed), log
     # each of the 2 devices holds about half of the replicated parameters + momentum
     frac = float(re.search(r"\(([\d.]+)x\)", mem).group(1))
     assert 0.5 <= frac < 0.52, log
     assert same == "yes", (name, log)  # every worker gathered the same parameters
-  assert rows["fp32"][8] == "1.00x" and (rows["fp32"][3], rows["fp32"][4]) == ("fp32", "fp32")
+  assert rows["fp32"][9] == "1.00x" and (rows["fp32"][3], rows["fp32"][4]) == ("fp32", "fp32")
   assert (rows["int4+int8"][3], rows["int4+int8"][4]) == ("int4-block", "int8-block")
   assert float(rows["int4+int8"][5]) < float(rows["fp32"][5]) / 3, log  # the wires' bytes
   assert re.search(r"goal: int4\+int8 >= 3x the fp32 sharded step: [\d.]+x -> (not )?met",
