@@ -57,10 +57,12 @@ Gradient wires:
   next step's gradient -- a float32 array the size of the full leaf per worker).
 
 The ``optimizer`` sees only the shard: the result equals the replicated optimizer's when it
-is elementwise (``optax.sgd`` with or without momentum, ``adam``, ``adamw``,
-``add_decayed_weights``, ...). Transforms that look at a whole leaf or all leaves
-(``clip_by_global_norm``, LARS / LAMB trust ratios, Adafactor's factored moments) compute
-per shard -- a different optimizer.
+is elementwise (``optax.sgd`` with or without momentum and ``add_decayed_weights``: the same
+bits, tested; ``adam`` / ``adamw``: the same arithmetic, but XLA may compile the scalar
+bias-correction division differently at the shard's shape, so the bits can be an ulp
+apart). Transforms that look at a whole leaf or all leaves (``clip_by_global_norm``, LARS /
+LAMB trust ratios, Adafactor's factored moments) compute per shard -- a different
+optimizer.
 
 ZeRO levels: keep ``shards`` between steps and gather at the start (FSDP / ZeRO-3); or keep the
 full parameters replicated, ``shards = tx.shard(params)`` each step and ``params =

@@ -17,10 +17,11 @@ Gradient reduce-scatter of ``zero2``/``fsdp``: fp32 by default -- the backend's
 (emulated workers of a device first, then devices), which on XLA:CPU gives every element the
 bits of that ``psum`` (tested), so an fp32 sharded run equals the replicated run bit for bit;
 ``--grad-format F`` (with ``--order``, ``--aps``, ``--kahan``): every partial sum rounded to
-F in the declared order, psum's bits, so again equal to the replicated run with the same
-flags; ``--grad-wire W``: quantize once, all-to-all, float32 sum (qgZ; no replicated
-counterpart); ``--compress SPEC``: a dense quantizer or cast per slab
-(:func:`jaxlp.parallel.sharded_support` names why the others cannot run sharded).
+F in the declared order, psum's bits (``--order ring``, ``chain`` or ``tree``), so again
+equal to the replicated run with the same flags; ``--grad-wire W``: quantize once,
+all-to-all, float32 sum (qgZ; no replicated counterpart); ``--compress SPEC``: a dense
+quantizer or cast per slab (:func:`jaxlp.parallel.sharded_support` names why the others
+cannot run sharded).
 
 Multi-process (``jaxlp train --coordinator HOST:PORT --num-processes N --process-id I``): one
 mesh over every process's devices; the inputs are the same on every process (the data and its
