@@ -98,6 +98,23 @@ def test_wire_flags_change_the_result_and_are_reported(fp32_runs, tmp_path, caps
   assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_wire_names():
+  from jaxlp import formats as F
+  from jaxlp.training._sharded import parse_wire
+  assert parse_wire("fp32", "--grad-wire") is None and parse_wire(None, "--grad-wire") is None
+  assert parse_wire("int4-block", "--grad-wire") == F.BlockFormat(3, axis=-1, block_size=64)
+  assert parse_wire("INT8-block:128", "--grad-wire") == F.BlockFormat(7, axis=-1,
+                                                                     block_size=128)
+  assert parse_wire("mxfp4", "--grad-wire") == F.mx(F.E2M1FN)
+  assert parse_wire("mxfp8", "--grad-wire") == F.mx(F.E4M3FN)
+  assert parse_wire("mxint8", "--param-wire") == F.mx("int8")
+  assert parse_wire("bf16", "--param-wire") == F.BF16
+  with pytest.raises(ValueError, match="only int8-block and int4-block take"):
+    parse_wire("bf16:32", "--grad-wire")
+  with pytest.raises(ValueError, match="block size must be in"):
+    parse_wire("int4-block:0", "--grad-wire")
+
+
 REFUSED = [
     (["--grad-wire", "bf16"], "--grad-wire applies to sharded training"),
     (["--shard", "zero1", "--grad-wire", "bf16"], "--grad-wire applies to --shard zero2/fsdp"),
