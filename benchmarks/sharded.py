@@ -288,10 +288,45 @@ def accuracy(a, methods, seeds, w):
     for s in seeds:
       t0 = time.perf_counter()
       hist = train(config(name, a, w, devices=1, seed=s, epochs=a.epochs))
-      acc[(name, s)] = hist[-1]["test_accuracy"]
-      print(f"# accuracy {name} seed {s}: {acc[(name, s)]:.4f} ({time.perf_counter() - t0:.0f} "
-            "s)", file=sys.stderr, flush=True)
+      acc[(name, s)] = (hist[-1]["test_accuracy"], hist[-1]["train_loss"])
+      print(f"# accuracy {name} seed {s}: {acc[(name, s)][0]:.4f}, train loss "
+            f"{acc[(name, s)][1]:.5f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+            flush=True)
   return acc
+
+
+def timing(a, methods, label, ok):
+  """The timed job over the link and its table; returns (exit code, bad rows)."""
+  t0 = time.perf_counter()
+  rc, results = run_env(a.rate, a.workers, a, ok)
+  print(f"# timed job: exit {rc}, wall {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+  rows = step_rows(results, methods, a.workers)
+  local = local_ms(a, methods, a.workers) if a.local else {}
+  print("| link | W | method | grad wire | param wire | wire MB/worker/step | local ms (no net) | "
+        "step ms median | step ms min | speedup vs fp32 | params+opt state per device | "
+        "replicated | identical on all workers |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  bad = 0
+  for name, d in rows:
+    gw, pw = METHODS[name]
+    if d is None:
+      print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | - | - | "
+            "(did not finish) | - | - | - | - | - |")
+      bad = 1
+      continue
+    sp = f"{d['base'] / d['med']:.2f}x" if d["base"] else "-"
+    loc = f"{1e3 * local[name]:.1f}" if name in local else "-"
+    print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | "
+          f"{d['wire'] / 1e6:.3f} | {loc} | {1e3 * d['med']:.1f} | {1e3 * d['mn']:.1f} | {sp} | "
+          f"{d['dev'] / 2**20:.2f} MiB ({d['dev'] / d['rep']:.3f}x) | "
+          f"{d['rep'] / 2**20:.2f} MiB | {'yes' if d['same'] else 'NO'} |")
+    bad = bad or not d["same"]
+  goal = dict(rows).get(GOAL[0])
+  if goal and goal["base"]:
+    sp = goal["base"] / goal["med"]
+    print(f"goal: {GOAL[0]} >= {GOAL[1]:.0f}x the fp32 sharded step: {sp:.2f}x -> "
+          f"{'met' if sp >= GOAL[1] else 'not met'}")
+  return rc, bad
 
 
 def main(argv=None):
@@ -306,6 +341,8 @@ def main(argv=None):
   ap.add_argument("--seeds", default="0,1,2", help="accuracy seeds ('' to skip)")
   ap.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs")
   ap.add_argument("--accuracy-methods", default="fp32,int4+int8")
+  ap.add_argument("--skip-timing", action="store_true",
+                  help="only the accuracy runs (no network job, no step table)")
   ap.add_argument("--no-local", dest="local", action="store_false",
                   help="skip the no-network timing of each method (W workers in one process)")
   ap.add_argument("--max-steps-per-epoch", type=int, default=None, help=argparse.SUPPRESS)
@@ -351,47 +388,22 @@ def main(argv=None):
         f"global batch {a.batch_size}, steps={a.steps}, link {label} "
         f"(tc tbf on lo in unshare -rn: {'yes' if ok else 'NO'}); load average at start "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
-  t0 = time.perf_counter()
-  rc, results = run_env(a.rate, a.workers, a, ok)
-  print(f"# timed job: exit {rc}, wall {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-  rows = step_rows(results, methods, a.workers)
-  local = local_ms(a, methods, a.workers) if a.local else {}
-  print("| link | W | method | grad wire | param wire | wire MB/worker/step | local ms (no net) | "
-        "step ms median | step ms min | speedup vs fp32 | params+opt state per device | "
-        "replicated | identical on all workers |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  bad = 0
-  for name, d in rows:
-    gw, pw = METHODS[name]
-    if d is None:
-      print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | - | - | "
-            "(did not finish) | - | - | - | - | - |")
-      bad = 1
-      continue
-    sp = f"{d['base'] / d['med']:.2f}x" if d["base"] else "-"
-    loc = f"{1e3 * local[name]:.1f}" if name in local else "-"
-    print(f"| {label} | {a.workers} | {name} | {gw or 'fp32'} | {pw or 'fp32'} | "
-          f"{d['wire'] / 1e6:.3f} | {loc} | {1e3 * d['med']:.1f} | {1e3 * d['mn']:.1f} | {sp} | "
-          f"{d['dev'] / 2**20:.2f} MiB ({d['dev'] / d['rep']:.3f}x) | "
-          f"{d['rep'] / 2**20:.2f} MiB | {'yes' if d['same'] else 'NO'} |")
-    bad = bad or not d["same"]
-  goal = dict(rows).get(GOAL[0])
-  if goal and goal["base"]:
-    sp = goal["base"] / goal["med"]
-    print(f"goal: {GOAL[0]} >= {GOAL[1]:.0f}x the fp32 sharded step: {sp:.2f}x -> "
-          f"{'met' if sp >= GOAL[1] else 'not met'}")
+  rc = bad = 0
+  if not a.skip_timing:
+    rc, bad = timing(a, methods, label, ok)
   seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
   acc_methods = [m for m in a.accuracy_methods.split(",") if m]
   if seeds and acc_methods:
     acc = accuracy(a, acc_methods, seeds, a.workers)
-    print(f"\n# accuracy: {a.epochs} epochs, W={a.workers} emulated workers, final test accuracy")
+    print(f"\n# accuracy: {a.epochs} epochs, W={a.workers} emulated workers, final test accuracy "
+          "(final train loss)")
     print("| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | gap vs fp32 |")
     print("|---|" + "---|" * len(seeds) + "---|---|")
-    means = {m: sum(acc[(m, s)] for s in seeds) / len(seeds) for m in acc_methods}
+    means = {m: sum(acc[(m, s)][0] for s in seeds) / len(seeds) for m in acc_methods}
     for m in acc_methods:
       gap = f"{100 * (means[m] - means['fp32']):+.2f} points" if "fp32" in means else "-"
-      print(f"| {m} | " + " | ".join(f"{acc[(m, s)]:.4f}" for s in seeds)
-            + f" | {means[m]:.4f} | {gap} |")
+      print(f"| {m} | " + " | ".join(f"{acc[(m, s)][0]:.4f} ({acc[(m, s)][1]:.5f})"
+                                     for s in seeds) + f" | {means[m]:.4f} | {gap} |")
     if "fp32" in means and GOAL[0] in means:
       gap = means["fp32"] - means[GOAL[0]]
       print(f"goal: {GOAL[0]} within {100 * ACC_GAP:.1f} points of fp32 (mean of seeds): "
