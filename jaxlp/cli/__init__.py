@@ -24,6 +24,8 @@ DEFAULT_COMPARE = [
 
 
 _SEED_WHY = " (JAX's PRNG seeds are 32-bit: a larger seed would repeat a smaller one)"
+#: what a --shard run reports about its memory (metrics.jsonl; compare's summary.json)
+_MEMORY_KEYS = ("state_bytes_per_device", "replicated_state_bytes_per_device")
 #: files ``jaxlp compare`` writes into --out beside the run folders
 _COMPARE_FILES = ("summary.json", "accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png")
 
@@ -289,6 +291,7 @@ def _cmd_compare(args) -> int:
     with open(os.path.join(out, "summary.json"), "w") as f:
       json.dump([{"config": n, "dir": d, "final_test_accuracy": h[-1]["test_accuracy"],
                   "best_test_accuracy": max(x["test_accuracy"] for x in h)}
+                 | {k: h[-1][k] for k in _MEMORY_KEYS if k in h[-1]}  # --shard runs
                  for n, d, h in results], f, indent=2)
     if not args.no_plot:
       paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])

@@ -186,3 +186,13 @@ def test_two_processes_over_jax_distributed(capsys):
 
   assert result(outs[0][1]) == result(outs[1][1]) == result(local)
   assert "2 worker(s) on 2 device(s)" in outs[0][1]
+
+
+def test_compare_summary_reports_sharded_memory(tmp_path, capsys):
+  out = tmp_path / "cmp"
+  assert main(["compare", "--config", "fsdp=--shard fsdp", "--out", str(out), "--no-plot", "--",
+               "--nodes", "4", "--width", "2", "--batch-size", "32", "--epochs", "1",
+               "--max-steps-per-epoch", "1"]) == 0
+  (row,) = json.loads((out / "summary.json").read_text())
+  assert row["config"] == "fsdp"
+  assert 0 < row["state_bytes_per_device"] <= row["replicated_state_bytes_per_device"]
