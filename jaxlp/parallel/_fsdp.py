@@ -221,6 +221,20 @@ class ShardedOptimizer:
     axis_name: the data axis (or tuple of axes, worker-major).
     leaves: per parameter leaf (tree-flatten order) its '/'-joined ``path``, ``shape``,
       ``dtype``, ``grad_wire`` and ``param_wire`` after include/exclude/rules.
+
+  Example:
+    Which wire each leaf got, and the shards of 4 workers:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from jaxlp import parallel as P
+    >>> from jaxlp import formats as F
+    >>> params = {"bias": jnp.zeros(10), "kernel": jnp.zeros((8, 5))}
+    >>> tx = P.sharded_optimizer(optax.sgd(0.1), "w", params, grad_wire=F.BF16,
+    ...                          rules=[("bias", None)])
+    >>> [(leaf.path, leaf.grad_wire) for leaf in tx.leaves]
+    [('bias', None), ('kernel', jaxlp.formats.BF16)]
+    >>> [tx.shard_shape(leaf, 4) for leaf in tx.leaves]   # bias: flattened, padded to 12
+    [(3,), (2, 5)]
   """
 
   optimizer: Any
@@ -557,7 +571,7 @@ def sharded_optimizer(optimizer, axis_name, params, *, grad_wire=None, param_wir
     ...                          grad_wire=F.BlockFormat(3, axis=-1, block_size=32),
     ...                          param_wire=F.mx("int8"), exclude="b")
     >>> def loss(p, x):
-    ...   return jnp.sum((x @ p["w"] + p["b"]) ** 2)
+    ...   return jnp.sum((x @ p["w"] + p["b"][None]) ** 2)
     >>> def step(shards, state, x):
     ...   full = tx.gather(shards)                    # all-gather (qwZ)
     ...   g = jax.grad(loss)(full, x)                 # this worker's gradient
