@@ -30,7 +30,7 @@ accuracy per seed, the mean and its gap to fp32.
 Usage:
   python benchmarks/sharded.py [--rate 1gbit] [--workers 4] [--width 192] [--steps 5]
       [--methods fp32,bf16,int8-block,int4-block,int4+int8] [--seeds 0,1,2] [--epochs 10]
-      [--accuracy-methods fp32,int4+int8] [--smoke]
+      [--accuracy-methods fp32,int4+int8] [--skip-timing] [--codec] [--smoke]
 """
 
 from __future__ import annotations
@@ -280,6 +280,45 @@ def local_ms(a, methods, w):
   return out
 
 
+def codec_ms(a, methods, w):
+  """Per method: the hidden (8w x 8w) kernel's gradient reduce-scatter and its parameter
+  all-gather alone, W workers emulated in this process (named vmap), ms per worker."""
+  import jax
+  import numpy as np
+  from jax import lax
+
+  import jaxlp.parallel as jp
+  from jaxlp.training._sharded import parse_wire
+
+  h = 8 * a.width
+  g = jax.random.normal(jax.random.key(0), (w, h, h)) * 1e-2
+
+  def best(f, x):
+    f = jax.jit(jax.vmap(f, axis_name="w"))
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(max(a.steps, 2)):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(x))
+      ts.append(time.perf_counter() - t0)
+    return float(np.min(ts)) / w
+
+  out = {}
+  for name in methods:
+    gw, pw = (parse_wire(v, "wire") for v in METHODS[name])
+    if gw is None:
+      rs = lambda x: lax.psum_scatter(x, "w", tiled=True)  # noqa: E731
+    else:
+      st = jp.init_sharded_state(gw, g[0])
+      rs = lambda x, gw=gw, st=st: jp.compressed_reduce_scatter(x, st, "w", gw)[0]  # noqa: E731
+    ag = lambda x, pw=pw: jp.all_gather(x, "w", fmt=pw)  # noqa: E731
+    out[name] = (best(rs, g), best(ag, g[:, :h // w]))
+    print(f"codec {name}: reduce-scatter {1e3 * out[name][0]:.1f} ms, all-gather "
+          f"{1e3 * out[name][1]:.1f} ms per worker ({h}x{h} kernel, W={w} in one process)",
+          flush=True)
+  return out
+
+
 def accuracy(a, methods, seeds, w):
   """Final test accuracy of every (method, seed): W emulated workers on one device."""
   from jaxlp.training import train
@@ -343,6 +382,9 @@ def main(argv=None):
   ap.add_argument("--accuracy-methods", default="fp32,int4+int8")
   ap.add_argument("--skip-timing", action="store_true",
                   help="only the accuracy runs (no network job, no step table)")
+  ap.add_argument("--codec", action="store_true",
+                  help="also time each method's reduce-scatter and all-gather of the hidden "
+                       "kernel alone, W workers in one process (no network)")
   ap.add_argument("--no-local", dest="local", action="store_false",
                   help="skip the no-network timing of each method (W workers in one process)")
   ap.add_argument("--max-steps-per-epoch", type=int, default=None, help=argparse.SUPPRESS)
@@ -350,7 +392,8 @@ def main(argv=None):
   ap.add_argument("--fast-compile", action="store_true",
                   help="jax_disable_most_optimizations (quick compiles; slower steps)")
   ap.add_argument("--smoke", action="store_true",
-                  help="width 4, W=2, 2 steps, fp32 and int4+int8, one 1-epoch accuracy run")
+                  help="width 4, W=2, 2 steps, fp32 and int4+int8, --codec, one 1-epoch "
+                       "accuracy run")
   ap.add_argument("--_worker", nargs=4, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--_env", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--_env-out", dest="env_out", default=None, help=argparse.SUPPRESS)
@@ -365,7 +408,7 @@ def main(argv=None):
   if a.smoke:
     a.width, a.workers, a.steps, a.batch_size = 4, 2, 2, 32
     a.methods, a.accuracy_methods, a.seeds, a.epochs = "fp32,int4+int8", "int4+int8", "0", 1
-    a.max_steps_per_epoch, a.fast_compile = 2, True
+    a.max_steps_per_epoch, a.fast_compile, a.codec = 2, True, True
   methods = [m for m in a.methods.split(",") if m]
   for m in methods + [m for m in a.accuracy_methods.split(",") if m]:
     if m not in METHODS:
@@ -391,6 +434,8 @@ def main(argv=None):
   rc = bad = 0
   if not a.skip_timing:
     rc, bad = timing(a, methods, label, ok)
+  if a.codec:
+    codec_ms(a, methods, a.workers)
   seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
   acc_methods = [m for m in a.accuracy_methods.split(",") if m]
   if seeds and acc_methods:

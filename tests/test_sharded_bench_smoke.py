@@ -39,4 +39,7 @@ def test_sharded_bench_smoke():
   assert float(rows["int4+int8"][5]) < float(rows["fp32"][5]) / 3, log  # the wires' bytes
   assert re.search(r"goal: int4\+int8 >= 3x the fp32 sharded step: [\d.]+x -> (not )?met",
                    p.stdout), log
+  for name in ("fp32", "int4+int8"):
+    assert re.search(rf"codec {re.escape(name)}: reduce-scatter [\d.]+ ms, all-gather [\d.]+ ms",
+                     p.stdout), log
   assert re.search(r"\| int4\+int8 \| 0\.\d{4} \([\d.]+\) \| 0\.\d{4} \| - \|", p.stdout), log
