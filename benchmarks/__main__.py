@@ -29,6 +29,7 @@ ROOT = os.path.dirname(HERE)
 #: benchmark name -> (where its numbers are measured, the arguments of its CI-sized run)
 BENCHMARKS = {
     "quantize": ("CPU", ("--small",)),
+    "fp4": ("CPU", ("--small",)),
     "kernels": ("GPU", ("--small",)),
     "block_gemm": ("CPU, GPU", ("--small",)),
     "layers": ("CPU, GPU", ("--small",)),
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "sharded": ("CPU", ("--smoke",)),
     "torch_quantize": ("CPU, GPU", ("--small",)),
     "engine_compile": ("CPU, GPU", ("--model", "tiny")),
+    "sequence": ("CPU, GPU", ("--small",)),
 }
 
 #: tool name (``benchmarks/tools/NAME.py``) -> where it is meant to run
@@ -46,6 +48,8 @@ TOOLS = {
     "block_programs": "GPU",
     "sparse_select": "CPU, GPU",
     "ptx_per_mac": "CPU",
+    "reliability_probes": "CPU",
+    "recipe_grads": "CPU",
 }
 
 

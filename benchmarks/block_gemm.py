@@ -10,6 +10,14 @@ GEMM (M = N = K = ``--size``, jitted, median of ``--repeats`` after a compile ca
 * MXFP8 (``mx(E4M3FN, 32)``) and float E4M3 (per-tensor): the fp8 fast mode
   (``fp8_dot``) vs the emulation, with its error against the emulation.
 
+Block-scaled formats (M = N = K = ``--scaled-size``, default 256: the Pallas kernel runs in
+the interpreter on a CPU): NVFP4 (``nvfp4()``, two-level: the tensor scales' product inside
+each K-block's rounding), MXFP4 (``mx(E2M1FN, 32)``) and MXFP8 (``mx(E4M3FN, 32)``, whose
+18-bit significands take 2 x 2 limb dots per K-block): today's emulation (fp32 dot of the
+decoded values), the exact reference and the Pallas kernel (``limb_gemm``; MXFP4: the int8 /
+bf16 kernel ``block_gemm``), interpreted on a CPU (a correctness run, not a speed: the
+interpreter executes the kernel program by program), compiled on a GPU.
+
 Layers: the digits MLP of ``jaxlp.training`` (64-128-128-10, batch 128), HBFP8 tiled and
 MXINT8 policies: ``block_dot="exact"`` vs the emulation, ulp differences of the logits and of
 one training step's gradients (softmax cross-entropy).
@@ -20,8 +28,9 @@ SAME), forward + both gradients (``jax.vjp``), HBFP8 per-sample (``hbfp_policy(7
 (im2col GEMMs, ``jaxlp/ops/_conv.py``) vs the emulation, time and ulp differences.
 
 GPU rows are printed as "not measured" unless the run is on a GPU (the Pallas kernel is timed
-only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--repeats R]
-[--skip-layers] [--skip-conv] [--conv-size B C HW R] [--tiles BMxBNxWARPS ...] [--json F]
+only there). Usage: python benchmarks/block_gemm.py [--small] [--size N] [--scaled-size N]
+[--repeats R] [--skip-gemm] [--skip-layers] [--skip-conv] [--skip-scaled] [--conv-size B C HW R]
+[--tiles BMxBNxWARPS ...] [--json F]
 
 The Pallas kernel is timed on both routes (``route="int8"``, and ``"auto"``: bf16 tensor
 cores on the tiles whose block exponents allow it), each checked bit for bit against the
@@ -52,8 +61,10 @@ from jax import lax
 
 import jaxlp
 from jaxlp import formats as F
+from jaxlp.formats import _block_dot as BS
 from jaxlp.ops import _block_dot as BD
 from jaxlp.pallas import _block_gemm as PB
+from jaxlp.pallas import _limb_gemm as PL
 
 
 def ulps(x, y):
@@ -187,6 +198,72 @@ def gemm_rows(size, repeats, on_gpu, tile_sweep=()):
   return rows
 
 
+def _same_bits(x, y):
+  x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+  nan = np.isnan(x) & np.isnan(y)
+  return np.array_equal(np.where(nan, 0, x.view(np.uint32)), np.where(nan, 0, y.view(np.uint32)))
+
+
+def scaled_rows(size, repeats, on_gpu):
+  """Exact GEMMs of block-scaled formats: emulation, reference, Pallas kernel (interpreted
+  on a CPU, compiled on a GPU)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(size, size)), jnp.float32)
+  flops = 2 * size**3
+  rows = []
+
+  def row(case, path, seconds, note):
+    rows.append(dict(case=case, path=path, ms=None if seconds is None else seconds * 1e3,
+                     gflops=None if seconds is None else flops / seconds / 1e9, bits=note))
+    print(_format_row(rows[-1]), flush=True)
+
+  emu = jax.jit(emulation)
+  for case, fa, fb, g in (("NVFP4 nvfp4() (two-level)", F.nvfp4(axis=1), F.nvfp4(axis=0), 16),
+                          ("MXFP4 mx(E2M1FN,32)", F.mx(F.E2M1FN, 32, 1), F.mx(F.E2M1FN, 32, 0),
+                           32),
+                          ("MXFP8 mx(E4M3FN,32)", F.mx(F.E4M3FN, 32, 1),
+                           F.mx(F.E4M3FN, 32, 0), 32)):
+    sa, sb = BS.significand_spec(fa), BS.significand_spec(fb)
+    prec = (sa.prec, sb.prec)
+    if sa.tensor_scale:  # the exact GEMM's operands: values without the tensor scale
+      a, b = F.quantize(x, BS.two_level_values(fa)), F.quantize(w, BS.two_level_values(fb))
+      scales = (BS.tensor_scale(x, fa), BS.tensor_scale(w, fb))
+    else:
+      a, b, scales = F.quantize(x, fa), F.quantize(w, fb), None
+    t_emu, y_emu = timed(emu, F.quantize(x, fa), F.quantize(w, fb), repeats=repeats)
+    ref = jax.jit(lambda a, b, s, g=g, sa=sa, sb=sb: BD.block_dot_reference(
+        a, b, g, sa.bits, sb.bits, s))
+    t_ref, y_ref = timed(ref, a, b, scales, repeats=repeats)
+    u = ulps(y_ref, y_emu)
+    row(case, "emulation (fp32 dot of the decoded values, HIGHEST)", t_emu,
+        f"vs exact: max {u.max()} ulp, mean {u.mean():.3f} ulp, {np.mean(u > 0):.1%} differ")
+    narrow = BD.narrow(g, sa.bits, sb.bits, scales)
+    plan = "" if narrow else (
+        "{} x {} limb dots per K-block; ".format(*PL.kernel_plan(g, sa.bits, sb.bits, prec)[1:3]))
+    row(case, "exact: reference" + ("" if narrow and scales is None else " (limbs / digits)"),
+        t_ref, "defines the bits")
+    name = "Pallas kernel block_gemm" if narrow else "Pallas kernel limb_gemm"
+
+    def kernel(a, b, s, interpret, g=g, sa=sa, sb=sb, narrow=narrow, prec=prec):
+      if narrow:
+        return PB.block_gemm(a, b, g, sa.bits, sb.bits, interpret=interpret)
+      return PL.limb_gemm(a, b, g, sa.bits, sb.bits, s, prec=prec, interpret=interpret)
+
+    if on_gpu:
+      t_k, y_k = timed(jax.jit(lambda a, b, s: kernel(a, b, s, False)), a, b, scales,
+                       repeats=repeats)
+      row(case, f"exact: {name}", t_k,
+          plan + ("same bits as reference" if _same_bits(y_k, y_ref) else "DIFFERENT"))
+    else:
+      t_k, y_k = timed(jax.jit(lambda a, b, s: kernel(a, b, s, True)), a, b, scales,
+                       repeats=max(1, min(repeats, 3)))
+      row(case, f"exact: {name}, interpret=True (CPU)", t_k,
+          plan + ("same bits as reference" if _same_bits(y_k, y_ref) else "DIFFERENT"))
+      row(case, f"exact: {name} (GPU)", None, "not measured (no GPU)")
+  return rows
+
+
 def layer_rows(batch):
   """The digits MLP: exact block dots vs emulation, logits and one step's gradients."""
   import optax
@@ -276,6 +353,12 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--skip-layers", action="store_true")
   ap.add_argument("--skip-conv", action="store_true")
+  ap.add_argument("--skip-gemm", action="store_true",
+                  help="skip the HBFP8 / MXINT8 / fp8 GEMM rows (--size)")
+  ap.add_argument("--skip-scaled", action="store_true",
+                  help="skip the block-scaled (NVFP4, MXFP4, MXFP8) exact GEMM rows")
+  ap.add_argument("--scaled-size", type=int, default=None,
+                  help="M = N = K of the block-scaled rows (default 256; 32 with --small)")
   ap.add_argument("--conv-size", type=int, nargs=4, default=None,
                   metavar=("BATCH", "CHANNELS", "HW", "REPEATS"),
                   help="conv row: batch, channels, spatial size, repeats (default 8 64 16 3)")
@@ -301,8 +384,18 @@ def main(argv=None):
   print(f"# block GEMM paths: {platform.processor() or platform.machine()}, "
         f"{dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{size}^3, median of {args.repeats}")
-  print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
-  rows = gemm_rows(size, args.repeats, on_gpu, tile_sweep)  # prints each row as it is measured
+  rows = []
+  if not args.skip_gemm:
+    print("\n| operands | path | ms | GFLOP/s | bits / error |\n|---|---|---|---|---|")
+    rows = gemm_rows(size, args.repeats, on_gpu, tile_sweep)  # prints each row as measured
+  scaled = []
+  if not args.skip_scaled:
+    ss = args.scaled_size or (32 if args.small else 256)
+    if ss < 1:
+      ap.error("--scaled-size must be positive")
+    print(f"\n{ss}^3, block-scaled formats:\n\n| operands | path | ms | GFLOP/s | bits / error |"
+          "\n|---|---|---|---|---|")
+    scaled = scaled_rows(ss, args.repeats, on_gpu)
   layers = []
   if not args.skip_layers:
     layers = layer_rows(16 if args.small else 128)
@@ -320,7 +413,8 @@ def main(argv=None):
       print(f"| {r['case']} | {r['path']} | {ms} | {gf} | {r['bits']} |")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(dict(size=size, gemm=rows, layers=layers, conv=convs), f, indent=1)
+      json.dump(dict(size=size, gemm=rows, scaled=scaled, layers=layers, conv=convs), f,
+                indent=1)
 
 
 if __name__ == "__main__":

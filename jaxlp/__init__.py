@@ -9,34 +9,34 @@ layers (``jaxlp.ops``), data-parallel low-precision / compressed reduction
 
 import importlib as _importlib
 
-from jaxlp import formats as formats
-from jaxlp import ops as ops
-from jaxlp import pallas as pallas
-from jaxlp import parallel as parallel
-from jaxlp.formats import BlockFormat as BlockFormat
-from jaxlp.formats import FixedPoint as FixedPoint
-from jaxlp.formats import FloatFormat as FloatFormat
-from jaxlp.ops import Accum as Accum
-from jaxlp.ops import DotPolicy as DotPolicy
-from jaxlp.ops import Quant as Quant
-from jaxlp.ops import conv_general_dilated as conv_general_dilated
-from jaxlp.ops import dot_general as dot_general
-from jaxlp.ops import float_policy as float_policy
-from jaxlp.ops import hbfp_policy as hbfp_policy
-from jaxlp.ops import matmul as matmul
-from jaxlp.ops import mx_policy as mx_policy
-from jaxlp.ops import quantize as quantize
-
 __version__ = "0.1.0"
 
+# Every name is loaded on first access (PEP 562), so ``import jaxlp`` does not import JAX: the
+# ``jaxlp`` command installs its Ctrl-C handling before anything heavy loads. Subpackages with
+# optional dependencies (flax, optax, torch) load only when used.
+_SUBPACKAGES = ("formats", "ops", "pallas", "parallel")
 _LAZY = ("flax", "optim", "torch", "training", "cli")
+_NAMES = {
+    "BlockFormat": "formats", "FixedPoint": "formats", "FloatFormat": "formats",
+    "Accum": "ops", "DotPolicy": "ops", "Quant": "ops", "conv_general_dilated": "ops",
+    "dot_general": "ops", "float_policy": "ops", "hbfp_policy": "ops", "matmul": "ops",
+    "mx_policy": "ops", "quantize": "ops", "RHT": "ops", "bf16_policy": "ops",
+    "mxfp8_recipe": "ops", "nvfp4_recipe": "ops",
+}
 
 
 def __getattr__(name):
-  # Subpackages with optional dependencies are imported on first attribute access.
-  if name in _LAZY:
+  if name in _SUBPACKAGES or name in _LAZY:
     return _importlib.import_module(f"jaxlp.{name}")
+  if name in _NAMES:
+    value = getattr(_importlib.import_module(f"jaxlp.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value
   raise AttributeError(f"module 'jaxlp' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__) | set(_LAZY))
 
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "FixedPoint",
     "FloatFormat",
     "Quant",
+    "RHT",
+    "bf16_policy",
     "conv_general_dilated",
     "dot_general",
     "float_policy",
@@ -53,6 +55,8 @@ __all__ = [
     "hbfp_policy",
     "matmul",
     "mx_policy",
+    "mxfp8_recipe",
+    "nvfp4_recipe",
     "ops",
     "pallas",
     "parallel",

@@ -1,5 +1,5 @@
 import sys
 
-from jaxlp.cli import main
+from jaxlp._entry import main
 
 sys.exit(main())

@@ -1,9 +1,20 @@
-"""Test configuration: 8 forced CPU devices (set before jax is imported).
+"""Test configuration: 8 forced CPU devices (set before jax is imported), the longest-first
+order of the slow tests, and the fast tier.
 
 On a GPU machine (``JAX_PLATFORMS=cuda,cpu``) the default backend is the GPU and
 ``jax.devices()`` lists only it; the 8 forced CPU devices are still there as
 ``jax.devices("cpu")``. Tests that need several devices take them from there (see the
 ``cpu_devices`` fixture) instead of from ``jax.devices()``.
+
+The fast tier (README, "Development") is
+``python -m pytest -q -n 2 --dist loadgroup -m "not slow"``; the full suite (CI) runs
+everything. What is ``slow`` is decided HERE, in :data:`_SLOW` and :data:`_FAST_CASES`, not by
+decorators spread over the test files: the selection is one decision (what to run after
+changing one module, a few minutes on the 2-core CI machine), made from measured durations and
+re-made from the next measurement, and one list can be read, reviewed and checked against the
+tree in one place (``tests/test_fast_tier.py``: every name exists, every ``tests/`` folder and
+every ``jaxlp`` package keeps fast tests). ``@pytest.mark.slow`` written in a test file still
+counts (two tests have it).
 """
 
 import atexit
@@ -99,11 +110,389 @@ _SCHEDULE_FIRST = (
     "tests/parallel/test_dgc_stages.py::test_train_sends_the_target_bytes_after_the_warm_up",
     "tests/flax_integration/test_flax.py::test_resnet18_trains_under_hbfp",
     "tests/flax_integration/test_flax.py::test_injected_linen_equals_injected_nnx_bit_for_bit",
+    # Added from runs of the modules added since (2026-11-28/29, ``-n 2``, same load), longest
+    # first:
+    "tests/parallel/test_sharded.py::test_stochastic_rounding_same_in_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded_compressed.py::test_error_feedback_matches_the_oracle_over_steps",
+    "tests/parallel/test_sharded.py::test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8",
+    "tests/parallel/test_sharded_multiprocess.py::test_two_processes_equal_one_process_vmap",
+    "tests/formats/test_nvfp4_integration.py::test_block_scaled_formats_are_compressor_wire_formats",
+    "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms",
+    "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns",
+    "tests/flax_integration/test_whole_model.py::test_nnx_attention_function_equals_flax_einsum_path",
+    "tests/flax_integration/test_whole_model.py::test_stochastic_policies_on_every_kind",
+    "tests/torch_bridge/test_cpu_path.py::test_large_tensors_take_the_bucketed_jax_route",
+    "tests/torch_bridge/test_cpu_path.py::test_block_formats",
+    "tests/test_benchmarks_front_door_smoke.py::test_every_listed_name_runs_its_help",
+    "tests/cli/test_one_writer.py::test_two_processes_on_one_folder_then_ctrl_c_and_resume",
 )
 
 
+# The fast tier: tests marked ``slow`` by the list below are left out by ``-m "not slow"``.
+# An entry is a test module (every test in it), a test function (every case of it) or one case
+# (``path::function[id]``). What is here, from ``--durations=0 -n 2`` runs on the 2-core CI VM
+# (2026-11-28/29, shared with other jobs: 5-6 s of wall time per s of CPU): a full run, runs
+# of the modules added after it, and three runs of the fast tier itself (the last: 356 s of
+# CPU, 1,123 of 2,435 tests), then a run of the NVFP4/MX modules merged after it (138 s of CPU).
+# Multi-process and subprocess runs (DDP, multi-process collectives, ``jaxlp train`` runs,
+# reproductions, examples, the benchmark scripts' smoke runs, the Sphinx build, the README's
+# snippets), the QPyTorch parity modules (they build qtorch's C++ extension), Triton compiles
+# and interpreter runs, training runs, and every other test function whose cases took about
+# 20 s or more together (about 4 s of CPU) in the full run or in the fast tier. Mark whole
+# functions: the cases of one function share compiled programs, and marking the expensive
+# case alone moves its compile time to the next case (measured: 0.1 s in the full run, 90 s
+# in the fast tier). Each module keeps its quick tests (errors, small cases) and, through
+# :data:`_FAST_CASES`, a cheap case of some of its parametrized workhorses. A test not listed
+# is fast; a new slow test belongs here.
+_SLOW = (
+    # --- cli, training ---
+    "tests/cli/test_cli.py::test_real_devices_equal_emulation",
+    "tests/cli/test_cli.py::test_compare_and_plot",
+    "tests/cli/test_cli.py::test_several_devices_compile_the_step_once",
+    "tests/cli/test_cli.py::test_train_writes_outputs_and_is_deterministic",
+    "tests/cli/test_data.py::test_cifar10_reader_layout_and_training",
+    "tests/cli/test_dgc_momentum.py::test_dgc_runs_with_one_momentum",
+    "tests/cli/test_exact_blocks.py::test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it",
+    "tests/cli/test_exact_blocks.py::test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run",
+    "tests/cli/test_flags.py::test_hbfp_tile_defines_the_run",
+    "tests/cli/test_one_writer.py::test_reproduce_ctrl_c_then_the_same_command_continues",
+    "tests/cli/test_one_writer.py::test_two_processes_on_one_folder_then_ctrl_c_and_resume",
+    "tests/cli/test_one_writer.py::test_two_resumes_on_one_folder_and_a_killed_holder_leaves_no_lock",
+    "tests/cli/test_portable.py::test_cross_entropy_value_and_gradient",
+    "tests/cli/test_portable.py::test_exp_bits_accuracy_and_edges",
+    "tests/cli/test_portable.py::test_log_bits_accuracy_and_edges",
+    "tests/cli/test_portable.py::test_portable_cnn_has_flax_params_and_the_exact_logits",
+    "tests/cli/test_portable.py::test_portable_run_with_workers_schedule_and_decay_agrees_with_optax_closely",
+    "tests/cli/test_portable.py::test_spatial_mean_and_its_gradient",
+    "tests/cli/test_portable.py::test_the_exact_mlp_step_computes_its_portable_arithmetic_about_once",
+    "tests/cli/test_portable.py::test_tree_sum_is_the_declared_pairwise_order",
+    "tests/cli/test_portable.py::test_trainer_uses_the_portable_mode_only_where_it_is_complete",
+    "tests/cli/test_reproduce.py::test_data_dir_runs_the_full_scale_settings",
+    "tests/cli/test_reproduce.py::test_every_claim_runs_at_toy_size",
+    "tests/cli/test_runs.py::test_killed_process_resumes_to_the_same_bits",
+    # --- examples, flax ---
+    "tests/examples/test_examples.py::test_example_smoke",
+    "tests/flax_integration/test_flax.py::test_injected_linen_equals_injected_nnx_bit_for_bit",
+    "tests/flax_integration/test_flax.py::test_quantize_model_linen_equals_injection_and_nnx",
+    "tests/flax_integration/test_flax.py::test_stochastic_policy_keys_from_rngs",
+    "tests/flax_integration/test_whole_model.py::test_attention_logits_equal_einsum_of_quantized_q_and_k",
+    "tests/flax_integration/test_whole_model.py::test_einsum_linear_general_and_embed_attend_linen_and_nnx",
+    "tests/flax_integration/test_whole_model.py::test_linen_recurrent_cells_through_rnn",
+    "tests/flax_integration/test_whole_model.py::test_linen_transformer_every_matmul_quantized_as_asked",
+    "tests/flax_integration/test_whole_model.py::test_linen_transformer_quantized_paths_and_identity_bits",
+    "tests/flax_integration/test_whole_model.py::test_nnx_attention_function_equals_flax_einsum_path",
+    "tests/flax_integration/test_whole_model.py::test_nnx_recurrent_cells_through_rnn",
+    "tests/flax_integration/test_whole_model.py::test_nnx_transformer_every_matmul_quantized_as_asked",
+    "tests/flax_integration/test_whole_model.py::test_patterns_and_rules_that_match_no_module_with_a_matmul_are_errors",
+    "tests/flax_integration/test_whole_model.py::test_report_direction_by_order_agrees_with_shapes",
+    "tests/flax_integration/test_whole_model.py::test_stochastic_policies_on_every_kind",
+    # --- formats ---
+    "tests/formats/test_codes.py::test_every_code_against_formula_and_round_trip",
+    "tests/formats/test_compat_golden.py::test_cpd_every_exp_man_against_the_stepwise_reference",
+    "tests/formats/test_nvfp4.py::test_directed_element_roundings",
+    "tests/formats/test_nvfp4.py::test_empty_and_scalar_and_partial_blocks",
+    "tests/formats/test_nvfp4.py::test_encode_parts_match_the_reference_and_decode",
+    "tests/formats/test_nvfp4.py::test_encode_scales_layout",
+    "tests/formats/test_nvfp4.py::test_half_inputs_are_widened_quantized_and_cast_back",
+    "tests/formats/test_nvfp4.py::test_jit_vmap_grad",
+    "tests/formats/test_nvfp4.py::test_nvfp4_matches_the_reference",
+    "tests/formats/test_nvfp4.py::test_other_scaled_block_formats_match_the_reference",
+    "tests/formats/test_nvfp4.py::test_sharded_input_has_the_unsharded_bits",
+    "tests/formats/test_nvfp4.py::test_stochastic_elements_use_the_elementwise_noise",
+    "tests/formats/test_nvfp4.py::test_zero_and_tiny_tensors_are_finite",
+    "tests/formats/test_nvfp4_integration.py::test_block_scaled_formats_are_compressor_wire_formats",
+    "tests/formats/test_nvfp4_integration.py::test_dot_policy_blocks_along_the_contraction_axis",
+    "tests/formats/test_nvfp4_integration.py::test_flax_dense_layer_with_an_nvfp4_policy",
+    "tests/formats/test_nvfp4_integration.py::test_nonfinite_gradients_on_the_nvfp4_wire",
+    "tests/formats/test_nvfp4_integration.py::test_nvfp4_cast_reduction_is_the_decoded_sum_over_w",
+    "tests/formats/test_nvfp4_integration.py::test_nvfp4_wire_format_in_the_torch_ddp_hook_codec",
+    "tests/formats/test_nvfp4_integration.py::test_optax_transforms_take_nvfp4",
+    "tests/formats/test_nvfp4_integration.py::test_torch_bridge_quantizes_through_jax",
+    "tests/formats/test_nvfp4_integration.py::test_two_d_tiles_quantize_w_and_its_transpose_alike",
+    "tests/formats/test_qtorch_parity.py",
+    "tests/formats/test_torchao_parity.py::test_nvfp4_bfloat16",
+    "tests/formats/test_torchao_parity.py::test_nvfp4_dequantized_values",
+    # --- ops ---
+    "tests/ops/test_block_conv.py::test_bits_are_the_definition_on_the_declared_blocks",
+    "tests/ops/test_block_conv.py::test_exact_and_fp8_vs_emulation_on_a_layer",
+    "tests/ops/test_block_dot.py::test_batched_dot_general_lowers_for_cuda",
+    "tests/ops/test_block_dot.py::test_dot_general_exact_gemms",
+    "tests/ops/test_block_dot.py::test_dot_general_mxint8_requantizes_along_each_contraction",
+    "tests/ops/test_block_dot.py::test_fp8_mode_is_close_and_differentiable",
+    "tests/ops/test_block_dot.py::test_xla_int8_unrolled_accumulation_keeps_the_bits",
+    "tests/ops/test_conv.py::test_contraction_layout_blocks_activations_per_pixel_along_channels",
+    "tests/ops/test_conv.py::test_conv_grads_finite",
+    "tests/ops/test_conv.py::test_hbfp_main_tiles_activations_in_nchw_view",
+    "tests/ops/test_conv.py::test_hbfp_conv_matches_independent_computation",
+    "tests/ops/test_conv.py::test_mx_conv_blocks_along_channels_then_batch",
+    "tests/ops/test_conv.py::test_representable_operands_equal_plain_conv",
+    "tests/ops/test_dispatch.py::test_kernel_branch_same_bits_gradient_and_vmap",
+    "tests/ops/test_dot_general.py::test_grads_finite_on_random_data",
+    "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms",
+    "tests/ops/test_dot_general_nd.py::test_dense_nd_equals_2d_gemm_on_the_reshape",
+    "tests/ops/test_dot_general_nd.py::test_layout_and_exact_mode_share_k_blocks",
+    "tests/ops/test_dot_general_nd.py::test_stochastic_accumulation_gets_a_key_per_gemm",
+    "tests/ops/test_dot_general_nd.py::test_two_contracting_dims_blocks_along_the_last_one_padded",
+    "tests/ops/test_dot_general_nd.py::test_weights_keep_their_tiles_and_2d_gemms_keep_hbfpemulators_view",
+    "tests/ops/test_matmul.py::test_batched_and_dimension_numbers",
+    "tests/ops/test_matmul.py::test_cpd_kahan_reproduces_quant_gemm",
+    "tests/ops/test_matmul.py::test_grad_batch_broadcast_dimension_numbers_and_half_dtypes",
+    "tests/ops/test_matmul.py::test_grad_eager_equals_jit",
+    "tests/ops/test_matmul.py::test_grad_emulate_is_the_emulated_backward_gemms",
+    "tests/ops/test_matmul.py::test_grad_fp32_is_the_float32_gemms",
+    "tests/ops/test_matmul.py::test_grad_through_the_kernel_dispatch",
+    # --- pallas ---
+    "tests/pallas/test_block_gemm.py::test_bf16_route_exponent_boundary",
+    "tests/pallas/test_block_gemm.py::test_bf16_route_is_taken_on_ordinary_data",
+    "tests/pallas/test_block_gemm.py::test_fast_scaling_equals_scale_exact_on_its_range",
+    "tests/pallas/test_block_gemm.py::test_fp8_block_gemm_matches_the_xla_fp8_mode",
+    "tests/pallas/test_block_gemm.py::test_interpret_matches_reference",
+    "tests/pallas/test_block_gemm.py::test_interpret_mixes_fast_and_exact_tiles",
+    "tests/pallas/test_block_gemm.py::test_nonzero_blocks_is_any_nonzero_significand",
+    "tests/pallas/test_block_gemm.py::test_pallas_operand_preparation_has_the_jnp_bits",
+    "tests/pallas/test_block_gemm.py::test_pallas_preparation_and_gpu_auto_keep_the_gemm_bits",
+    "tests/pallas/test_cuda_lowering.py::test_exact_block_conv_lowers_for_cuda",
+    "tests/pallas/test_cuda_lowering.py::test_matmul_kernel_lowers_for_cuda",
+    "tests/pallas/test_cuda_lowering.py::test_quantize_kernel_lowers_for_cuda",
+    "tests/pallas/test_pallas_matmul.py::test_bias_kernel_equals_reference",
+    "tests/pallas/test_pallas_matmul.py::test_kernel_equals_reference",
+    "tests/pallas/test_pallas_matmul.py::test_kernel_gradients_equal_reference",
+    "tests/pallas/test_pallas_quantize.py::test_all_roundings",
+    "tests/pallas/test_pallas_quantize.py::test_block_all_roundings",
+    "tests/pallas/test_pallas_quantize.py::test_block_awkward_shapes",
+    "tests/pallas/test_pallas_quantize.py::test_block_formats",
+    "tests/pallas/test_pallas_quantize.py::test_elementwise_awkward_shapes",
+    "tests/pallas/test_pallas_quantize.py::test_half_inputs",
+    "tests/pallas/test_pallas_quantize.py::test_other_elementwise_formats",
+    "tests/pallas/test_pallas_quantize.py::test_presets",
+    "tests/pallas/test_triton_compile.py::test_block_gemm_bf16_route_keeps_the_block_sum_outside_the_mma",
+    "tests/pallas/test_triton_compile.py::test_block_gemm_int8_route_runs_int8_mmas_on_either_operand_copy",
+    "tests/pallas/test_triton_compile.py::test_every_accumulator_kahan_kernel_compiles_for_sm90",
+    "tests/pallas/test_triton_compile.py::test_every_format_kernel_compiles_for_sm90",
+    "tests/pallas/test_triton_compile.py::test_kernel_compiles_for_sm90",
+    "tests/pallas/test_triton_compile.py::test_launch_params_match_jaxlp",
+    # --- parallel ---
+    "tests/parallel/test_aps.py::test_aps_matches_oracle",
+    "tests/parallel/test_aps.py::test_aps_recovers_underflowing_gradients",
+    "tests/parallel/test_aps.py::test_ceil_log2_times_exact",
+    "tests/parallel/test_aps.py::test_two_level_matches_cpd_oracle",
+    "tests/parallel/test_arith_div_sqrt.py::test_exact_with_inexact_estimates",
+    "tests/parallel/test_compressed_optimizer.py::test_plain_sgd_under_dgc_has_the_bits_of_the_manual_chain",
+    "tests/parallel/test_dgc_stages.py::test_per_stage_transforms_give_the_bits_of_the_single_one",
+    "tests/parallel/test_dgc_stages.py::test_train_sends_the_target_bytes_after_the_warm_up",
+    "tests/parallel/test_multiprocess.py",
+    "tests/parallel/test_psum.py::test_codec_roundtrip",
+    "tests/parallel/test_psum.py::test_devices_times_emulated_nodes",
+    "tests/parallel/test_psum.py::test_shard_map_8_devices",
+    "tests/parallel/test_psum.py::test_stochastic_same_in_vmap_shard_map_and_oracle",
+    "tests/parallel/test_psum.py::test_vmap_matches_oracle",
+    "tests/parallel/test_psum.py::test_worker_counts_and_padding",
+    "tests/parallel/compress/test_compress_allreduce.py::test_allgather_fusion_and_plan",
+    "tests/parallel/compress/test_compress_allreduce.py::test_cast_16bit_is_a_ring_allreduce_in_the_narrow_type",
+    "tests/parallel/compress/test_compress_allreduce.py::test_cgx_ring_matches_formula",
+    "tests/parallel/compress/test_compress_allreduce.py::test_cgx_sra_matches_formula",
+    "tests/parallel/compress/test_compress_allreduce.py::test_identical_on_workers_and_vmap_equals_shard_map",
+    "tests/parallel/compress/test_compress_allreduce.py::test_pmap_equals_vmap",
+    "tests/parallel/compress/test_compress_allreduce.py::test_powersgd_allreduce_recovers_low_rank_mean",
+    "tests/parallel/compress/test_compress_allreduce.py::test_powersgd_batched_bucket_matches_reference",
+    "tests/parallel/compress/test_compress_allreduce.py::test_powersgd_bucket_fusion_same_bits_fewer_collectives",
+    "tests/parallel/compress/test_compress_allreduce.py::test_powersgd_start_iter_is_plain_mean",
+    "tests/parallel/compress/test_compress_allreduce.py::test_ring_vmap_shard_map_and_mixed_axes_identical",
+    "tests/parallel/compress/test_compress_compressors.py::test_cast_any_format_round_trip_and_wire_bytes",
+    "tests/parallel/compress/test_compress_compressors.py::test_cgx_deterministic_exact",
+    "tests/parallel/compress/test_compress_compressors.py::test_cgx_published_goldens",
+    "tests/parallel/compress/test_compress_compressors.py::test_cgx_skip_incomplete_sends_tail_raw",
+    "tests/parallel/compress/test_compress_compressors.py::test_cgx_stochastic_with_fixed_noise_and_unbiased",
+    "tests/parallel/compress/test_compress_compressors.py::test_dgc_warmup_schedule_and_sampled_threshold",
+    "tests/parallel/compress/test_compress_compressors.py::test_error_feedback_time_average_converges",
+    "tests/parallel/compress/test_compress_compressors.py::test_onebit_reference_and_residual",
+    "tests/parallel/compress/test_compress_compressors.py::test_pack_matches_reference_and_round_trips",
+    "tests/parallel/compress/test_compress_compressors.py::test_qsgd_fixed_noise_and_unbiased",
+    "tests/parallel/compress/test_compress_compressors.py::test_tbq_codes_residual_and_packing_exact",
+    "tests/parallel/compress/test_compress_compressors.py::test_terngrad_hipress_deterministic_exact",
+    "tests/parallel/compress/test_compress_compressors.py::test_terngrad_paper_fixed_noise_exact_and_unbiased",
+    "tests/parallel/compress/test_compress_compressors.py::test_wire_bytes_exact_and_packed_dtypes",
+    "tests/parallel/compress/test_compress_multiprocess.py::test_multiprocess_matches_in_process_shard_map",
+    "tests/parallel/compress/test_compress_secopa.py::test_measure_costs_drives_plan",
+    "tests/parallel/compress/test_compress_training.py",
+    "tests/parallel/compress/test_engine_families.py::test_constant_gradient_over_steps",
+    "tests/parallel/compress/test_engine_families.py::test_engine_reads_no_compressor_kind",
+    "tests/parallel/compress/test_engine_families.py::test_legacy_uint32_keys_warn_and_give_the_same_bits",
+    "tests/parallel/compress/test_engine_families.py::test_state_key_is_typed_and_survives_device_get_and_pickle",
+    "tests/parallel/compress/test_engine_families.py::test_wire_bytes_equal_the_bytes_the_collectives_send",
+    "tests/parallel/compress/test_engine_training.py::test_train_reduction_has_the_same_bits_on_1_and_4_devices",
+    "tests/parallel/compress/test_randomk_sampling.py::test_distinct_in_range",
+    "tests/parallel/compress/test_randomk_sampling.py::test_gpu_schedule_gives_the_same_indices",
+    "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_compressor_in_an_optax_chain",
+    "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_with_compressor_over_steps",
+    "tests/parallel/compress/test_speed_bitexact.py::test_cgx_equals_per_element_division",
+    "tests/parallel/compress/test_speed_bitexact.py::test_cgx_near_tie_fallback_paths",
+    "tests/parallel/compress/test_speed_bitexact.py::test_pack_unpack_equal_bit_stream_reference",
+    "tests/parallel/compress/test_speed_bitexact.py::test_random_bits_equal_jax_random_bits",
+    "tests/parallel/compress/test_speed_dense.py::test_cgx_equals_numpy_division",
+    "tests/parallel/compress/test_speed_dense.py::test_cgx_near_tie_buckets_are_redone_in_rounds",
+    "tests/parallel/compress/test_speed_dense.py::test_conv_shaped_leaf_equals_its_flat_vector",
+    "tests/parallel/compress/test_speed_dense.py::test_materialize_and_per_element_keep_the_bits",
+    "tests/parallel/compress/test_speed_dense.py::test_pack_bits_vectorized_gives_the_pack_bits_stream",
+    "tests/parallel/compress/test_speed_dense.py::test_qsgd_encode_equals_the_numpy_definition",
+    "tests/parallel/compress/test_speed_dense.py::test_qsgd_large_conv_leaf_keeps_the_bits_of_the_fused_program",
+    "tests/parallel/compress/test_speed_dense.py::test_qsgd_partial_last_bucket_on_a_large_leaf_equals_numpy",
+    "tests/parallel/compress/test_speed_dense.py::test_terngrad_clip_equals_the_numpy_definition",
+    "tests/parallel/compress/test_speed_dense.py::test_unpack_bits_reads_every_position_of_every_width",
+    "tests/parallel/compress/test_speed_powersgd.py",
+    "tests/parallel/compress/test_speed_sparse.py::test_a_compressor_on_the_radix_schedule_keeps_the_bits",
+    "tests/parallel/compress/test_speed_sparse.py::test_every_schedule_under_vmap_matches_per_row",
+    "tests/parallel/compress/test_speed_sparse.py::test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece",
+    "tests/parallel/compress/test_speed_sparse.py::test_selection_equals_full_top_k",
+    "tests/parallel/compress/test_speed_sparse.py::test_sparsifiers_under_vmap_match_per_worker",
+    "tests/parallel/compress/test_speed_sparse.py::test_the_gpu_schedule_is_what_cuda_compiles",
+    "tests/parallel/test_sharded.py::test_all_gather_matches_the_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded.py::test_all_to_all_orders_match_the_oracle_w4_and_shard_map_w8",
+    "tests/parallel/test_sharded.py::test_devices_times_emulated_and_pmap",
+    "tests/parallel/test_sharded.py::test_every_order_matches_the_oracle_w4",
+    "tests/parallel/test_sharded.py::test_other_worker_counts_and_empty_leaves",
+    "tests/parallel/test_sharded.py::test_reduce_scatter_then_all_gather_is_psum_bit_for_bit",
+    "tests/parallel/test_sharded.py::test_stochastic_rounding_same_in_oracle_vmap_and_shard_map",
+    "tests/parallel/test_sharded.py::test_vmap_and_shard_map_give_the_oracles_bits",
+    "tests/parallel/test_sharded.py::test_wire_bytes_equal_the_traced_collectives",
+    "tests/parallel/test_sharded_compressed.py::test_compressors_run_sharded_and_match_the_oracle",
+    "tests/parallel/test_sharded_compressed.py::test_error_feedback_matches_the_oracle_over_steps",
+    "tests/parallel/test_sharded_compressed.py::test_without_error_feedback_it_is_reduce_scatter_all_to_all",
+    "tests/parallel/test_sharded_multiprocess.py",
+    # --- torch bridge ---
+    "tests/torch_bridge/test_cpu_path.py::test_block_formats",
+    "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns",
+    "tests/torch_bridge/test_cpu_path.py::test_every_branch_of_the_fast_paths",
+    "tests/torch_bridge/test_cpu_path.py::test_every_half_precision_pattern",
+    "tests/torch_bridge/test_cpu_path.py::test_flushed_subnormals_change_nothing",
+    "tests/torch_bridge/test_cpu_path.py::test_large_tensors_take_the_bucketed_jax_route",
+    "tests/torch_bridge/test_ddp_engine.py::test_chain_sum_is_psums_chain",
+    "tests/torch_bridge/test_ddp_engine.py::test_powersgd_stages_give_the_engines_result",
+    "tests/torch_bridge/test_torch_bridge.py::test_same_bits_as_jax",
+    "tests/torch_bridge/test_torch_ddp.py::test_cgx_bucket_is_decode_sum_of_rank_encodings",
+    "tests/torch_bridge/test_torch_ddp.py::test_fp32_hook_equals_full_batch_training",
+    "tests/torch_bridge/test_torch_ddp.py::test_low_precision_bucket_is_cpd_chain_sum",
+    "tests/torch_bridge/test_torch_ddp.py::test_parameters_identical_across_ranks_and_close",
+    "tests/torch_bridge/test_torch_ddp.py::test_sum_gradients_is_cpd",
+    "tests/torch_bridge/test_torch_nn.py::test_conv2d_matches_jax_conv",
+    "tests/torch_bridge/test_torch_nn.py::test_linear_matches_jax_dot_general",
+    "tests/torch_bridge/test_torch_qpytorch_parity.py",
+    "tests/torch_bridge/test_qtorch_tree.py::test_cpdtorch_dist_util_in_one_process",
+    "tests/torch_bridge/test_qtorch_tree.py::test_qpytorch_suite_stochastic_block[qtorch]",
+    "tests/torch_bridge/test_torch_triton.py::test_every_kernel_matches_the_spec_in_the_interpreter",
+    "tests/torch_bridge/test_torch_triton.py::test_kernels_compile_for_sm90",
+    # --- documentation, benchmark scripts, GPU check script ---
+    "tests/test_benchmarks_smoke.py",
+    "tests/test_benchmarks_front_door_smoke.py::test_every_listed_name_runs_its_help",
+    "tests/test_block_gemm_bench_smoke.py",
+    "tests/test_block_programs_bench_smoke.py::test_block_programs_small",
+    "tests/test_compressors_bench_smoke.py",
+    "tests/test_docs.py",
+    "tests/test_doctests.py::test_docstring_examples",
+    "tests/test_engine_compile_bench_smoke.py::test_engine_compile_tiny",
+    "tests/test_exact_train_check.py",
+    "tests/test_fp4_bench_smoke.py",
+    "tests/test_gpu_checks_script.py",
+    "tests/test_kernels_bench_smoke.py",
+    "tests/test_layers_bench_smoke.py::test_a_failing_trace_is_reported_not_raised",
+    "tests/test_layers_bench_smoke.py::test_gemm_census_counts_every_call_of_a_repeated_shape",
+    "tests/test_layers_bench_smoke.py::test_hbfp8_w7_operands_are_exact_in_bfloat16",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_census_top_times_only_the_largest_gemms",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_exact_policies_and_block_route",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_gemm_census",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_small",
+    "tests/test_layers_bench_smoke.py::test_layers_benchmark_trace_top_says_where_the_step_time_goes",
+    "tests/test_layers_bench_smoke.py::test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_after",
+    "tests/test_loopback_bench_smoke.py::test_loopback_smoke",
+    "tests/test_readme.py::test_readme_python_snippets_run",
+    "tests/test_reduce_bench_smoke.py",
+    "tests/test_sparse_select_bench_smoke.py::test_sparse_select_bench_small",
+    "tests/test_torch_bench_smoke.py::test_torch_bench_cuda_rows_say_not_measured_without_a_gpu",
+    "tests/test_torch_bench_smoke.py::test_torch_bench_profile_lists_each_entry_points_host_time",
+    "tests/test_torch_bench_smoke.py::test_torch_bench_small",
+)
+
+# Cases of the functions above that stay in the fast tier: a cheap representative of each
+# parametrized workhorse (a few seconds of CPU each), so that the module's core is still run.
+_FAST_CASES = (
+    "tests/cli/test_portable.py::test_tree_sum_is_the_declared_pairwise_order[7]",
+    "tests/flax_integration/test_whole_model.py::test_linen_transformer_every_matmul_quantized_as_asked[True]",
+    "tests/formats/test_codes.py::test_every_code_against_formula_and_round_trip[jaxlp.formats.E5M2]",
+    "tests/formats/test_nvfp4.py::test_nvfp4_matches_the_reference[ScaledBlockFormat(elem=jaxlp.formats.E2M1FN, block_size=16, axis=-1, scale_fmt='ue4m3', tensor_scale=False)]",  # noqa: E501
+    "tests/ops/test_block_conv.py::test_bits_are_the_definition_on_the_declared_blocks[tiled_pads_dilations]",
+    "tests/ops/test_conv.py::test_representable_operands_equal_plain_conv[hbfp-depthwise]",
+    "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms[per_gemm]",
+    "tests/ops/test_dot_general_nd.py::test_dense_nd_equals_2d_gemm_on_the_reshape[acc_kahan]",
+    "tests/ops/test_matmul.py::test_cpd_kahan_reproduces_quant_gemm[4-3]",
+    "tests/ops/test_matmul.py::test_grad_emulate_is_the_emulated_backward_gemms[acc=jaxlp.formats.BF16]",
+    "tests/pallas/test_block_gemm.py::test_interpret_matches_reference[int8-hbfp8]",
+    "tests/pallas/test_block_gemm.py::test_interpret_matches_reference[auto-whole]",
+    "tests/pallas/test_pallas_matmul.py::test_kernel_equals_reference[algorithm='kahan']",
+    "tests/pallas/test_pallas_matmul.py::test_kernel_gradients_equal_reference[kahan-fp32]",
+    "tests/pallas/test_pallas_quantize.py::test_block_awkward_shapes[shape0]",
+    "tests/pallas/test_pallas_quantize.py::test_presets[E5M2]",
+    "tests/parallel/test_aps.py::test_aps_matches_oracle[jaxlp.formats.E4M3-chain-False]",
+    "tests/parallel/test_psum.py::test_shard_map_8_devices[ring-False]",
+    "tests/parallel/test_psum.py::test_vmap_matches_oracle[jaxlp.formats.E4M3-chain-False]",
+    "tests/parallel/test_psum.py::test_vmap_matches_oracle[jaxlp.formats.E4M3-ring-False]",
+    "tests/parallel/test_psum.py::test_worker_counts_and_padding[tree-2]",
+    "tests/parallel/test_sharded.py::test_vmap_and_shard_map_give_the_oracles_bits[4]",
+    "tests/parallel/test_sharded_compressed.py::test_compressors_run_sharded_and_match_the_oracle[cast-e4m3]",
+    "tests/parallel/compress/test_compress_compressors.py::test_pack_matches_reference_and_round_trips[4]",
+    "tests/parallel/compress/test_engine_families.py::test_constant_gradient_over_steps[topk]",
+    "tests/parallel/compress/test_engine_families.py::test_wire_bytes_equal_the_bytes_the_collectives_send[cgx-bucket_mb]",
+    "tests/parallel/compress/test_engine_families.py::test_wire_bytes_equal_the_bytes_the_collectives_send[onebit-bucket_mb]",
+    "tests/parallel/compress/test_engine_families.py::test_wire_bytes_equal_the_bytes_the_collectives_send[topk-default]",
+    "tests/parallel/compress/test_randomk_sampling.py::test_distinct_in_range[100]",
+    "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_with_compressor_over_steps[topk]",
+    "tests/test_doctests.py::test_docstring_examples[jaxlp.formats._quantize]",
+    "tests/test_doctests.py::test_docstring_examples[jaxlp.ops._dot_general]",
+    "tests/torch_bridge/test_torch_bridge.py::test_same_bits_as_jax[jaxlp.formats.BF16]",
+    "tests/torch_bridge/test_torch_bridge.py::test_same_bits_as_jax[jaxlp.formats.E5M2]",
+    "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns[cpd_float]",
+    "tests/torch_bridge/test_cpu_path.py::test_every_branch_of_the_fast_paths[qpytorch_float]",
+    "tests/torch_bridge/test_torch_nn.py::test_linear_matches_jax_dot_general[hbfp_per_sample]",
+)
+
+
+def slow_reason(nodeid: str) -> str | None:
+  """The entry of :data:`_SLOW` that marks the test ``nodeid`` slow (None: it is fast)."""
+  if nodeid in _FAST_CASES:
+    return None
+  path, _, rest = nodeid.partition("::")
+  function = f"{path}::{rest.split('[')[0]}"
+  for key in (nodeid, function, path):
+    if key in _SLOW_SET:
+      return key
+  return None
+
+
+_SLOW_SET = frozenset(_SLOW)
+
+
+def pytest_itemcollected(item):
+  """Marks the tests named by :data:`_SLOW` ``slow`` as they are collected (before ``-m``
+  selects)."""
+  if slow_reason(item.nodeid) is not None:
+    item.add_marker(pytest.mark.slow)
+
+
+#: Where :func:`pytest_collection_modifyitems` leaves, for ``tests/test_fast_tier.py``, the
+#: functions of :data:`_FAST_CASES` this process collected and the cases it found of them.
+FAST_CASES_SEEN = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m``/``-k`` deselect: every collected test is seen
 def pytest_collection_modifyitems(config, items):
-  """Runs the tests of :data:`_SCHEDULE_FIRST` first, in its order (a stable sort)."""
-  del config
+  """Runs the tests of :data:`_SCHEDULE_FIRST` first, in its order (a stable sort), and
+  records the collected cases of :data:`_FAST_CASES`' functions (:data:`FAST_CASES_SEEN`)."""
+  functions = {name.split("[")[0] for name in _FAST_CASES}
+  seen = {}
+  for item in items:
+    function = item.nodeid.split("[")[0]
+    if function in functions:
+      seen.setdefault(function, set()).add(item.nodeid)
+  config.stash[FAST_CASES_SEEN] = seen
   rank = {name: i for i, name in enumerate(_SCHEDULE_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))

@@ -116,5 +116,5 @@ def test_documented_benchmark_paths_exist(doc):
     for ref in re.findall(r"benchmarks/[\w/]+\.(?:py|sh|md)", text):
       if "NAME" not in ref:  # a placeholder (benchmarks/NAME.py)
         assert os.path.exists(os.path.join(ROOT, ref)), (f, ref)
-    for name in re.findall(r"python3? -m benchmarks ([a-z_]+)", text):  # not NAME
+    for name in re.findall(r"python3? -m benchmarks ([a-z0-9_]+)", text):  # not NAME
       assert fd.script(name), (f, name)

@@ -9,7 +9,7 @@ def test_block_gemm_bench_small(capsys, tmp_path):
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "block_gemm.py"
   mod = runpy.run_path(str(path))
   out_json = tmp_path / "rows.json"
-  mod["main"](["--small", "--size", "48", "--repeats", "1", "--skip-layers",
+  mod["main"](["--small", "--size", "48", "--repeats", "1", "--skip-layers", "--skip-scaled",
                "--json", str(out_json)])
   out = capsys.readouterr().out
   assert out.count("same bits as reference") == 3  # XLA int8 = reference (HBFP8 x2, MXINT8)
@@ -31,9 +31,25 @@ def test_block_gemm_bench_tiles_flag(capsys):
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "block_gemm.py"
   mod = runpy.run_path(str(path))
   mod["main"](["--small", "--size", "32", "--repeats", "1", "--skip-layers", "--skip-conv",
-               "--tiles", "128x64x4"])
+               "--skip-scaled", "--tiles", "128x64x4"])
   for bad, msg in (("128x64", "expected BMxBNxWARPS"), ("96x64x4", "powers of two >= 16"),
                    ("64x64x3", "warps 1/2/4/8/16")):
     with pytest.raises(SystemExit):
       mod["main"](["--small", "--tiles", bad])
     assert msg in capsys.readouterr().err
+
+
+def test_block_gemm_bench_scaled_rows(capsys, tmp_path):
+  """The block-scaled rows (NVFP4, MXFP4, MXFP8): emulation, reference and the interpreted
+  Pallas kernel with the reference's bits; GPU rows "not measured"."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "block_gemm.py"
+  mod = runpy.run_path(str(path))
+  out_json = tmp_path / "rows.json"
+  mod["main"](["--small", "--size", "16", "--scaled-size", "32", "--repeats", "1",
+               "--skip-layers", "--skip-conv", "--json", str(out_json)])
+  out = capsys.readouterr().out
+  rows = json.loads(out_json.read_text())["scaled"]
+  kernels = [r for r in rows if "interpret=True" in r["path"]]
+  assert len(kernels) == 3 and all("same bits as reference" in r["bits"] for r in kernels)
+  assert "| NVFP4 nvfp4() (two-level) | exact: Pallas kernel limb_gemm (GPU) | not measured" in out
+  assert "2 x 2 limb dots per K-block" in out  # MXFP8

@@ -24,7 +24,8 @@ Layers, lowest first (DESIGN.md: formats <- pallas <- ops <- {flax, optim, paral
 {torch, cli}): the helpers ``jaxlp._util`` and ``jaxlp._deprecation``; ``formats``;
 ``pallas``; ``ops``; ``flax``, ``optim``, ``parallel``; the root ``jaxlp/__init__.py`` (the
 curated public API: it re-exports formats, pallas, ops and parallel); ``torch``, ``cli``,
-``training`` (the top: users of the public API); ``jaxlp/__main__.py``. A module may import
+``training`` (the top: users of the public API); ``jaxlp/_entry.py`` (the command's entry
+point) and ``jaxlp/__main__.py``. A module may import
 its own package and any module of a lower layer. Packages of one layer may import each other
 (``parallel`` reaches ``optim.lars`` through a deprecated name; ``cli`` runs ``training``)
 as long as the graph of packages has no circle, which is checked as well.
@@ -49,7 +50,7 @@ LAYERS = {
     "flax": 4, "optim": 4, "parallel": 4,
     "": 5,
     "torch": 6, "cli": 6, "training": 6,
-    "__main__": 7,
+    "_entry": 7, "__main__": 7,
 }
 
 
@@ -233,7 +234,7 @@ def test_design_md_layering_spelled_out(pkg, forbidden):
 
 def test_nothing_below_the_top_imports_torch_cli_or_training():
   graph = import_graph()
-  top = {"torch", "cli", "training", "__main__"}
+  top = {"torch", "cli", "training", "_entry", "__main__"}
   bad = [_where(graph, a, b) for a in sorted(graph) if _package(a) not in top
          for b in sorted(graph[a]) if _package(b) in top]
   assert not bad, "the top packages are imported from below:\n  " + "\n  ".join(bad)

@@ -14,7 +14,14 @@ import shlex
 import sys
 
 from jaxlp.training import ORDERS, TrainConfig
-from jaxlp.training._loop import INT_MAX, SEED_MAX, TILE_MAX
+from jaxlp.training._loop import (
+  INT_MAX,
+  LAYERS_MAX,
+  OPTIMIZERS,
+  SEED_MAX,
+  SEQ_LEN_MAX,
+  TILE_MAX,
+)
 
 DEFAULT_COMPARE = [
     "fp32=",
@@ -27,7 +34,8 @@ _SEED_WHY = " (JAX's PRNG seeds are 32-bit: a larger seed would repeat a smaller
 #: what a --shard run reports about its memory (metrics.jsonl; compare's summary.json)
 _MEMORY_KEYS = ("state_bytes_per_device", "replicated_state_bytes_per_device")
 #: files ``jaxlp compare`` writes into --out beside the run folders
-_COMPARE_FILES = ("summary.json", "accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png")
+_COMPARE_FILES = ("summary.json", "accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png",
+                  "perplexity_vs_epoch.png", "perplexity_vs_wire_bytes.png")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,15 +79,31 @@ def _float(lo: float, *, lo_open=False, hi: float | None = None):
 def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   from jaxlp.training._data import DATASETS
   from jaxlp.training._models import MODELS
+  from jaxlp.training._text import TOKENS
 
   g = p.add_argument_group("model and data")
-  g.add_argument("--model", choices=MODELS, default="mlp", help="network (default: mlp)")
-  g.add_argument("--data", choices=DATASETS, default="digits",
-                 help="dataset; digits = scikit-learn's bundled 8x8 digits (no download)")
-  g.add_argument("--data-dir", default=None, help="folder with CIFAR-10 pickles / MNIST IDX files")
+  g.add_argument("--model", choices=MODELS, default="mlp",
+                 help="network (default: mlp); lstm, transformer (GPT-style) and bert (masked "
+                      "LM) are language models on --data text")
+  g.add_argument("--data", choices=DATASETS, default=None,
+                 help="dataset (default: digits, text for the language models); digits = "
+                      "scikit-learn's bundled 8x8 digits, text = the standard library's "
+                      "pydoc_data topics, byte level (no download)")
+  g.add_argument("--data-dir", default=None,
+                 help="folder with CIFAR-10 pickles / MNIST IDX files / train.txt, valid.txt, "
+                      "test.txt (Penn Treebank, WikiText-2) for --data text")
+  g.add_argument("--tokens", choices=TOKENS, default=None,
+                 help="--data text: bytes (default for the built-in text) or words (default "
+                      "with --data-dir: whitespace-split words + <eos> per line)")
   g.add_argument("--width", type=_int(1), default=16,
                  help="model width: mlp hidden units 8*W, cnn channels 2*W/4*W, resnet/vgg "
-                      "base channels W (default 16)")
+                      "base channels W, language models' embedding/hidden size 8*W (default 16)")
+  g.add_argument("--seq-len", type=_int(1, SEQ_LEN_MAX), default=None,
+                 help="language models: tokens per window (BPTT length; default 64)")
+  g.add_argument("--layers", type=_int(1, LAYERS_MAX), default=None,
+                 help="language models: LSTM layers / transformer blocks (default 2)")
+  g.add_argument("--dropout", type=_float(0.0, hi=1.0), default=None,
+                 help="language models: dropout rate (default 0.1)")
   g = p.add_argument_group("workers and gradient reduction")
   g.add_argument("--nodes", type=_int(1), default=8,
                  help="number of data-parallel workers, emulated with named vmap (default: 8)")
@@ -125,7 +149,10 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
   g.add_argument("--weight-man", type=_int(1), default=None, metavar="MANT",
                  help="HBFP wide weight storage mantissa bits (e.g. 16; needs --hbfp)")
   g.add_argument("--policy", default=None,
-                 help="layer policy preset: hbfp8, hbfp12, mxfp8, mxint8, e4m3")
+                 help="layer policy preset: hbfp8, hbfp12, mxfp8, mxint8, e4m3 (E4M3 forward, "
+                      "E5M2 gradients), e5m2; recipes: bf16, mxfp4, mxfp8-rceil, nvfp4 "
+                      "(plain) with pieces +tiles, +sr, +rht, +ends (e.g. nvfp4+sr+rht), "
+                      "nvfp4-recipe (all four)")
   g.add_argument("--exact-blocks", action="store_true",
                  help="integer block policies (--hbfp, --policy hbfp8/hbfp12/mxint8): exact "
                       "integer dot per K-block, K-blocks summed in fp32 in a declared order "
@@ -134,11 +161,16 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "with the mlp or cnn and an fp32 reduction the whole step (loss, sums, "
                       "update) is portable too, so the whole run has the same bits")
   g = p.add_argument_group("optimisation")
+  g.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                 help="sgd (default; with --momentum) or adam (default for the language "
+                      "models; AdamW with --weight-decay, --momentum is its b1)")
   g.add_argument("--epochs", type=_int(1), default=10,
                  help="epochs to train to (on --resume: may grow)")
-  g.add_argument("--batch-size", type=_int(1), default=128,
-                 help="global batch (split over workers)")
-  g.add_argument("--lr", type=_float(0.0, lo_open=True), default=0.05)
+  g.add_argument("--batch-size", type=_int(1), default=None,
+                 help="global batch, split over workers (default 128; language models: 32 "
+                      "rows of --seq-len tokens)")
+  g.add_argument("--lr", type=_float(0.0, lo_open=True), default=None,
+                 help="learning rate (default 0.05 for sgd, 0.002 for adam)")
   g.add_argument("--schedule", choices=("constant", "triangle"), default="constant",
                  help="learning rate: constant, or DavidNet's triangle (0 -> --lr over "
                       "--warmup-epochs, then linearly to 0; with Nesterov momentum)")
@@ -276,27 +308,66 @@ def _cmd_compare(args) -> int:
         raise
       results.append((name, cfg.out, hist))
       last = hist[-1]
-      print(f"      final test acc {last['test_accuracy']:.4f}  loss {last['train_loss']:.4f}  "
+      score = (f"final test ppl {last['perplexity']:.3f}" if _is_lm(hist)
+               else f"final test acc {last['test_accuracy']:.4f}")
+      print(f"      {score}  loss {last['train_loss']:.4f}  "
             f"{sum(h['seconds'] for h in hist):.1f}s", flush=True)
     print()
-    hdr = f"{'config':<14}{'final acc':>10}{'best acc':>10}{'final loss':>12}{'wire MB':>10}" \
-          f"{'seconds':>9}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, _, hist in results:
-      print(f"{name:<14}{hist[-1]['test_accuracy']:>10.4f}"
-            f"{max(h['test_accuracy'] for h in hist):>10.4f}{hist[-1]['train_loss']:>12.4f}"
-            f"{sum(h['wire_bytes'] for h in hist) / 1e6:>10.2f}"
-            f"{sum(h['seconds'] for h in hist):>9.1f}")
+    print(compare_table([(n, h) for n, _, h in results]))
     with open(os.path.join(out, "summary.json"), "w") as f:
-      json.dump([{"config": n, "dir": d, "final_test_accuracy": h[-1]["test_accuracy"],
-                  "best_test_accuracy": max(x["test_accuracy"] for x in h)}
+      json.dump([{"config": n, "dir": d, **_scores(h)}
                  | {k: h[-1][k] for k in _MEMORY_KEYS if k in h[-1]}  # --shard runs
                  for n, d, h in results], f, indent=2)
     if not args.no_plot:
       paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])
       print("\nplots: " + ", ".join(paths))
   return 0
+
+
+def _is_lm(hist) -> bool:
+  """A language model's run: its metrics have a perplexity instead of an accuracy."""
+  return bool(hist) and "perplexity" in hist[-1]
+
+
+def _scores(hist) -> dict:
+  """summary.json's scores of one run: final and best test accuracy (classifiers) or test
+  perplexity (language models; best = lowest)."""
+  if _is_lm(hist):
+    return {"final_perplexity": hist[-1]["perplexity"],
+            "best_perplexity": min(h["perplexity"] for h in hist),
+            "final_valid_perplexity": hist[-1]["valid_perplexity"]}
+  return {"final_test_accuracy": hist[-1]["test_accuracy"],
+          "best_test_accuracy": max(h["test_accuracy"] for h in hist)}
+
+
+def compare_table(results) -> str:
+  """``jaxlp compare``'s table: one row per (name, history); accuracy columns for the
+  classifiers, test perplexity columns for the language models ("-" where a column does not
+  apply)."""
+  lms = [_is_lm(h) for _, h in results]
+  cols = [("config", 14)]
+  if not all(lms):
+    cols += [("final acc", 10), ("best acc", 10)]
+  if any(lms):
+    cols += [("final ppl", 11), ("best ppl", 10)]
+  cols += [("final loss", 12), ("wire MB", 10), ("seconds", 9)]
+  lines = ["".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(cols))]
+  lines.append("-" * len(lines[0]))
+  for (name, hist), lm in zip(results, lms):
+    cells = [f"{name:<14}"]
+    if not all(lms):
+      cells += ([f"{'-':>10}"] * 2 if lm else
+                [f"{hist[-1]['test_accuracy']:>10.4f}",
+                 f"{max(h['test_accuracy'] for h in hist):>10.4f}"])
+    if any(lms):
+      cells += ([f"{hist[-1]['perplexity']:>11.3f}",
+                 f"{min(h['perplexity'] for h in hist):>10.3f}"] if lm else
+                [f"{'-':>11}", f"{'-':>10}"])
+    cells += [f"{hist[-1]['train_loss']:>12.4f}",
+              f"{sum(h['wire_bytes'] for h in hist) / 1e6:>10.2f}",
+              f"{sum(h['seconds'] for h in hist):>9.1f}"]
+    lines.append("".join(cells))
+  return "\n".join(lines)
 
 
 def _seeds(text):
@@ -317,7 +388,7 @@ def _cmd_reproduce(args) -> int:
 
   if args.list:
     for name, c in CLAIMS.items():
-      print(f"{name:<8} {c.system}\n         {c.statement}")
+      print(f"{name:<10} {c.system}\n           {c.statement}")
     return 0
   if args.claim is None:
     raise ValueError(f"give a claim: {', '.join(CLAIMS)} or all (--list describes them)")
@@ -326,7 +397,8 @@ def _cmd_reproduce(args) -> int:
     raise ValueError(f"unknown claim {args.claim!r}; choose from {', '.join(CLAIMS)} or all")
   for name in names:
     reproduce(name, seeds=args.seeds, out=args.out, data_dir=args.data_dir, toy=args.toy,
-              overwrite=args.overwrite, plots=not args.no_plot)
+              overwrite=args.overwrite, plots=not args.no_plot, epochs=args.epochs,
+              max_steps=args.max_steps)
   return 0
 
 
@@ -449,21 +521,29 @@ def build_parser() -> argparse.ArgumentParser:
 
   pr = sub.add_parser("reproduce", help="reproduce a replaced system's headline claim",
                       description="Train the settings of one claim (cpd, aps, hbfp, cgx, "
-                                  "hipress, ddp) over several seeds and judge it against fp32: "
-                                  "a table with every seed, wire bytes and a verdict, plus "
-                                  "plots. 'all' runs every claim; --list shows them.")
+                                  "hipress, ddp, hbfp-lstm, hbfp-bert, nvfp4) over several seeds "
+                                  "and judge it against fp32: a table with every seed, wire bytes "
+                                  "and a verdict, plus plots. 'all' runs every claim; --list "
+                                  "shows them.")
   pr.add_argument("claim", nargs="?", default=None, metavar="NAME",
-                  help="cpd, aps, hbfp, cgx, hipress, ddp or all")
+                  help="cpd, aps, hbfp, cgx, hipress, ddp, hbfp-lstm, hbfp-bert, nvfp4 or "
+                       "all")
   pr.add_argument("--list", action="store_true", help="list the claims and exit")
   pr.add_argument("--seeds", type=_seeds, default=(0, 1, 2), metavar="S,S,...",
                   help="comma-separated seeds (default 0,1,2)")
   pr.add_argument("--out", default="runs/reproduce", metavar="DIR",
                   help="output folder (runs/reproduce); finished runs there are reused")
   pr.add_argument("--data-dir", default=None, metavar="DIR",
-                  help="CIFAR-10/MNIST folder: the full-scale settings (seeds' own models)")
+                  help="CIFAR-10/MNIST folder (Penn Treebank/WikiText-2 text files for "
+                       "hbfp-lstm/hbfp-bert): the full-scale settings (seeds' own models)")
   pr.add_argument("--toy", action="store_true",
-                  help="a narrow MLP, 2 workers, one epoch of two steps per run (smoke test; no "
-                       "verdicts)")
+                  help="a narrow MLP (the language models at width 1), 2 workers, one epoch of "
+                       "two steps per run (smoke test; no verdicts)")
+  pr.add_argument("--epochs", type=_int(1), default=None, metavar="E",
+                  help="a reduced run: every run trains E epochs (default: the setting's)")
+  pr.add_argument("--max-steps", type=_int(1), default=None, metavar="N",
+                  help="a reduced run: at most N steps per epoch; the report marks the "
+                       "settings reduced (for a machine too slow for their size)")
   pr.add_argument("--overwrite", action="store_true",
                   help="replace run folders whose configuration differs")
   pr.add_argument("--no-plot", action="store_true", help="skip the PNG plots")

@@ -3,6 +3,7 @@
 Imports only jax, numpy and ml_dtypes.
 """
 
+from jaxlp.formats._block import SCALE_RULES as SCALE_RULES
 from jaxlp.formats._block import BlockFormat as BlockFormat
 from jaxlp.formats._block import MXFormat as MXFormat
 from jaxlp.formats._block import QPyTorchBlock as QPyTorchBlock
@@ -18,6 +19,9 @@ from jaxlp.formats._compat import cpd_float as cpd_float
 from jaxlp.formats._compat import qpytorch_float as qpytorch_float
 from jaxlp.formats._fixed_point import FixedPoint as FixedPoint
 from jaxlp.formats._float_format import FloatFormat as FloatFormat
+from jaxlp.formats._nvfp4 import SCALE_FORMATS as SCALE_FORMATS
+from jaxlp.formats._nvfp4 import ScaledBlockFormat as ScaledBlockFormat
+from jaxlp.formats._nvfp4 import nvfp4 as nvfp4
 from jaxlp.formats._presets import BF16 as BF16
 from jaxlp.formats._presets import E2M1FN as E2M1FN
 from jaxlp.formats._presets import E2M3FN as E2M3FN
@@ -43,6 +47,7 @@ __all__ = [
     "BF16", "BlockFormat", "CPDFloat", "DTypeError", "E2M1FN", "E2M3FN", "E3M2FN", "E3M4",
     "E4M3", "E4M3FN", "E4M3FNUZ", "E5M2", "E5M2FNUZ", "FP16", "FP32", "FixedPoint",
     "FloatFormat", "MXFormat", "PRESETS", "QPyTorchBlock", "QPyTorchFloat", "ROUNDINGS",
-    "TF32", "check_format", "cpd_float", "from_codes", "get_format", "hbfp", "hbfp_batched", "mx",
-    "qpytorch_block", "qpytorch_float", "quantize", "random_bits", "to_codes",
+    "SCALE_FORMATS", "SCALE_RULES", "ScaledBlockFormat", "TF32", "check_format", "cpd_float",
+    "from_codes", "get_format", "hbfp", "hbfp_batched", "mx", "nvfp4", "qpytorch_block",
+    "qpytorch_float", "quantize", "random_bits", "to_codes",
 ]

@@ -18,6 +18,8 @@ from jaxlp._deprecation import renamed_kwargs
 from jaxlp._util import cdiv, round_up
 from jaxlp.formats import _bits as B
 from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._fparith import normalize
+from jaxlp.formats._presets import E2M1FN, E2M3FN, E3M2FN, E4M3, E4M3FN, E5M2
 
 EXPONENT_RULES = ("exact", "hbfp")
 
@@ -38,12 +40,30 @@ def _tile_view(shape, tile):
   return rows, cols, max(tr, 1), max(tc, 1)
 
 
+def is_axis_blocked(fmt) -> bool:
+  """True if ``fmt``'s blocks run along one axis, ``fmt.axis``.
+
+  The protocol: such a format has a ``block_axis`` property (its ``axis`` field; None where
+  its blocks are not 1-D, e.g. tiles) and can be rebuilt along another axis with
+  ``dataclasses.replace(fmt, axis=a)``, which ``jaxlp.dot_general`` does to block each
+  operand along its contraction axis. ``mx(...)``, ``BlockFormat(axis=...)`` and 1-D
+  :class:`~jaxlp.formats.ScaledBlockFormat` (``nvfp4()``) take part.
+
+  Example:
+    >>> from jaxlp import formats as F
+    >>> from jaxlp.formats._block import is_axis_blocked
+    >>> [is_axis_blocked(f) for f in (F.mx(F.E4M3FN), F.nvfp4(), F.nvfp4(tile=16), F.hbfp(8))]
+    [True, True, False, False]
+  """
+  return getattr(fmt, "block_axis", None) is not None
+
+
 def check_block_axis(fmt, shape) -> None:
-  """ValueError unless the block axis of ``fmt`` (``mx(...)``, ``BlockFormat(axis=...)``;
-  other formats have none) is in ``-ndim..ndim-1`` for an array of ``shape``."""
-  axis = getattr(fmt, "axis", None)
-  if axis is None or not isinstance(fmt, (BlockFormat, MXFormat)):
+  """ValueError unless the block axis of ``fmt`` (``mx(...)``, ``BlockFormat(axis=...)``,
+  ``nvfp4()``; other formats have none) is in ``-ndim..ndim-1`` for an array of ``shape``."""
+  if not is_axis_blocked(fmt):
     return
+  axis = fmt.block_axis
   nd = len(shape)
   if not -max(nd, 1) <= axis < max(nd, 1):  # a scalar is one block (axis 0 or -1)
     raise ValueError(f"{fmt!r}: block axis {axis} is out of range for an array of shape "
@@ -179,6 +199,11 @@ class BlockFormat:
       raise ValueError(f"BlockFormat: eps must be a non-negative float, got {self.eps!r}")
 
   supported_roundings = B.ROUNDINGS
+
+  @property
+  def block_axis(self) -> int | None:
+    """The axis the blocks run along (None for tiles); see :func:`is_axis_blocked`."""
+    return self.axis
 
   def _block_max(self, mag):
     return block_max_bits(mag, tile=self.tile, axis=self.axis, block_size=self.block_size)
@@ -376,19 +401,54 @@ def qpytorch_block(wl: int, dim: int = -1) -> QPyTorchBlock:
   return QPyTorchBlock(wl, dim)
 
 
+#: MX block-scale rules (:class:`MXFormat`).
+SCALE_RULES = ("floor", "rceil", "even", "ceil")
+
+
+#: The element types the OCP MX spec defines (plus ``"int8"``).
+OCP_ELEMENTS = (E4M3FN, E5M2, E3M2FN, E2M3FN, E2M1FN)
+
+
 @dataclasses.dataclass(frozen=True)
 class MXFormat:
   """OCP Microscaling (MX v1.0): ``block_size`` elements along ``axis`` share an E8M0 scale.
 
-  scale ``= 2**(floor(log2 amax) - emax(elem))`` clamped to E8M0's ``[2**-127, 2**127]``;
-  each element is ``elem``'s saturating cast of ``x / scale`` (computed exactly as a
-  rounding of x onto elem's grid scaled by the scale). An all-zero block gives zeros; a
-  block containing inf or NaN gives NaN. ``elem`` is a :class:`FloatFormat` or ``"int8"``
-  (MXINT8: two's complement with implied scale 2**-6, clamped to [-2, 127/64]).
+  Each block gets a power-of-two scale ``X = 2**e`` with ``e`` from the block's largest
+  magnitude ``amax`` by ``scale_rule`` (``emax`` and ``max`` are the element format's largest
+  exponent and value, ``m`` its mantissa bits), clamped to E8M0's ``[-127, 127]``:
+
+  * ``"floor"`` (default, OCP MX v1.0 §6.3): ``e = floor(log2 amax) - emax``. Elements above
+    ``max * X`` saturate (e.g. amax = 500 with E4M3FN: X = 1, 500 -> 448).
+  * ``"rceil"``: ``e = ceil(log2(amax / max))``, the smallest power of two with
+    ``amax / X <= max`` (no element saturates): "quantize_round_up(amax / vmax)" of NVIDIA's
+    cuDNN/cuBLAS block scaling and the MXFP8 pretraining recipe (arXiv:2506.08027, which
+    reports that floor scaling can diverge and that rounding the scale up fixes it);
+    torchao's ``ScaleCalculationMode.RCEIL``.
+  * ``"ceil"``: ``e = ceil(log2 amax) - emax`` (torchao's ``ScaleCalculationMode.CEIL``).
+  * ``"even"``: ``e = floor(log2 amax') - emax`` with ``amax'`` = ``amax`` rounded to ``m``
+    mantissa bits, ties away from zero (torchao's ``ScaleCalculationMode.EVEN``, which adds
+    ``2**(22 - m)`` to amax's float32 bit pattern and keeps the exponent).
+
+  The rules are computed exactly from the float32 bits (never with a float ``log2``);
+  ``amax / max`` in ``"rceil"`` is the exact quotient (torchao multiplies by a rounded
+  ``1 / max``; on the power-of-two boundaries of every OCP element format both agree).
+  Each element is ``elem``'s saturating cast of ``x / X``, computed exactly as a rounding of
+  x onto elem's grid scaled by ``X``. An all-zero block gives zeros; a block containing inf
+  or NaN gives NaN. No finite input gives an infinity: where ``max * X`` exceeds float32
+  (a scale rounded up for ``amax`` near FLT_MAX), elements saturate at the largest float32
+  on the scaled grid, ``(2 - 2**-m) * 2**127`` (torchao's dequantization gives inf there).
+
+  ``elem`` is one of the element types the OCP spec defines: ``E4M3FN``, ``E5M2`` (MXFP8),
+  ``E3M2FN``, ``E2M3FN`` (MXFP6), ``E2M1FN`` (MXFP4), or ``"int8"`` (MXINT8: two's
+  complement with implied scale 2**-6, clamped to [-2, 127/64]; values that round to zero
+  are +0, as INT8 has no -0; with ``X = 2**127`` the code -128 would be ``-2**128``, beyond
+  float32, so negative elements saturate at ``-127 * 2**121``: no infinity from finite input).
 
   Raises:
-    ValueError: ``elem`` is neither a :class:`FloatFormat` nor ``"int8"``, or
-      ``block_size`` / ``axis`` is not a (positive) int.
+    ValueError: ``elem`` is not an OCP MX element type (IEEE-style ``E4M3`` -- max 240, with
+      infinities -- is refused with a pointer to ``E4M3FN``; so are ``BF16``, ``FP32``,
+      ``E4M3FNUZ``...), ``block_size`` / ``axis`` is not a (positive) int, an unknown
+      ``scale_rule``, or a rule other than ``"floor"`` for MXINT8.
 
   Example:
     >>> import jax.numpy as jnp
@@ -399,24 +459,52 @@ class MXFormat:
     >>> # 0.1 / 2**-12 = 409.6 rounds to 416 (E4M3 spacing 32 there): 416 * 2**-12
     >>> F.quantize(jnp.array([1000.0, 1.0, 0.1, -0.1]), fmt)
     Array([ 8.960000e+02,  1.000000e+00,  1.015625e-01, -1.015625e-01], dtype=float32)
+    >>> # rceil: 1000 / 448 = 2.23 -> scale 4; 1000 / 4 = 250 rounds to 256 (spacing 16)
+    >>> F.quantize(jnp.array([1000.0, 1.0]), F.mx(F.E4M3FN, 2, scale_rule="rceil"))
+    Array([1.024e+03, 1.000e+00], dtype=float32)
 
   References:
-    OCP Microscaling Formats (MX) Specification v1.0, 2023, §5–6.
+    OCP Microscaling Formats (MX) Specification v1.0, 2023, §5-6. Mishra et al., "Recipes
+    for Pre-training LLMs with MXFP8", arXiv:2506.08027, 2025. NVIDIA cuDNN frontend,
+    "Block Scaling" (block scale quantize: ``scale = quantize_round_up(amax / vmax)``).
+    pytorch/ao 0.18.0, ``torchao/prototype/mx_formats/config.py``
+    (``ScaleCalculationMode``) and ``mx_tensor.py`` (``to_mx``).
   """
 
   elem: object
   block_size: int = 32
   axis: int = -1
+  scale_rule: str = "floor"
 
   def __post_init__(self):
-    if not (isinstance(self.elem, FloatFormat) or self.elem == "int8"):
-      raise ValueError(f"mx: elem must be a FloatFormat or 'int8', got {self.elem!r}")
+    if isinstance(self.elem, FloatFormat):
+      if self.elem not in OCP_ELEMENTS:
+        if self.elem == E4M3:
+          raise ValueError(
+              "mx: elem=E4M3 is the IEEE-style E4M3 (max 240, with infinities); OCP MX's "
+              "MXFP8 element is E4M3FN (max 448, no infinities): use jaxlp.formats.E4M3FN")
+        raise ValueError(
+            f"mx: elem={self.elem!r} is not an OCP MX element type; use one of E4M3FN, E5M2 "
+            f"(MXFP8), E3M2FN, E2M3FN (MXFP6), E2M1FN (MXFP4) or 'int8' (MXINT8)")
+    elif not (isinstance(self.elem, str) and self.elem == "int8"):
+      raise ValueError(f"mx: elem must be an OCP MX element type (E4M3FN, E5M2, E3M2FN, "
+                       f"E2M3FN, E2M1FN) or 'int8', got {self.elem!r}")
     if not _is_int(self.block_size) or self.block_size < 1:
       raise ValueError(f"mx: block_size must be a positive int, got {self.block_size!r}")
     if not _is_int(self.axis):
       raise ValueError(f"mx: axis must be an int, got {self.axis!r}")
+    if self.scale_rule not in SCALE_RULES:
+      raise ValueError(f"mx: scale_rule must be one of {SCALE_RULES}, got {self.scale_rule!r}")
+    if self.elem == "int8" and self.scale_rule != "floor":
+      raise ValueError(f"mx: scale_rule={self.scale_rule!r} is defined for floating-point "
+                       "elements; MXINT8 uses the OCP rule 'floor'")
 
   supported_roundings = B.ROUNDINGS
+
+  @property
+  def block_axis(self) -> int:
+    """The axis the blocks run along; see :func:`is_axis_blocked`."""
+    return self.axis
 
   @property
   def elem_emax(self) -> int:
@@ -427,38 +515,63 @@ class MXFormat:
     mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=self.axis, block_size=self.block_size)
     return B.from_bits(self._round_with_block_max(bits, mx, rounding, rand, rand_bits))
 
+  def scale_exponent(self, mx):
+    """The unclamped scale exponent ``e`` (int32) of ``scale_rule`` from the block-max
+    magnitude bits ``mx`` (finite; 0 for an all-zero block, whose elements are 0 anyway)."""
+    rule = self.scale_rule
+    if rule == "floor":
+      return B.floor_log2(mx) - self.elem_emax
+    if rule == "ceil":
+      return B.ceil_log2(mx) - self.elem_emax
+    if rule == "even":
+      # amax rounded to m mantissa bits, ties away: a carry out of the fraction bumps the
+      # exponent (the exponent of the rounded pattern; float32 subnormal maxima clamp anyway)
+      return B.floor_log2(mx + B.u32(1 << (22 - self.elem.man_bits))) - self.elem_emax
+    # rceil: amax / max = (sa / sm) * 2**(ea - emax), sa, sm in [1, 2): the ceiling of its
+    # log2 is ea - emax, plus one where sa > sm
+    sig, ea = normalize(mx)
+    sm = int(B.f32_bits(self.elem.max_normal) & B.FRAC_MASK) | (1 << 23)
+    return ea - self.elem_emax + (sig > B.u32(sm)).astype(jnp.int32)
+
   def _round_with_block_max(self, bits, mx, rounding, rand, rand_bits):
     """Round float32 ``bits`` given each element's block-max magnitude bits ``mx``."""
     mag = bits & B.u32(B.ABS_MASK)
-    s = jnp.clip(B.floor_log2(jnp.minimum(mx, B.u32(0x7F7FFFFF))) - self.elem_emax, -127, 127)
+    s = jnp.clip(self.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
     if self.elem == "int8":
       sign = (bits & B.u32(B.SIGN_MASK)) != 0
       r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand,
                              rand_bits=rand_bits)
       lim_pos = B.ldexp_bits(B.u32(B.f32_bits(127.0)), s - 6)
-      lim_neg = B.ldexp_bits(B.u32(B.f32_bits(128.0)), s - 6)
+      # -128 * 2**(s - 6) is -2**128 (not a float32) where s = 127: saturate at -127 there
+      lim_neg = jnp.where(s >= 127, lim_pos, B.ldexp_bits(B.u32(B.f32_bits(128.0)), s - 6))
       r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
-      out = r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
+      out = r | jnp.where(sign & (r != 0), B.u32(B.SIGN_MASK), B.u32(0))  # INT8 has no -0
     else:
       out = self.elem._round_bits(bits, rounding, rand, rand_bits, scale_exp=s, saturate=True)
     return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
 
 
 @renamed_kwargs(elem="fmt")
-def mx(fmt, block_size: int = 32, axis: int = -1) -> MXFormat:
+def mx(fmt, block_size: int = 32, axis: int = -1, scale_rule: str = "floor") -> MXFormat:
   """OCP MX format: ``block_size`` elements of format ``fmt`` share an E8M0 scale.
 
   Args:
-    fmt: the element format: a :class:`FloatFormat` (``E4M3FN`` for MXFP8, ``E2M1FN`` for
-      MXFP4, ...) or ``"int8"`` (MXINT8). Formerly ``elem`` (still accepted, deprecated).
+    fmt: the element format, one of the OCP MX element types: ``E4M3FN`` or ``E5M2``
+      (MXFP8), ``E3M2FN`` or ``E2M3FN`` (MXFP6), ``E2M1FN`` (MXFP4), or ``"int8"`` (MXINT8).
+      Formerly ``elem`` (still accepted, deprecated).
     block_size: elements per block (32 in the OCP spec).
     axis: the axis the blocks run along.
+    scale_rule: how the block scale is derived from the block's largest magnitude:
+      ``"floor"`` (OCP MX, the default), ``"rceil"`` (round ``amax / max`` up to a power of
+      two: cuBLAS/cuDNN and the MXFP8 pretraining recipe), ``"ceil"`` or ``"even"``
+      (torchao's); defined in :class:`MXFormat`.
 
   Returns:
     The :class:`MXFormat` (its ``elem`` field holds ``fmt``).
 
   Raises:
-    ValueError: an element format MX does not define, or a bad block size.
+    ValueError: an element format MX does not define (``E4M3``: use ``E4M3FN``), a bad
+      block size or axis, an unknown ``scale_rule`` or a non-floor rule for ``"int8"``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -467,5 +580,9 @@ def mx(fmt, block_size: int = 32, axis: int = -1) -> MXFormat:
     >>> # E2M1's grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} to [2, 0.5, -4, 6] (-5: tie, to even)
     >>> F.quantize(jnp.array([1.0, 0.3, -2.5, 3.0]), F.mx(F.E2M1FN, 4))
     Array([ 1.  ,  0.25, -2.  ,  3.  ], dtype=float32)
+    >>> # amax 7: floor gives scale 1 and 7 saturates to 6; rceil: 7 / 6 -> scale 2
+    >>> x = jnp.array([7.0, 1.2, 0.0, 0.0])
+    >>> F.quantize(x, F.mx(F.E2M1FN, 4)), F.quantize(x, F.mx(F.E2M1FN, 4, scale_rule="rceil"))
+    (Array([6., 1., 0., 0.], dtype=float32), Array([8., 1., 0., 0.], dtype=float32))
   """
-  return MXFormat(fmt, block_size, axis)
+  return MXFormat(fmt, block_size, axis, scale_rule)

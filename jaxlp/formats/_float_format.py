@@ -206,7 +206,10 @@ class FloatFormat:
 
     max_bits = B.u32(B.f32_bits(self.max_normal))
     if scale_exp is not None:
-      max_bits = B.ldexp_bits(max_bits, scale_exp)
+      # max * 2**scale_exp beyond float32 (MX scales rounded up near FLT_MAX): the largest
+      # value of the scaled grid that float32 holds is (2 - 2**-m) * 2**127
+      top = B.f32_bits((2.0 - 2.0**-m) * 2.0**127)
+      max_bits = jnp.minimum(B.ldexp_bits(max_bits, scale_exp), B.u32(top))
     finite = B.is_finite_mag(mag)
     over = r > max_bits
     rule = self._overflow_rule(rounding, saturate)

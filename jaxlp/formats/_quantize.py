@@ -6,33 +6,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from jaxlp.formats import _bits as B
+from jaxlp.formats._args import _INPUT_DTYPES as _INPUT_DTYPES
+from jaxlp.formats._args import DTypeError as DTypeError
+from jaxlp.formats._args import element_index as element_index
+from jaxlp.formats._args import key_words as key_words
+from jaxlp.formats._args import prepare_array
 from jaxlp.formats._block import BlockFormat, MXFormat, QPyTorchBlock
 from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
 
 ROUNDINGS = B.ROUNDINGS
 FORMAT_TYPES = (FloatFormat, CPDFloat, QPyTorchFloat, FixedPoint, BlockFormat, QPyTorchBlock,
-                MXFormat)
-_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
-class DTypeError(TypeError, ValueError):
-  """An array of an unsupported dtype was passed (a TypeError and a ValueError).
-
-  Example:
-    >>> import numpy as np
-    >>> from jaxlp import formats as F
-    >>> try:
-    ...   F.quantize(np.zeros(2), F.BF16)  # float64: not accepted (cast explicitly)
-    ... except F.DTypeError as e:
-    ...   print(isinstance(e, TypeError), isinstance(e, ValueError))
-    True True
-  """
+                MXFormat, ScaledBlockFormat)
 
 
 def is_elementwise(fmt) -> bool:
@@ -65,34 +54,14 @@ def check_format(fmt, rounding: str = "nearest") -> None:
   if not isinstance(fmt, FORMAT_TYPES):
     raise TypeError(
         f"quantize: fmt must be a jaxlp format (FloatFormat, BlockFormat, FixedPoint, mx(...), "
-        f"cpd_float(...), qpytorch_float(...), ...), got {fmt!r} of type {type(fmt).__name__}")
+        f"nvfp4(...), cpd_float(...), qpytorch_float(...), ...), got {fmt!r} of type "
+        f"{type(fmt).__name__}")
   if rounding not in ROUNDINGS:
     raise ValueError(f"quantize: unknown rounding={rounding!r}; expected one of {ROUNDINGS}")
   if rounding not in fmt.supported_roundings:
     raise ValueError(
         f"quantize: {type(fmt).__name__} supports rounding in {fmt.supported_roundings}, "
         f"got rounding={rounding!r}")
-
-
-def key_words(key) -> tuple[jax.Array, jax.Array]:
-  """Two uint32 words derived from a PRNG key (typed ``jax.random.key`` or legacy uint32)."""
-  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    if key.shape != ():
-      raise ValueError(f"quantize: key must be a single PRNG key, got key shape {key.shape}")
-  else:
-    try:
-      k = jnp.asarray(key)
-    except TypeError as e:
-      raise ValueError(
-          f"quantize: key must be a jax.random.key(...) or a legacy uint32[2] PRNGKey, got "
-          f"{key!r}") from e
-    if k.dtype != jnp.uint32 or k.shape != (2,):
-      raise ValueError(
-          "quantize: key must be a jax.random.key(...) or a legacy uint32[2] PRNGKey, got "
-          f"dtype={k.dtype}, shape={k.shape}")
-    key = k
-  w = jax.random.bits(key, (2,), jnp.uint32)
-  return w[0], w[1]
 
 
 def split_key(key):
@@ -131,14 +100,6 @@ def typed_key(key, who: str):
     raise ValueError(f"{who}: key must be a jax.random.key(...), got dtype={k.dtype}, "
                      f"shape={k.shape}")
   return jax.random.wrap_key_data(k, impl="threefry2x32")
-
-
-def element_index(shape) -> jax.Array:
-  """uint32 flat C-order index of every element of ``shape``."""
-  size = int(np.prod(shape, dtype=np.int64))
-  if size >= 2**32:
-    raise ValueError(f"quantize: stochastic rounding supports < 2**32 elements, got {size}")
-  return lax.iota(jnp.uint32, size).reshape(shape) if size else jnp.zeros(shape, jnp.uint32)
 
 
 def random_bits(key, shape) -> jax.Array:
@@ -205,8 +166,9 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
       widened exactly to float32, rounded, and cast back (exact whenever the format fits in
       the input dtype; otherwise the result is rounded once more to the input dtype).
     fmt: a jaxlp format: :class:`FloatFormat` (or a preset such as ``E4M3``),
-      :class:`BlockFormat`, :class:`FixedPoint`, ``mx(...)``, ``cpd_float(...)``,
-      ``qpytorch_float(...)``, ``qpytorch_block(...)``.
+      :class:`BlockFormat`, :class:`FixedPoint`, ``mx(...)``, ``nvfp4(...)``
+      (:class:`ScaledBlockFormat`), ``cpd_float(...)``, ``qpytorch_float(...)``,
+      ``qpytorch_block(...)``.
     rounding: ``"nearest"`` (ties to even), ``"nearest_away"``, ``"toward_zero"``,
       ``"up"``, ``"down"`` or ``"stochastic"``. Compatibility formats define their own
       ``"nearest"`` (QPyTorch: ties away) and support fewer modes.
@@ -259,29 +221,7 @@ def prepare(x, fmt, rounding: str = "nearest", *, key=None, rand_bits=None):
     missing key, too many elements for the 32-bit noise index.
   """
   check_format(fmt, rounding)
-  # The caller's dtype, before jnp.asarray (which would narrow a numpy float64 array to
-  # float32 silently when x64 is off). Python scalars and lists have no dtype and are fine.
-  in_dtype = getattr(x, "dtype", None)
-  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-  bad = x.dtype if in_dtype is None else jnp.dtype(in_dtype)
-  if bad not in _INPUT_DTYPES or x.dtype not in _INPUT_DTYPES:
-    raise DTypeError(
-        f"quantize: x must be float32, float16 or bfloat16, got dtype={bad} (cast "
-        "explicitly; float64 would be double-rounded through float32)")
-  if rand_bits is not None:
-    if rounding != "stochastic":
-      raise ValueError("quantize: rand_bits applies only to rounding='stochastic'")
-    if (not isinstance(rand_bits, int) or isinstance(rand_bits, bool)
-        or not 1 <= rand_bits <= 32):
-      raise ValueError(f"quantize: rand_bits must be an int in 1..32, got {rand_bits!r}")
-  if rounding != "stochastic":
-    return x, jnp.zeros((2,), jnp.uint32)
-  if key is None:
-    raise ValueError(
-        "quantize: rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-  if x.size >= 2**32:
-    raise ValueError(f"quantize: stochastic rounding supports < 2**32 elements, got {x.size}")
-  return x, jnp.stack(key_words(key))
+  return prepare_array(x, rounding, key=key, rand_bits=rand_bits)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "rounding", "rand_bits"))

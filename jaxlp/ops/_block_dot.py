@@ -15,6 +15,7 @@ the platform the computation is compiled for; which implementation a GPU runs is
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +27,18 @@ from jaxlp.formats._block import MXFormat
 from jaxlp.formats._block_dot import (
     accumulate,
     block_dot_reference,
+    check_exact_formats,
     check_operands,
+    int32_exact,
     operand_significands,
     scale_exact,
+    tensor_scale,
+    two_level_values,
 )
 from jaxlp.formats._float_format import FloatFormat
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
 from jaxlp.pallas._block_gemm import block_gemm, fp8_block_gemm
+from jaxlp.pallas._limb_gemm import limb_gemm
 
 BLOCK_DOTS = (None, "exact", "fp8")
 IMPLS = ("reference", "xla_int8", "pallas")
@@ -185,26 +192,51 @@ def check_gpu_choice(value, allowed, what: str):
   return value
 
 
+def narrow(g: int, bits_a: int, bits_b: int, scales=None) -> bool:
+  """Whether a GEMM fits the int8 implementations (``xla_int8``, ``block_gemm``): no tensor
+  scales, significands of <= 7 bits and one exact int32 dot per K-block. The others (MXFP6
+  E3M2, MXFP8, NVFP4, wider ``BlockFormat``) take ``limb_gemm`` on a GPU."""
+  return scales is None and max(bits_a, bits_b) <= 7 and int32_exact(g, bits_a, bits_b)
+
+
 def block_dot(a, b, g: int, bits_a: int, bits_b: int, *, impl: str | None = None,
-              gpu_impl: str = GPU_IMPL, gpu_route: str = GPU_ROUTE):
+              gpu_impl: str = GPU_IMPL, gpu_route: str = GPU_ROUTE, prec=None, scales=None):
   """``a`` (M, K) . ``b`` (K, N) with the exact block bits (module docstring).
 
   ``impl=None`` follows the platform the computation is compiled for
-  (``lax.platform_dependent``): CUDA runs ``gpu_impl`` (:data:`GPU_IMPLS`; the Pallas
-  kernel on ``gpu_route``, :data:`GPU_ROUTES`) where the significands fit int8 (the
-  reference otherwise), every other platform the reference. All give the same bits.
+  (``lax.platform_dependent``): every platform but CUDA runs the reference; CUDA runs
+  ``gpu_impl`` (:data:`GPU_IMPLS`; the Pallas kernel on ``gpu_route``, :data:`GPU_ROUTES`)
+  where the GEMM is :func:`narrow`, else (with ``gpu_impl`` "pallas" or "auto") the limb
+  kernel ``limb_gemm`` (``jaxlp/pallas/_limb_gemm.py``, bf16 tensor cores) or the
+  reference. All give the same bits.
+
+  ``prec``: ``(prec_a, prec_b)``, the operands' significant bits (``SigSpec.prec``; the
+  limb kernel's limb width). ``scales``: ``(sa, sb)``, per-tensor float32 scales of
+  two-level operands (None for an operand without one; :func:`two_level_operand`).
   """
   check_gpu_choice(gpu_impl, GPU_IMPLS, "block_dot: gpu_impl")
   check_gpu_choice(gpu_route, GPU_ROUTES, "block_dot: gpu_route")
+  if scales is not None:
+    scales = tuple(jnp.float32(1.0) if s is None else jnp.asarray(s, jnp.float32)
+                   for s in scales)
+  is_narrow = narrow(g, bits_a, bits_b, scales)
   if impl is not None:
     if impl not in IMPLS:
       raise ValueError(f"block_dot: impl={impl!r} not in {IMPLS}")
-    return _IMPL_FNS[impl](a, b, g, bits_a, bits_b)
+    if is_narrow:
+      return _IMPL_FNS[impl](a, b, g, bits_a, bits_b)
+    if impl == "xla_int8":
+      raise ValueError(f"block_dot: impl='xla_int8' needs <= 7-bit significands, one int32 "
+                       f"dot per K-block and no tensor scales, got {bits_a}- and {bits_b}-bit "
+                       f"significands, K-block {g}, scales={scales is not None}")
+    if impl == "reference":
+      return block_dot_reference(a, b, g, bits_a, bits_b, scales)
+    return limb_gemm(a, b, g, bits_a, bits_b, scales, prec=prec)
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  check_operands(a, b, g, bits_a, bits_b)
-  if max(bits_a, bits_b) > 7:
-    return block_dot_reference(a, b, g, bits_a, bits_b)
-  return _dispatch(a, b, g, bits_a, bits_b, gpu_impl, gpu_route)
+  check_operands(a, b, g, bits_a, bits_b, limbs=True)
+  if is_narrow:
+    return _dispatch(a, b, g, bits_a, bits_b, gpu_impl, gpu_route)
+  return _dispatch_wide(a, b, scales, g, bits_a, bits_b, prec, gpu_impl)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
@@ -218,6 +250,90 @@ def _dispatch(a, b, g, bits_a, bits_b, gpu_impl, gpu_route):
     return _IMPL_FNS[gpu_impl](a, b, g, bits_a, bits_b)
 
   return lax.platform_dependent(a, b, cuda=gpu, default=reference)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _dispatch_wide(a, b, scales, g, bits_a, bits_b, prec, gpu_impl):
+  ops = (a, b) if scales is None else (a, b, *scales)
+
+  def unpack(ops):
+    return ops[0], ops[1], (None if len(ops) == 2 else ops[2:])
+
+  def reference(*ops):
+    a, b, s = unpack(ops)
+    return block_dot_reference(a, b, g, bits_a, bits_b, s)
+
+  def gpu(*ops):
+    if gpu_impl not in ("pallas", "auto"):
+      return reference(*ops)
+    a, b, s = unpack(ops)
+    return limb_gemm(a, b, g, bits_a, bits_b, s, prec=prec)
+
+  return lax.platform_dependent(*ops, cuda=gpu, default=reference)
+
+
+# ---------------------------------------------------------------------------------------
+# Two-level (tensor-scaled) operands
+# ---------------------------------------------------------------------------------------
+class Scaled(NamedTuple):
+  """An operand of a two-level format in an exact block dot: ``values`` (the elements times
+  their block scales, exact in float32: ``two_level_values``) and the float32 per-tensor
+  ``scale``; the operand's value is ``values * scale`` exactly (in general not a float32)."""
+
+  values: jax.Array
+  scale: jax.Array
+
+
+def is_two_level(fmt) -> bool:
+  """Whether ``fmt`` carries a per-tensor scale (``nvfp4()``: ``tensor_scale=True``)."""
+  return isinstance(fmt, ScaledBlockFormat) and fmt.tensor_scale
+
+
+def two_level_operand(x, fmt, quantize_values) -> Scaled:
+  """:class:`Scaled` of ``x`` in the two-level format ``fmt``: ``quantize_values(f)`` quantizes
+  float32 ``x`` with ``f = two_level_values(fmt)`` in the operand's own geometry (the same
+  elements, block scales and noise as ``fmt``); the tensor scale comes from ``max |x|``."""
+  return Scaled(quantize_values(two_level_values(fmt)), tensor_scale(x, fmt))
+
+
+def split_scaled(x):
+  """``(values, scale)`` of a :class:`Scaled` operand, ``(x, None)`` of an array."""
+  return (x.values, x.scale) if isinstance(x, Scaled) else (x, None)
+
+
+def map_values(fn, x):
+  """``fn`` applied to an operand's values (a :class:`Scaled` keeps its scale)."""
+  return x._replace(values=fn(x.values)) if isinstance(x, Scaled) else fn(x)
+
+
+def check_exact_operands(g: int, fmt_a, fmt_b, what: str, *, two_level: bool = True):
+  """``check_exact_formats`` for a GEMM's operand formats; ``two_level=False`` (convolutions)
+  also refuses two-level formats and 2-D tiles of ``ScaledBlockFormat`` with a
+  NotImplementedError."""
+  if not two_level:
+    for fmt in (fmt_a, fmt_b):
+      if is_two_level(fmt) or (isinstance(fmt, ScaledBlockFormat) and fmt.tile is not None):
+        raise NotImplementedError(
+            f"jaxlp {what}: block_dot='exact' supports {fmt!r} (a per-tensor scale or 2-D "
+            "tiles) in jaxlp.dot_general only; for convolutions use 1-D blocks with "
+            "tensor_scale=False (e.g. nvfp4(tensor_scale=False)) or block_dot=None")
+  check_exact_formats(g, fmt_a, fmt_b, what)
+
+
+def scaled_tile_blocks(fmt: ScaledBlockFormat, perm, ndim: int):
+  """The blocks of ``ScaledBlockFormat`` 2-D tiles of the array ``transpose(x, perm)``'s
+  last two axes (``perm`` None: as given) in ``jaxlp.dot_general``'s ``(rows, cols, tile)``
+  form, one entry per axis of ``x``: tile rows along the second-last axis, tile columns
+  along the last, one block per index of every leading axis (a list: each entry's changes
+  along K are K-block boundaries)."""
+  if ndim == 0:
+    return []
+  lay = tuple(range(ndim)) if perm is None else tuple(perm)
+  tr, tc = fmt.tile
+  if ndim == 1:
+    return [((lay[0],), (), (tc, None))]
+  return ([((a,), (), (1, None)) for a in lay[:-2]]
+          + [((lay[-2],), (), (tr, None)), ((lay[-1],), (), (tc, None))])
 
 
 # ---------------------------------------------------------------------------------------

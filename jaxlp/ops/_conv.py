@@ -13,7 +13,8 @@ import numpy as np
 from jax import lax
 
 from jaxlp.formats._block import BlockFormat, MXFormat
-from jaxlp.formats._block_dot import check_exact, contraction_blocks, significand_bits
+from jaxlp.formats._block_dot import contraction_blocks, significand_bits
+from jaxlp.ops._block_dot import check_exact_operands
 from jaxlp.ops._dot_general import (
   SlotGeometry,
   _exact_gemm,
@@ -27,13 +28,16 @@ from jaxlp.ops._policy import DotPolicy, Quant
 
 def _conv_geometry(dn: lax.ConvDimensionNumbers) -> dict[str, SlotGeometry]:
   """Tiling views in channel-first layout (N, C, spatial) / (O, I, spatial), and the
-  contraction axes: features in the forward pass, out-features in dlhs, batch in drhs."""
+  contraction axes: features in the forward pass, out-features in dlhs, batch in drhs
+  (also the axes a :class:`jaxlp.RHT` transforms). Kernels in 2-D tiles of a two-level
+  format (``nvfp4(tile=16)``) are tiled per tap on their (in, out) matrix."""
   ls, rs, os_ = (tuple(int(d) for d in t) for t in dn)
+  kmat = rs[2:] + (rs[1], rs[0])  # 2-D tiles of two-level formats: per tap, (in, out)
   return {
       "lhs": SlotGeometry(ls, ls[1]),
-      "rhs": SlotGeometry(rs, rs[1]),
+      "rhs": SlotGeometry(rs, rs[1], matrix_perm=kmat),
       "grad": SlotGeometry(os_, os_[1]),
-      "dlhs_rhs": SlotGeometry(rs, rs[0]),
+      "dlhs_rhs": SlotGeometry(rs, rs[0], matrix_perm=kmat),
       "drhs_lhs": SlotGeometry(ls, ls[0]),
       "drhs_grad": SlotGeometry(os_, os_[0]),
   }
@@ -60,7 +64,12 @@ def conv_general_dilated(policy: DotPolicy | None = None, *, key=None):
   ``(1, tc)`` tile long, and kernels keep their OIHW tiles). Axis-blocked formats (MX) are
   blocked along the contraction axis: input/kernel input
   features in the forward pass, gradient/kernel output features in the dlhs GEMM, and the
-  batch axis of input and gradient in the drhs GEMM. Accumulator emulation is not supported
+  batch axis of input and gradient in the drhs GEMM (1-D ``nvfp4()`` blocks too). Kernels in
+  2-D tiles of a two-level format (``nvfp4(tile=16)``) are tiled per kernel tap on their
+  (in, out) matrix, so the forward and the dlhs GEMM see the same kernel values. A
+  :class:`jaxlp.RHT` transforms along the same contraction axes (features, out-features,
+  batch), along which the convolution is a plain sum of products, so it cancels in every
+  GEMM. Accumulator emulation is not supported
   for convolutions (NotImplementedError).
 
   ``block_dot="exact"`` / ``"fp8"`` (:class:`jaxlp.DotPolicy`): the three GEMMs run on im2col
@@ -366,8 +375,8 @@ def _conv_plan(policy: DotPolicy, cv: _Conv):
       if best is None or g > best[2]:
         best = (order, L, g)
     if policy.block_dot == "exact":
-      check_exact(best[2], significand_bits(qa.fmt), significand_bits(qb.fmt),
-                     what=f"conv_general_dilated ({gemm} GEMM)")
+      check_exact_operands(best[2], qa.fmt, qb.fmt, f"conv_general_dilated ({gemm} GEMM)",
+                           two_level=False)
     plan[gemm] = best
   return plan
 

@@ -32,8 +32,9 @@ from jax import lax
 
 from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
-from jaxlp.formats._block import BlockFormat, MXFormat, block_max_bits
-from jaxlp.formats._block_dot import check_exact, significand_bits
+from jaxlp.formats._block import BlockFormat, MXFormat, block_max_bits, is_axis_blocked
+from jaxlp.formats._block_dot import significand_spec
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
 from jaxlp.formats._quantize import is_elementwise, join_key, prepare, split_key
 from jaxlp.formats._quantize import quantize_words as spec_quantize_words
 from jaxlp.ops import _block_dot as BD
@@ -55,16 +56,20 @@ class SlotGeometry(NamedTuple):
   take their tiles on the 2-D matrix ``transpose(x, rows + cols)`` reshaped to
   ``(prod(rows), prod(cols))``; block maxima there, rounding and noise in the operand's own
   layout. ``weight``: in that view keep the tile's row extent (a weight matrix); otherwise a
-  tile never spans two rows (tokens)."""
+  tile never spans two rows (tokens). ``matrix_perm``: for 2-D tiles of a two-level format
+  (``nvfp4(tile=16)``), the transpose that puts the weight's (contraction, free) axes of the
+  GEMM last, tiled there (a conv kernel: (spatial..., in, out)); None = ``perm``.
+  ``axis`` is also the axis a :class:`jaxlp.RHT` transforms."""
 
   perm: tuple[int, ...] | None = None
   axis: int | None = None
   view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
   weight: bool = False
+  matrix_perm: tuple[int, ...] | None = None
 
 
 def _is_axis_blocked(fmt) -> bool:
-  return isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None)
+  return is_axis_blocked(fmt)  # mx, BlockFormat(axis=...), 1-D nvfp4 (the formats' protocol)
 
 
 def _is_tiled(fmt) -> bool:
@@ -134,10 +139,16 @@ def _quantize_view(x, fmt: BlockFormat, rounding, key, geom: SlotGeometry):
                                              rows + cols, len(rows)), rounding, None)
 
 
-def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry):
-  """Quantize one GEMM operand per its slot's :class:`Quant` and geometry (None: as is)."""
+def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry,
+                     parts: bool = False):
+  """Quantize one GEMM operand per its slot's :class:`Quant` and geometry (None: as is).
+  ``parts``: a two-level format (``nvfp4()``) gives ``BD.Scaled(values, tensor scale)``, its
+  exact parts for ``block_dot="exact"``, instead of the decoded values."""
   if quant is None:
     return x
+  if parts and BD.is_two_level(quant.fmt):
+    return BD.two_level_operand(x, quant.fmt, lambda f: quantize_operand(
+        x.astype(jnp.float32), dataclasses.replace(quant, fmt=f), key, slot, geom))
   fmt = quant.fmt
   k = None
   if quant.stochastic:
@@ -156,6 +167,9 @@ def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry)
   if geom.view is not None and _is_tiled(fmt):
     return _quantize_view(x, fmt, quant.rounding, k, geom)
   perm = geom.perm
+  if geom.matrix_perm is not None and getattr(fmt, "tile", None) is not None and isinstance(
+      fmt, ScaledBlockFormat):
+    perm = geom.matrix_perm
   if perm is None or perm == tuple(range(x.ndim)):
     return quantize(x, fmt, quant.rounding, key=k)
   inv = tuple(int(i) for i in np.argsort(perm))
@@ -164,7 +178,7 @@ def quantize_operand(x, quant: Quant | None, key, slot: str, geom: SlotGeometry)
 
 
 def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, SlotGeometry],
-                       key=None, gemms: dict[str, Any] | None = None):
+                       key=None, gemms: dict[str, Any] | None = None, parts: bool = False):
   """Apply the bilinear lax op ``op(lhs, rhs)`` with the policy's quantization (custom_vjp).
 
   Args:
@@ -177,6 +191,8 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
       k), "drhs": f(l, g, k)}`` (accumulator emulation, block dots) on the quantized
       operands; ``k`` is the GEMM's PRNG key, ``fold_in(key, 6 + i)`` for GEMM i = 0, 1, 2
       (None without a key). Missing ones use ``op`` / its transpose.
+    parts: operands of two-level formats reach ``gemms`` as ``Scaled(values, tensor
+      scale)`` (``jaxlp/ops/_block_dot.py``; the exact block dots), not decoded.
 
   Returns:
     ``op`` of the quantized operands, with the policy's backward pass.
@@ -214,8 +230,16 @@ def quantized_bilinear(op, lhs, rhs, policy: DotPolicy, geometry: dict[str, Slot
   lhs_aval = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   rhs_aval = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
 
+  rht_slots = set()
+  if policy.rht is not None:
+    ops = policy.gemm_operands()
+    rht_slots = {slot for g in policy.rht.gemms for slot, _ in ops[g]}
+
   def q(x, slot, k):
-    return quantize_operand(x, getattr(policy, slot), k, slot, geometry[slot])
+    geom = geometry[slot]
+    if slot in rht_slots and geom.axis is not None:  # RHT first, then quantize
+      x = policy.rht.apply(x, geom.axis)
+    return quantize_operand(x, getattr(policy, slot), k, slot, geom, parts)
 
   def gemm_key(k, name):
     return None if k is None else jax.random.fold_in(k, len(SLOTS) + GEMMS.index(name))
@@ -340,6 +364,13 @@ def dot_geometry(dims: DotDims, layout: str) -> dict[str, SlotGeometry]:
   shape_of = {"lhs": "lhs", "rhs": "rhs", "grad": "grad", "dlhs_rhs": "rhs",
               "drhs_lhs": "lhs", "drhs_grad": "grad"}
   geo = {}
+  # a weight's 2-D tiles (two-level formats) on its (innermost contraction, innermost free)
+  # axes of the forward GEMM, in both weight slots: W and W^T tile alike
+  mperm = None
+  if dims.rc and dims.rf and not dims.lb:
+    kr, fr = dims.rc[-1], dims.rf[-1]
+    mperm = tuple(a for a in range(nd["rhs"]) if a not in (kr, fr)) + (kr, fr)
+    mperm = None if mperm == tuple(range(nd["rhs"])) else mperm
   for slot in SLOTS:
     k = dims.slot_contraction(slot)
     axis = k[-1] if k else None
@@ -348,12 +379,15 @@ def dot_geometry(dims: DotDims, layout: str) -> dict[str, SlotGeometry]:
       n = nd[shape_of[slot]]
       view = (tuple(a for a in range(n) if a not in k), k)
     geo[slot] = SlotGeometry(axis=axis, view=view,
-                             weight=slot in WEIGHT_SLOTS and not dims.lb)
+                             weight=slot in WEIGHT_SLOTS and not dims.lb,
+                             matrix_perm=mperm if slot in WEIGHT_SLOTS else None)
   return geo
 
 
 def _canon(x, batch, rows, cols):
   """``x`` transposed to (batch, rows, cols) and flattened to ``(B, R, C)``."""
+  if isinstance(x, BD.Scaled):
+    return BD.map_values(lambda v: _canon(v, batch, rows, cols), x)
   perm = tuple(batch) + tuple(rows) + tuple(cols)
   if perm != tuple(range(x.ndim)):
     x = jnp.transpose(x, perm)
@@ -442,6 +476,8 @@ def block_geometry(quant: Quant | None, geom: SlotGeometry, ndim: int, mode: str
   if _is_axis_blocked(fmt):
     a = (fmt.axis if geom.axis is None else geom.axis) % max(ndim, 1)
     return (tuple(d for d in range(ndim) if d != a), (a,), (1, fmt.block_size))
+  if isinstance(fmt, ScaledBlockFormat) and fmt.tile is not None:  # as quantize_operand tiles
+    return BD.scaled_tile_blocks(fmt, getattr(geom, "matrix_perm", None) or geom.perm, ndim)
   if _is_tiled(fmt):
     if geom.view is not None:
       rows, cols = geom.view
@@ -521,14 +557,14 @@ def block_plan(policy: DotPolicy, dims: DotDims, shapes, geo) -> dict[str, tuple
     for slot, qq, kaxes in ((sa, qa, ak), (sb, qb, bk)):
       shape = shapes[side[slot]]
       blocks = block_geometry(qq, geo[slot], len(shape), mode)
-      changes |= k_changes(shape, blocks, kaxes)
+      for blk in blocks if isinstance(blocks, list) else [blocks]:
+        changes |= k_changes(shape, blk, kaxes)
     shape_a = shapes[side[sa]]
     K = math.prod(shape_a[a] for a in ak)
     inner = next((shape_a[a] for a in reversed(ak) if shape_a[a] > 1), 1)
     L, g = k_blocking(changes, K, inner)
     if mode == "exact":
-      check_exact(g, significand_bits(qa.fmt), significand_bits(qb.fmt),
-                  what=f"dot_general ({gemm} GEMM)")
+      BD.check_exact_operands(g, qa.fmt, qb.fmt, f"dot_general ({gemm} GEMM)")
     plan[gemm] = (L, g)
   return plan
 
@@ -542,23 +578,27 @@ def _block_gemms(policy: DotPolicy, dims: DotDims, shapes, geo):
   for gemm, ((_, qa), (_, qb)) in policy.gemm_operands().items():
     g = plan[gemm][1]
     if policy.block_dot == "exact":
-      bits = (significand_bits(qa.fmt), significand_bits(qb.fmt))
-      fns[gemm] = functools.partial(_exact_gemm, g=g, bits=bits, policy=policy)
+      sa, sb = significand_spec(qa.fmt), significand_spec(qb.fmt)
+      fns[gemm] = functools.partial(_exact_gemm, g=g, bits=(sa.bits, sb.bits), policy=policy,
+                                    prec=(sa.prec, sb.prec))
     else:
       fns[gemm] = functools.partial(_fp8_gemm, g=g, fmts=(qa.fmt, qb.fmt), policy=policy)
 
   def core(gemm, a, bt, key):
     del key
     L, g = plan[gemm]
+    (a, sa), (bt, sb) = BD.split_scaled(a), BD.split_scaled(bt)
+    kw = {} if sa is None and sb is None else {"scales": (sa, sb)}  # two-level operands
     a, bt = pad_segments(a, L, g), pad_segments(bt, L, g)
-    return _batched(lambda u, v: fns[gemm](u, v.T), a, bt)
+    return _batched(lambda u, v: fns[gemm](u, v.T, **kw), a, bt)
 
   return _gemm_fns(dims, shapes, core)
 
 
-def _exact_gemm(a, b, *, g, bits, policy):
+def _exact_gemm(a, b, *, g, bits, policy, prec=None, scales=None):
   return BD.block_dot(a.astype(jnp.float32), b.astype(jnp.float32), g, *bits,
-                      gpu_impl=policy.gpu_impl, gpu_route=policy.gpu_route)
+                      gpu_impl=policy.gpu_impl, gpu_route=policy.gpu_route, prec=prec,
+                      scales=scales)
 
 
 def _fp8_gemm(a, b, *, g, fmts, policy):
@@ -658,7 +698,8 @@ def dot_general(policy: DotPolicy | None = None, *, key=None):
     gemms = (_block_gemms(policy, dims, shapes, geo) if policy.block_dot
              else _accum_gemms(policy, dims, shapes))
     k = default_key if key is None else key
-    return quantized_bilinear(op, lhs, rhs, policy, geo, key=k, gemms=gemms)
+    return quantized_bilinear(op, lhs, rhs, policy, geo, key=k, gemms=gemms,
+                              parts=policy.block_dot == "exact")
 
   jaxlp_dot_general.policy = policy
   return jaxlp_dot_general

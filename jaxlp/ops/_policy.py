@@ -65,6 +65,7 @@ from jaxlp.ops._block_dot import (
     check_gpu_choice,
     fp8_kind,
 )
+from jaxlp.ops._rht import RHT
 
 FWD = "fwd"
 GRAD = "grad"
@@ -190,9 +191,12 @@ class DotPolicy:
       * None (default): the plain float32 lax op on the quantized operands -- products
         exact in fp32, sums rounded in fp32 in the backend's (unspecified) order.
       * ``"exact"``: for block formats with integer significands (``BlockFormat``,
-        ``hbfp``, ``hbfp_batched``, MXINT8 ``mx("int8")``) in every operand of every GEMM:
+        ``hbfp``, ``hbfp_batched``, every ``mx(...)``: MXINT8, MXFP4, MXFP6, MXFP8, and
+        ``nvfp4()`` / ``ScaledBlockFormat`` with UE4M3 or E8M0 block scales, whose tensor
+        scales multiply each block's dot before it is rounded) in every operand of every GEMM:
         K is cut into blocks both operands' blocks refine; per K-block the dot of the
-        integer significands is exact (int32), scaled by ``2**(ea + eb)`` and rounded
+        integer significands is exact (int32; wider ones, MXFP8's, as limbs), scaled by
+        ``2**(ea + eb)`` and rounded
         once to float32 (overflow: inf; below ``2**-126``: a signed zero); the block
         results are summed in float32 sequentially, ascending K-block index. The same
         bits on every backend (a pure-jnp reference on CPU; on a GPU a Pallas kernel on
@@ -269,18 +273,29 @@ class DotPolicy:
       keeps the kernels' OIHW tiles. Axis-blocked formats (MX, ``BlockFormat(axis=...)``)
       and elementwise formats do not depend on the layout.
 
+    rht: a :class:`jaxlp.RHT` (random Hadamard transform) or None: both operands of each
+      GEMM in ``rht.gemms`` are transformed along their contraction axis, chunk by chunk,
+      BEFORE they are quantized (the transform cancels in the product up to rounding; its
+      exact float32 definition is in :class:`jaxlp.RHT`). The NVFP4 recipe transforms the
+      weight-gradient GEMM's operands: ``rht=RHT(gemms=("drhs",))``. A transformed GEMM's
+      operands are its own: for ``"drhs"``, ``drhs_lhs`` and ``drhs_grad`` must be a format
+      or None (not ``"fwd"`` / ``"grad"``); for ``"fwd"``, ``dlhs_rhs`` and ``drhs_lhs``
+      must not reuse the forward operands; for ``"dlhs"``, ``drhs_grad`` not ``"grad"``.
+      Transforming one operand alone is not offered: it would not cancel.
+
   Each operand is None (float32, unquantized), a format (nearest rounding) or a
   :class:`Quant`; formats are normalised to :class:`Quant` at construction.
 
   Raises:
     TypeError: an operand slot that is not None, a format, a :class:`Quant` (or its
-      allowed ``"fwd"`` / ``"grad"``), or an accumulator slot that is not None or an
-      :class:`Accum`.
+      allowed ``"fwd"`` / ``"grad"``), an accumulator slot that is not None or an
+      :class:`Accum`, or an ``rht`` that is not None or an :class:`jaxlp.RHT`.
     ValueError: an unknown ``block_dot`` or ``layout``; ``block_dot`` together with accumulator
       emulation; ``"exact"`` with an operand of some GEMM that is not a block format with
       integer significands, or ``"fp8"`` with one that has no fp8 twin (the message
       names the GEMM and slot); a ``gpu_impl``, ``gpu_route`` or ``fp8_gpu_impl`` that is
-      not one of its choices.
+      not one of its choices; an ``rht`` GEMM whose operand slot is shared with another GEMM
+      (the message names the slot to set).
 
   Example:
     >>> import jax.numpy as jnp
@@ -321,6 +336,7 @@ class DotPolicy:
   gpu_route: str = GPU_ROUTE
   fp8_gpu_impl: str = FP8_GPU_IMPL
   layout: str = "auto"
+  rht: RHT | None = None
 
   def __post_init__(self):
     for name in ("lhs", "rhs", "grad"):
@@ -336,6 +352,27 @@ class DotPolicy:
     check_gpu_choice(self.fp8_gpu_impl, FP8_GPU_IMPLS, "DotPolicy: fp8_gpu_impl")
     if self.layout not in LAYOUTS:
       raise ValueError(f"DotPolicy: layout={self.layout!r} not in {LAYOUTS}")
+    self._check_rht()
+
+  def _check_rht(self):
+    if self.rht is None:
+      return
+    if not isinstance(self.rht, RHT):
+      raise TypeError(f"DotPolicy: rht={self.rht!r} must be None or a jaxlp.RHT(gemms=...)")
+    # a transformed GEMM quantizes its own operands after the transform: no operand shared
+    # with another GEMM ("fwd" / "grad" reuse), in either direction
+    users: dict[str, list[str]] = {}
+    for gemm, pair in self.gemm_operands().items():
+      for slot, _ in pair:
+        users.setdefault(slot, []).append(gemm)
+    for slot, gemms in users.items():
+      hit = [g for g in gemms if g in self.rht.gemms]
+      if len(gemms) > 1 and hit:
+        fix = {"lhs": "drhs_lhs", "rhs": "dlhs_rhs", "grad": "drhs_grad"}[slot]
+        raise ValueError(
+            f"DotPolicy: rht transforms the operands of the {hit[0]} GEMM before they are "
+            f"quantized, but slot {slot!r} is shared by the {' and '.join(gemms)} GEMMs; give "
+            f"{fix} its own format (or None) instead of {getattr(self, fix)!r}")
 
   def gemm_operands(self) -> dict[str, tuple[tuple[str, Quant | None], ...]]:
     """GEMM name -> its two (slot, Quant or None) operands, ``"fwd"``/``"grad"`` resolved
@@ -356,7 +393,8 @@ class DotPolicy:
                        "(fwd_acc/dlhs_acc/drhs_acc) are exclusive")
     ok = significand_bits if self.block_dot == "exact" else fp8_kind
     need = ("a block format with integer significands (BlockFormat, hbfp, hbfp_batched, "
-            "mx('int8'))" if self.block_dot == "exact" else
+            "mx(...), nvfp4() / ScaledBlockFormat with ue4m3 or e8m0 block scales)"
+            if self.block_dot == "exact" else
             "an mx(...) or FloatFormat with <= 3 mantissa bits (an fp8 twin)")
     for gemm, pair in self.gemm_operands().items():
       for slot, q in pair:
@@ -372,8 +410,9 @@ class DotPolicy:
 
   @property
   def is_identity(self) -> bool:
-    """True if no operand is quantized and no accumulator is emulated."""
+    """True if no operand is quantized or transformed and no accumulator is emulated."""
     return (all(q is None or q in (FWD, GRAD) for q in self.operands().values())
+            and self.rht is None
             and self.fwd_acc is None and self.dlhs_acc is None and self.drhs_acc is None)
 
   @property
@@ -483,8 +522,8 @@ def mx_policy(fmt=E4M3FN, block_size: int = 32, *, grad_fmt=None,
     grad_fmt: element format of the output gradients (default ``fmt``; ``E5M2`` is common).
       Formerly ``grad_elem``.
     rounding: rounding of every quantization.
-    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` for MXINT8 (``fmt="int8"``),
-      ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
+    block_dot: :class:`DotPolicy`'s ``block_dot``: ``"exact"`` (every MX format: MXINT8,
+      MXFP4, MXFP6, MXFP8), ``"fp8"`` (fast, not bit-exact) for fp8-like element formats.
 
   References:
     OCP Microscaling Formats (MX) Specification v1.0; Rouhani et al., "Microscaling Data

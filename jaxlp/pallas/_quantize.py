@@ -14,11 +14,14 @@ Layouts:
   ``block_size`` and processed in 1-D blocks of ``block_size`` elements (a power of two, as
   the Triton backend requires).
 * block formats (``mx(elem, b)`` along the last axis, ``BlockFormat(m, axis=-1,
-  block_size=b)``, ``BlockFormat(m, tile=(tr, tc))`` / ``hbfp(m, T)`` with finite tiles):
-  the array's 2-D view (rows, cols) is zero-padded to whole blocks and re-laid out as one
-  block per row of a (num_blocks, P) array, P = next power of two >= block elements (zero
-  padding never raises a block's max |x|). Each program handles ``block_rows`` such rows,
-  computes every row's shared exponent in the kernel and rounds the row.
+  block_size=b)``, ``BlockFormat(m, tile=(tr, tc))`` / ``hbfp(m, T)`` with finite tiles,
+  ``nvfp4()`` / :class:`~jaxlp.formats.ScaledBlockFormat` with 1-D blocks along the last axis
+  or 2-D tiles): the array's 2-D view (rows, cols) is zero-padded to whole blocks and
+  re-laid out as one block per row of a (num_blocks, P) array, P = next power of two >=
+  block elements (zero padding never raises a block's max |x|). Each program handles
+  ``block_rows`` such rows, computes every row's shared exponent (or block scale) in the
+  kernel and rounds the row. A two-level format's tensor scale (a reduction over the whole
+  array) is computed before the kernel by the spec's own function and passed in.
 
 On GPU the kernels compile with the Triton backend (``pl.pallas_call`` with
 ``compiler_params=plt.CompilerParams(num_warps=...)``); on any backend ``interpret=True``
@@ -38,7 +41,8 @@ from jax.experimental import pallas as pl
 
 from jaxlp._util import cdiv, next_pow2, round_up
 from jaxlp.formats import _bits as B
-from jaxlp.formats._block import BlockFormat, MXFormat
+from jaxlp.formats._block import BlockFormat, MXFormat, check_block_axis, is_axis_blocked
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
 from jaxlp.formats._quantize import _INPUT_DTYPES, check_format, is_elementwise, prepare
 
 #: Elements per program of the elementwise kernel (power of two).
@@ -53,6 +57,11 @@ MAX_PROGRAM_ELEMENTS = 16384
 #: CPU) 15.0 s at 16,384 elements per program, 0.9 s at 4,096 (the elementwise kernel's
 #: :data:`DEFAULT_BLOCK_SIZE`). GPU throughput of the two: not measured.
 MAX_PROGRAM_ELEMENTS_STOCHASTIC = 4096
+#: The same for two-level block formats (``nvfp4()``), whose per-element integer multiplies
+#: Triton also unrolls for each element a thread holds: sm_90 compile of ``nvfp4(tile=16)``
+#: (Triton 3.9, 2-core CPU, loaded) 45 s at 16,384 elements per program. GPU throughput:
+#: not measured.
+MAX_PROGRAM_ELEMENTS_SCALED = 2048
 #: Largest block (elements sharing one exponent) the block kernel handles.
 MAX_BLOCK_ELEMENTS = 4096
 #: Arrays smaller than this are left to the XLA-fused spec by :func:`can_use_pallas_quantize`.
@@ -74,19 +83,28 @@ def _compiler_params(interpret, num_warps=4):
 def block_geometry(fmt, shape):
   """(rows, cols, tr, tc) of the 2-D view whose (tr, tc) tiles are ``fmt``'s blocks, or None.
 
-  ``mx``/``BlockFormat(axis=...)`` along the last axis: view (prod(shape[:-1]), shape[-1]),
-  tiles (1, b). ``BlockFormat(tile=(tr, tc))`` with finite tiles: view (dim0, prod(rest)) as
-  in :func:`jaxlp.formats._block.block_max_bits`. Other block formats (another axis, whole
-  tensor/whole axis blocks, ``qpytorch_block``) return None (not supported by the kernel).
+  Axis-blocked formats (``mx``, ``BlockFormat(axis=...)``, 1-D ``nvfp4()``) along the last
+  axis: view (prod(shape[:-1]), shape[-1]), tiles (1, b). ``BlockFormat(tile=(tr, tc))``
+  with finite tiles: view (dim0, prod(rest)) as in
+  :func:`jaxlp.formats._block.block_max_bits`. :class:`ScaledBlockFormat` tiles of the last
+  two axes: view (prod(shape[:-1]), shape[-1]) where tiles do not straddle two leading
+  indices (2-D arrays, or ``shape[-2] % tr == 0``; a 1-D array is one row). Other block
+  formats (another axis, whole tensor/whole axis blocks, ``qpytorch_block``) return None
+  (not supported by the kernel).
   """
   nd = len(shape)
-  if isinstance(fmt, MXFormat) or (isinstance(fmt, BlockFormat) and fmt.axis is not None):
+  if is_axis_blocked(fmt):
     if nd == 0 or fmt.axis % nd != nd - 1:
       return None
     bs = fmt.block_size if fmt.block_size is not None else shape[-1]
     if bs is None or bs < 1:
       return None
     return math.prod(shape[:-1]), shape[-1], 1, bs
+  if isinstance(fmt, ScaledBlockFormat):
+    tr, tc = fmt.tile
+    if nd == 0 or (nd > 2 and shape[-2] % tr):
+      return None
+    return math.prod(shape[:-1]), shape[-1], tr, tc
   if isinstance(fmt, BlockFormat) and fmt.tile is not None:
     tr, tc = fmt.tile
     if tr is None or tc is None:
@@ -118,14 +136,17 @@ def family(fmt, shape) -> str | None:
 
   ``"elementwise"``: FloatFormat, cpd_float, qpytorch_float, FixedPoint. ``"axis_blocks"``:
   ``BlockFormat(axis=last, block_size=b)``. ``"mx"``: ``mx(...)`` along the last axis.
-  ``"tiles"``: ``BlockFormat(tile=(tr, tc))``/``hbfp(m, T)`` with finite tiles. Blocks of
-  more than ``MAX_BLOCK_ELEMENTS`` elements have no kernel.
+  ``"tiles"``: ``BlockFormat(tile=(tr, tc))``/``hbfp(m, T)`` with finite tiles.
+  ``"scaled_blocks"``: ``nvfp4()``/:class:`ScaledBlockFormat` (1-D blocks along the last axis
+  or 2-D tiles). Blocks of more than ``MAX_BLOCK_ELEMENTS`` elements have no kernel.
   """
   if is_elementwise(fmt):
     return "elementwise"
   g = block_geometry(fmt, tuple(shape))
   if g is None or g[2] * g[3] > MAX_BLOCK_ELEMENTS:
     return None
+  if isinstance(fmt, ScaledBlockFormat):
+    return "scaled_blocks"
   if isinstance(fmt, MXFormat):
     return "mx"
   return "axis_blocks" if fmt.axis is not None else "tiles"
@@ -145,6 +166,8 @@ KERNEL_IS_FASTER = types.MappingProxyType({
     "tiles": False,
     # mx(E4M3FN) RN: spec 0.482, kernel 0.301; mx(E2M1FN) SR: spec 0.533, kernel 0.389
     "mx": True,
+    # nvfp4() and the other ScaledBlockFormats: not measured on a GPU; the spec is kept
+    "scaled_blocks": False,
 })
 
 
@@ -236,14 +259,17 @@ def _block_round(fmt, bits, mxb, rounding, rand, rand_bits):
   return fmt._round_with_block_max(bits, mxb, rounding, rand, rand_bits)
 
 
-def _block_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, block_rows, width):
+def _block_kernel(key_ref, tw_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, block_rows,
+                  width):
   rows, cols, tr, tc = geom
   x = x_ref[...]
   bits = B.to_bits(x.astype(jnp.float32))
   # |x| bits compared as int32 (same order: sign bit cleared); max over the block row.
   mag_i = (bits & B.u32(B.ABS_MASK)).astype(jnp.int32)
   mxb = jnp.max(mag_i, axis=1, keepdims=True).astype(jnp.uint32)
-  mxb = jnp.broadcast_to(mxb, bits.shape)
+  scaled = isinstance(fmt, ScaledBlockFormat)
+  if not scaled:
+    mxb = jnp.broadcast_to(mxb, bits.shape)
   if rounding == "stochastic":
     nct = cdiv(cols, tc)
     r = (pl.program_id(0) * block_rows).astype(jnp.uint32) + lax.broadcasted_iota(
@@ -257,7 +283,10 @@ def _block_kernel(key_ref, x_ref, o_ref, *, fmt, rounding, rand_bits, geom, bloc
     rand = B.hash_bits(key_ref[0], key_ref[1], idx)
   else:
     rand = B.u32(0)
-  out = _block_round(fmt, bits, mxb, rounding, rand, rand_bits)
+  if scaled:  # the block scales of a row's (block_rows, 1) maxima, then the elements
+    out = fmt.round_blocks(bits, mxb, (tw_ref[0], tw_ref[1]), rounding, rand, rand_bits)
+  else:
+    out = _block_round(fmt, bits, mxb, rounding, rand, rand_bits)
   o_ref[...] = B.from_bits(out).astype(o_ref.dtype)
 
 
@@ -292,22 +321,29 @@ def _run_block(x, kw, fmt, rounding, rand_bits, interpret, block_rows):
   blocks = x2.reshape(R // tr, tr, C // tc, tc).transpose(0, 2, 1, 3).reshape(nb, tr * tc)
   width = next_pow2(tr * tc)
   cap = MAX_PROGRAM_ELEMENTS_STOCHASTIC if rounding == "stochastic" else MAX_PROGRAM_ELEMENTS
+  if isinstance(fmt, ScaledBlockFormat):
+    cap = MAX_PROGRAM_ELEMENTS_SCALED
   br = block_rows or program_rows(fmt, x.shape, cap)
   nbp = round_up(nb, br)
   blocks = jnp.pad(blocks, ((0, nbp - nb), (0, width - tr * tc)))
+  if isinstance(fmt, ScaledBlockFormat):  # the tensor scale: the spec's function, whole array
+    mag = B.to_bits(x.astype(jnp.float32)) & B.u32(B.ABS_MASK)
+    tw = fmt.tensor_words(jnp.max(mag, initial=B.u32(0)))
+  else:
+    tw = jnp.zeros((2,), jnp.uint32)
   kernel = functools.partial(_block_kernel, fmt=fmt, rounding=rounding, rand_bits=rand_bits,
                              geom=geom, block_rows=br, width=width)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct(blocks.shape, x.dtype),
       grid=(nbp // br,),
-      in_specs=[pl.BlockSpec((2,), lambda i: (0,)),
+      in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((2,), lambda i: (0,)),
                 pl.BlockSpec((br, width), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((br, width), lambda i: (i, 0)),
       interpret=interpret,
       compiler_params=_compiler_params(interpret),
       name="jaxlp_quantize_block",
-  )(kw, blocks)
+  )(kw, tw, blocks)
   out = out[:nb, :tr * tc].reshape(R // tr, C // tc, tr, tc).transpose(0, 2, 1, 3)
   return out.reshape(R, C)[:rows, :cols].reshape(x.shape)
 
@@ -362,6 +398,7 @@ def quantize(x, fmt, rounding: str = "nearest", *, key=None, rand_bits: int | No
     Array([1.  , 1.25], dtype=float32)
   """
   x, kw = prepare(x, fmt, rounding, key=key, rand_bits=rand_bits)
+  check_block_axis(fmt, x.shape)  # supports() reads the axis modulo ndim
   if not supports(fmt, x.shape):
     raise ValueError(f"pallas.quantize: no kernel for fmt={fmt!r} on shape {x.shape}; use "
                      "jaxlp.quantize (which falls back to the spec)")

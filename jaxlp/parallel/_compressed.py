@@ -19,6 +19,39 @@ The engine (:func:`compressed_allreduce`) does three things and nothing compress
    all-gather, sparsifiers' all-gather, PowerSGD's two fused all-reduces, casts' ring in the
    narrow type), which owns its state and its byte count.
 
+Non-finite values (one policy for every compressor; :func:`jaxlp.parallel.psum` and
+:func:`jaxlp.parallel.reduce_gradients` without a compressor follow the same rule). The unit
+is the leaf, or with ``bucket_mb`` the fused bucket (the leaves of a bucket share scales,
+thresholds and chunks, so they are skipped together):
+
+* If any worker's gradient holds a NaN or ±inf anywhere in a unit, or the unit's reduced
+  result is not finite (a sum that overflows, e.g. ``mean=False`` with gradients near the
+  float32 maximum), every element of every leaf of the unit is NaN, on every worker (the same
+  bits), so that ``optax.apply_if_finite`` and ``jaxlp train``'s ``nonfinite_steps`` see the
+  step, whatever the compressor would have made of the value (a NaN never selected by
+  top-k, an inf sent as ``+threshold`` by TBQ, ...).
+* The unit's state (error-feedback residuals of TBQ, top-k, random-k, DGC's momenta,
+  GradDrop, 1-bit; PowerSGD's error, Q and iteration count; batched PowerSGD's bucket state)
+  is then kept from the previous step on every worker: the bad step leaves no trace in it,
+  and the next finite step gives what it would have given had the bad step never happened
+  (with the next ``count``: the state's step counter, hence the noise key, still advances).
+  A worker whose new state for a unit would not be finite (an error-feedback residual that
+  overflows float32 although the result is finite) keeps its previous state for that unit.
+* How the engine knows: every worker computes one flag per compressed unit (all of its
+  gradient elements finite) and the flags are all-gathered, 8 per byte, in one collective per
+  call: ``(W-1) * ceil(units / 8)`` bytes per worker and step, counted by
+  :func:`compressed_wire_bytes`. The result is checked after the reduction, on values every
+  worker holds. Leaves reduced in fp32 need no flag: their all-gather carries the values.
+* Finite gradients give finite results wherever the true result is representable: the
+  compressors compute their ranges, norms and means without overflow (CGX's ``max - min``,
+  QSGD's and DGC's norms, 1-bit's means, TernGrad's ranges and statistics, the column norms
+  of PowerSGD's orthogonalization), exactly as before wherever no overflow occurs; the mean
+  divides by W before reducing. Formats that cannot hold a value make the unit NaN:
+  ``cast("fp16")`` of gradients beyond 65504 (as PyTorch's fp16 hook, which gives inf), a sum
+  beyond the float32 range with ``mean=False``, and PowerSGD, whose products ``M Q`` and
+  ``M^T P`` (sums over a row or column, not divided by W) overflow for gradients near the
+  float32 maximum.
+
 :func:`compressed_wire_bytes` is the byte accounting of the same filters and buckets.
 """
 
@@ -33,7 +66,7 @@ import numpy as np
 
 from jaxlp.parallel import _axes
 from jaxlp.parallel._aggregate import fp32_bytes, gathered_sum
-from jaxlp.parallel.compressors._base import exact_div, numel
+from jaxlp.parallel.compressors._base import exact_div, numel, pack_bits, unpack_bits
 from jaxlp.parallel.compressors._protocol import Bucket, ReduceContext
 
 ALGORITHMS = ("auto", "sra", "ring", "allgather")
@@ -279,6 +312,116 @@ def _bucket_states(compressor, agg, state, buckets):
   return have
 
 
+def _all_finite(tree):
+  """True (a bool scalar) when every element of the float arrays of ``tree`` is finite."""
+  flags = [jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(tree)
+           if jnp.issubdtype(jnp.result_type(a), jnp.inexact) and jnp.size(a)]
+  out = jnp.bool_(True)
+  for f in flags:
+    out = out & f
+  return out
+
+
+def _finite_on_every_worker(flags, axis_name):
+  """AND over the workers of one local bool flag per unit: the flags travel 8 per byte in
+  one all-gather (:func:`flag_bytes` bytes per worker)."""
+  n = flags.shape[0]
+  packed = pack_bits(flags.astype(jnp.uint32), 1)
+  gathered = _axes.all_gather(packed, axis_name)
+  w = gathered.shape[0]
+  bits = unpack_bits(gathered.reshape(-1), 1, w * packed.shape[0] * 8)
+  return jnp.all(bits.reshape(w, -1)[:, :n] == 1, axis=0)
+
+
+def flag_bytes(units: int, w: int) -> int:
+  """Bytes one worker sends for the finite flags of ``units`` compressed units (leaves or
+  fused buckets): an all-gather of ``ceil(units / 8)`` bytes."""
+  return (w - 1) * ((units + 7) // 8)
+
+
+def _select(pred, new, old):
+  """``new`` where the bool scalar ``pred`` holds, else ``old`` (pytrees of one structure)."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _nan_unless(ok, x):
+  return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
+
+
+class _Spec(str):
+  """Text shown without quotes inside a container's repr."""
+
+  def __repr__(self):
+    return str(self)
+
+
+def _describe(tree) -> str:
+  """A pytree of arrays as text: ``{'residual': float32[6]}``."""
+  def one(a):
+    try:
+      shape = tuple(jnp.shape(a))
+      dt = jnp.dtype(a.dtype) if hasattr(a, "dtype") else jnp.result_type(a)
+    except TypeError:
+      return _Spec(type(a).__name__)
+    name = "key" if jnp.issubdtype(dt, jax.dtypes.prng_key) else dt.name
+    return _Spec(f"{name}[{','.join(map(str, shape))}]")
+  try:
+    return repr(jax.tree_util.tree_map(one, tree))
+  except Exception:  # noqa: BLE001 -- only a description for an error message
+    return type(tree).__name__
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  sig = []
+  for a in leaves:
+    try:
+      dt = jnp.dtype(a.dtype) if hasattr(a, "dtype") else jnp.result_type(a)
+    except TypeError:
+      dt = type(a)
+    sig.append((tuple(jnp.shape(a)), dt))
+  return treedef, sig
+
+
+_MADE_BY = ("make the state with init_compression_state(compressor, params) for the same "
+            "compressor and gradients shaped like this tree")
+
+
+def _check_state_type(state, n_leaves):
+  if not isinstance(state, CompressionState):
+    raise TypeError(f"compressed_allreduce: state must be the CompressionState that "
+                    f"init_compression_state(compressor, params) returns, got "
+                    f"{type(state).__name__} {_describe(state)}")
+  if not isinstance(state.leaves, (tuple, list)) or len(state.leaves) != n_leaves:
+    have = len(state.leaves) if isinstance(state.leaves, (tuple, list)) else state.leaves
+    raise ValueError(f"compressed_allreduce: state.leaves has {have} per-leaf states, the "
+                     f"gradient tree has {n_leaves} leaves; {_MADE_BY}")
+  count = state.count
+  if jnp.shape(count) != () or not jnp.issubdtype(jnp.result_type(count), jnp.integer):
+    raise ValueError(f"compressed_allreduce: state.count must be an integer scalar (the step "
+                     f"counter), got {_describe(count)}; {_MADE_BY}")
+
+
+def _check_leaf_states(state, leaves, paths, compressor, init_opts):
+  """The per-leaf states have the structure, shapes and dtypes ``init_compression_state``
+  would build for this compressor and these gradients."""
+  want = jax.eval_shape(lambda: init_compression_state(
+      compressor, [jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)) for g in leaves],
+      **init_opts))
+  name = type(compressor).__name__
+  for i, (have, exp) in enumerate(zip(state.leaves, want.leaves, strict=True)):
+    try:
+      same = _signature(have) == _signature(exp)
+    except Exception:  # noqa: BLE001 -- anything that is not a pytree of arrays differs
+      same = False
+    if not same:
+      raise ValueError(
+          f"compressed_allreduce: state.leaves[{i}], the state of gradient leaf {paths[i]} "
+          f"(shape {tuple(jnp.shape(leaves[i]))}), does not match the compressor: {name} "
+          f"needs {_describe(exp)}, the state holds {_describe(have)} (a state made for "
+          f"another compressor or for other shapes?); {_MADE_BY}")
+
+
 def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *,
                          min_size: int = 1024, skip_vectors: bool = True,
                          algorithm: str = "auto", bucket_mb: float | None = None,
@@ -305,14 +448,23 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
       a legacy uint32[2] key is accepted with a ``DeprecationWarning``.
 
   Returns:
-    ``(reduced_tree, new_state)``; ``reduced_tree`` is identical on every worker.
+    ``(reduced_tree, new_state)``; ``reduced_tree`` is identical on every worker. Non-finite
+    values (module docstring): a leaf (with ``bucket_mb``: a fused bucket) in which any
+    worker's gradient holds a NaN or ±inf, or whose reduced value is not finite, is NaN in
+    every element on every worker, and its state is kept from the previous step; the flags
+    that tell every worker cost one all-gather of ``ceil(units / 8)`` bytes per call.
 
   Raises:
+    TypeError: ``state`` is not a :class:`CompressionState`; ``key`` is not a PRNG key;
+      ``compressor`` is not a compressor.
     ValueError: an unknown ``algorithm``; ``"sra"``/``"ring"`` with a compressor that is not
-      a dense quantizer; ``state`` or ``plan`` with a different number of leaves than
-      ``tree``; batched PowerSGD with ``bucket_mb`` whose ``state`` was made without the
-      same ``bucket_mb``/``min_size``/``skip_vectors`` (its bucket shapes differ).
-    TypeError: ``key`` is not a PRNG key; ``compressor`` is not a compressor.
+      a dense quantizer; ``plan`` with a different number of leaves than ``tree``; a
+      ``state`` that is not what ``init_compression_state(compressor, params)`` builds for
+      these gradients (another number of leaves, a per-leaf state of another compressor or
+      of other shapes or dtypes: the message names the leaf, what the compressor needs and
+      what the state holds; a count that is not an integer scalar); batched PowerSGD with
+      ``bucket_mb`` whose ``state`` was made without the same
+      ``bucket_mb``/``min_size``/``skip_vectors`` (its bucket shapes differ).
 
   Example:
     Four workers (a named ``vmap``) average four values each with 2-bit CGX
@@ -334,12 +486,17 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
   """
   agg = _aggregation(compressor)
   _check_algorithm(compressor, agg, algorithm)
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  if len(leaves) != len(state.leaves):
-    raise ValueError(f"state has {len(state.leaves)} leaves, tree has {len(leaves)}")
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  paths = [jax.tree_util.keystr(p) for p, _ in flat]
+  leaves = [g for _, g in flat]
+  _check_state_type(state, len(leaves))
   shapes = [tuple(g.shape) for g in leaves]
   plain, buckets = _plan_buckets(compressor, agg, shapes, min_size=min_size,
                                  skip_vectors=skip_vectors, bucket_mb=bucket_mb, plan=plan)
+  bstates = _bucket_states(compressor, agg, state, buckets)
+  _check_leaf_states(state, leaves, paths, compressor,
+                     dict(bucket_mb=bucket_mb, min_size=min_size, skip_vectors=skip_vectors,
+                          plan=plan))
   base = _typed_key(state.key if key is None else key, "state.key" if key is None else "key")
   w = _axes.axis_size(axis_name)
   me = _axes.axis_index(axis_name)
@@ -351,17 +508,24 @@ def compressed_allreduce(tree, state: CompressionState, axis_name, compressor, *
   new_states = list(state.leaves)
   for i in plain:
     x = leaves[i].astype(jnp.float32)
-    out[i] = gathered_sum(exact_div(x, w) if mean else x, axis_name).astype(leaves[i].dtype)
-  bstates = _bucket_states(compressor, agg, state, buckets)
+    r = gathered_sum(exact_div(x, w) if mean else x, axis_name)  # NaN/inf travel in the sum
+    out[i] = _nan_unless(_all_finite(r), r).astype(leaves[i].dtype)
+  if buckets:  # the non-finite policy (module docstring): one flag per bucket, all-gathered
+    ok = _finite_on_every_worker(
+        jnp.stack([_all_finite([leaves[i] for i in b.leaves]) for b in buckets]), axis_name)
   new_buckets = list(state.buckets)
   for b, bs in zip(buckets, bstates, strict=True):
-    outs, sts, nbs = agg.reduce(compressor, [leaves[i] for i in b.leaves],
-                                [state.leaves[i] for i in b.leaves], bs, b, ctx)
-    for i, o, s in zip(b.leaves, outs, sts, strict=True):
-      out[i] = o.reshape(shapes[i]).astype(leaves[i].dtype)
-      new_states[i] = s
+    olds = [state.leaves[i] for i in b.leaves]
+    outs, sts, nbs = agg.reduce(compressor, [leaves[i] for i in b.leaves], olds, bs, b, ctx)
+    outs = [o.reshape(shapes[i]).astype(leaves[i].dtype)
+            for i, o in zip(b.leaves, outs, strict=True)]
+    good = ok[b.index] & _all_finite(outs)  # the same on every worker
+    renew = good & _all_finite((sts, nbs))  # this worker's new state is finite
+    for i, o, s, old in zip(b.leaves, outs, sts, olds, strict=True):
+      out[i] = _nan_unless(good, o)
+      new_states[i] = _select(renew, s, old)
     if bs is not None:
-      new_buckets[b.index] = nbs
+      new_buckets[b.index] = _select(renew, nbs, bs)
   return treedef.unflatten(out), state._replace(count=state.count + 1, leaves=tuple(new_states),
                                                 buckets=tuple(new_buckets))
 
@@ -378,7 +542,9 @@ def compressed_wire_bytes(tree, compressor, axis_size: int, *, min_size: int = 1
   hop P. So the CGX scatter-reduce-allgather of an n-element bucket sends
   ``2(W-1) * wire_bytes(ceil(n/W))``, a sparsifier ``(W-1) * wire_bytes(n)``, PowerSGD the
   fused P's and Q's (``(W-1) * 4 * (n+m) r`` per matrix), a bf16 cast
-  :func:`jaxlp.parallel.payload_bytes` of its ring. Every step sends the same bytes.
+  :func:`jaxlp.parallel.payload_bytes` of its ring. The finite flags of the compressed units
+  (leaves, or fused buckets) add one all-gather of ``ceil(units / 8)`` bytes: ``(W-1) *
+  ceil(units / 8)`` (see the module docstring). Every step sends the same bytes.
 
   Args:
     tree: pytree of arrays or ShapeDtypeStructs shaped like the gradients.
@@ -396,13 +562,14 @@ def compressed_wire_bytes(tree, compressor, axis_size: int, *, min_size: int = 1
 
   Example:
     4-bit CGX over 4 workers: a 1024-element matrix in 4 chunks of 256 (128 B of levels
-    + 8 B of min/unit each), sent twice by each worker to 3 peers; the vector in fp32:
+    + 8 B of min/unit each), sent twice by each worker to 3 peers; the vector in fp32; the
+    matrix's finite flag (one byte to 3 peers):
 
     >>> import jax.numpy as jnp
     >>> from jaxlp import parallel as P
     >>> params = {"w": jnp.zeros((32, 32)), "b": jnp.zeros(32)}
     >>> P.compressed_wire_bytes(params, P.compressors.cgx(bits=4, bucket_size=512), 4)
-    1200
+    1203
   """
   agg = _aggregation(compressor)
   _check_algorithm(compressor, agg, algorithm)
@@ -414,4 +581,5 @@ def compressed_wire_bytes(tree, compressor, axis_size: int, *, min_size: int = 1
                                  skip_vectors=skip_vectors, bucket_mb=bucket_mb, plan=plan)
   total = sum(fp32_bytes(numel(shapes[i]), w) for i in plain)
   total += sum(agg.wire_bytes(compressor, b, w, algorithm) for b in buckets)
+  total += flag_bytes(len(buckets), w) if buckets else 0
   return int(total)

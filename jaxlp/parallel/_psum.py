@@ -25,8 +25,15 @@ gradual underflow on every backend: see :mod:`jaxlp.parallel._arith`).
 * ``aps=True``: APS (:func:`jaxlp.parallel.format_emax`): ``shift = emax(fmt) - A`` per leaf, the
   addends become ``Q(g * 2**shift)`` (exact power-of-two scaling on the bits), the sum is
   taken as above and multiplied by ``2**-shift`` (IEEE-rounded). An all-zero leaf gives
-  zeros. If any worker's leaf holds inf or NaN the whole leaf is NaN on every worker (so
-  ``optax.apply_if_finite`` can skip the step).
+  zeros.
+
+Non-finite values (with and without APS; the policy of every jaxlp reduction, see
+:mod:`jaxlp.parallel._compressed`): if any worker's leaf holds a NaN or ±inf, or a partial
+sum overflows to ±inf (or to NaN in a format whose overflow is NaN), the whole leaf is NaN on
+every worker, so ``optax.apply_if_finite`` and ``jaxlp train``'s ``nonfinite_steps`` see the
+step. Non-finite addends enter the sum as NaN (a format without infinities would otherwise
+saturate ±inf to its largest finite value); the packed ring payloads carry NaN in every
+format. No extra communication: every worker holds the summed leaf and decides alike.
 
 Stochastic rounding (``rounding="stochastic"``, ``key`` required, the same key on every
 worker): the rounding done when worker r's addend enters (and, in the ring, the first
@@ -143,6 +150,9 @@ def psum(tree, axis_name, *, fmt, order: str = "ring", kahan: bool = False,
 def _psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack):
   shape, dtype = leaf.shape, leaf.dtype
   x = leaf.astype(jnp.float32).reshape(-1)
+  # non-finite addends enter as NaN: a format without infinities would saturate ±inf to its
+  # largest finite value, and every rounding, add and packed payload carries NaN
+  x = jnp.where(jnp.isfinite(x), x, jnp.float32(jnp.nan))
   n = x.size
   me = _axes.axis_index(axis_name)
   codec = codec_for(q.fmt) if pack else None
@@ -158,10 +168,14 @@ def _psum_leaf(leaf, axis_name, w, q, order, kahan, aps, pack):
     res = q(lax.psum(xq, _axes.as_tuple(axis_name)), _iota(n), w, TAG_SUM)
   else:
     g = _gather(x, axis_name, codec if aps else None)
-    res = _chain(g, q, kahan) if order == "chain" else _tree(g, q, w)
+    res = chain_sum(g, q, kahan) if order == "chain" else tree_sum(g, q, w)
   if aps:
     res = scale_pow2(res, -shift)
     res = jnp.where(bad, jnp.float32(jnp.nan), res)
+  # the non-finite policy: a leaf with a non-finite value anywhere is NaN everywhere (every
+  # worker holds the same res, so every worker decides the same)
+  if n:
+    res = jnp.where(jnp.all(jnp.isfinite(res)), res, jnp.float32(jnp.nan))
   return res.reshape(shape).astype(dtype)
 
 
@@ -175,9 +189,11 @@ def _gather(x, axis_name, codec):
   return codec.decode(_axes.all_gather(codec.encode(x), axis_name))
 
 
-def _chain(g, q, kahan):
+def chain_sum(g, q, kahan, idx=None):
+  """psum's chain order over the rows of ``g`` (W, n); ``idx``: the elements' flat indices in
+  the leaf (noise), default ``0..n-1``."""
   w, n = g.shape
-  idx = _iota(n)
+  idx = _iota(n) if idx is None else idx
   s = q(g[0], idx, 0, TAG_SUM)
   c = jnp.zeros_like(s)
 
@@ -198,8 +214,9 @@ def _step(s, c, g, idx, r, q, kahan):
   return t, c
 
 
-def _tree(g, q, w):
-  idx = _iota(g.shape[1])
+def tree_sum(g, q, w, idx=None):
+  """psum's tree order over the rows of ``g`` (W, n); ``idx`` as in :func:`chain_sum`."""
+  idx = _iota(g.shape[1]) if idx is None else idx
   nodes = [g[r] for r in range(w)]
   rounded = False
   lv = 0
@@ -215,10 +232,11 @@ def _tree(g, q, w):
   return nodes[0] if rounded else q(nodes[0], idx, 0, TAG_SUM)
 
 
-def _ring(x, axis_name, w, me, q, kahan, codec):
-  n = x.size
-  length = cdiv(n, w)
-  xs = jnp.pad(x, (0, w * length - n)).reshape(w, length)
+def ring_reduce_scatter(xs, axis_name, w, me, q, kahan, codec):
+  """psum's ring reduce-scatter of the chunks ``xs`` (W, L): chunk c accumulated starting at
+  worker c, W-1 hops of (packed) partial sums. Returns the finished chunk ``(me + 1) mod W``
+  that worker ``me`` holds (float32, decoded)."""
+  length = xs.shape[1]
   ar = _iota(length)
 
   def chunk(c):
@@ -243,9 +261,22 @@ def _ring(x, axis_name, w, me, q, kahan, codec):
     return _step(s, c, chunk(cid), idx_of(cid), me, q, kahan)
 
   s, c = lax.fori_loop(1, w, hop, (s, c))
-  # Worker i now holds the final chunk (i + 1) mod W.
-  full = dec(_axes.all_gather(enc(s), axis_name))
-  return jnp.roll(full, 1, axis=0).reshape(-1)[:n]
+  return s
+
+
+def ring_gather(s, axis_name, codec):
+  """All-gather the finished chunks of :func:`ring_reduce_scatter` (worker i holds chunk
+  i + 1): the (W * L,) flat sum in chunk order."""
+  full = _gather(s, axis_name, codec)
+  return jnp.roll(full, 1, axis=0).reshape(-1)
+
+
+def _ring(x, axis_name, w, me, q, kahan, codec):
+  n = x.size
+  length = cdiv(n, w)
+  xs = jnp.pad(x, (0, w * length - n)).reshape(w, length)
+  s = ring_reduce_scatter(xs, axis_name, w, me, q, kahan, codec)
+  return ring_gather(s, axis_name, codec)[:n]
 
 
 def payload_bytes(size: int, w: int, fmt, order: str = "ring", *, kahan: bool = False,

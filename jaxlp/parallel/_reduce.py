@@ -42,7 +42,11 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
   """An optax transformation that all-reduces the updates over ``axis_name``.
 
   Put it first in an optax chain used inside the per-worker step (pmap / shard_map /
-  ``jaxlp.parallel.emulate``). With ``mean=True`` each worker's gradient is divided by W
+  ``jaxlp.parallel.emulate``), before ``optax.apply_if_finite`` if you use it: every
+  reduction follows one non-finite policy (a leaf in which any worker's gradient holds a NaN
+  or ±inf, or whose sum overflows, is NaN on every worker; with a compressor its
+  error-feedback state is kept; see :func:`jaxlp.parallel.compressed_allreduce`), so every
+  worker skips the same steps. With ``mean=True`` each worker's gradient is divided by W
   BEFORE the low-precision sum (CPD's convention: the rounded sum is the mean; dividing
   after the sum would change what underflows). The division is an exact power-of-two
   scaling when W is a power of two, else a float32 division (whose subnormal results
@@ -79,7 +83,9 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     ValueError: ``compressor_opts`` without ``compressor``; both ``fmt`` and ``compressor``;
       ``kahan``, ``aps`` or a non-default ``rounding`` with ``fmt=None``. The errors of
       :func:`jaxlp.parallel.psum` / :func:`jaxlp.parallel.compressed_allreduce` are raised
-      by ``update``.
+      by ``update`` (a compressor state that does not fit the compressor or the gradients
+      included), and ``update`` raises TypeError for a state that is not this transform's
+      :class:`ReduceGradientsState`.
 
   Example:
     The mean of four workers' gradients (a named ``vmap``, under ``jit`` as a training step
@@ -125,7 +131,14 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
 
   def update_fn(updates, state, params=None):
     del params
+    if not isinstance(state, ReduceGradientsState):
+      raise TypeError(f"reduce_gradients(...).update: state must be the ReduceGradientsState "
+                      f"that this transform's init(params) returns, got {type(state).__name__}")
     cstate = state.compressor_state
+    if compressor is not None and cstate is None:
+      raise TypeError("reduce_gradients(...).update: state.compressor_state is None (a state "
+                      "made by a reduce_gradients without compressor=); use this transform's "
+                      "init(params)")
     if compressor is not None:  # the mean is taken once, inside (per compressor family)
       from jaxlp.parallel._compressed import compressed_allreduce
       updates, cstate = compressed_allreduce(updates, cstate, axis_name, compressor,
@@ -135,7 +148,8 @@ def reduce_gradients(axis_name, *, fmt=None, order: str = "ring", kahan: bool = 
     if mean:
       updates = jax.tree_util.tree_map(lambda g: _div(g, w), updates)
     if fmt is None:
-      updates = lax.psum(updates, _axes.as_tuple(axis_name))
+      updates = jax.tree_util.tree_map(_nan_unless_finite,
+                                       lax.psum(updates, _axes.as_tuple(axis_name)))
     else:
       step_key = jax.random.fold_in(state.key, state.count)
       updates = psum(updates, axis_name, fmt=fmt, order=order, kahan=kahan, aps=aps,
@@ -252,6 +266,12 @@ def compressed_optimizer(optimizer, axis_name, compressor, **reduce_kwargs):
     return state
 
   return optax.GradientTransformationExtraArgs(init_fn, chain.update)
+
+
+def _nan_unless_finite(x):
+  """The non-finite policy for the float32 ``lax.psum``: a leaf with a NaN or ±inf anywhere
+  (from any worker, or an overflowing sum) is NaN everywhere, the same on every worker."""
+  return jnp.where(jnp.all(jnp.isfinite(x)), x, jnp.asarray(jnp.nan, x.dtype))
 
 
 def _div(g, w):

@@ -39,6 +39,13 @@ flatten it and pad the flat vector to a multiple of W, which keeps psum's ring c
   replaced by -1). With ``fmt=FP32`` it equals ``psum(order="chain")``.
   APS works as in psum (elementwise formats); ``kahan`` is refused.
 
+Non-finite values follow :func:`jaxlp.parallel.psum`'s policy for elementwise formats: a NaN
+or ±inf in any worker's leaf enters as NaN, and if any element of any worker's slab of a leaf
+is not finite (also an overflowing sum), the whole leaf is NaN in every slab (one int32 flag
+per leaf is max-reduced), so ``all_gather(reduce_scatter(x)) == psum(x)`` holds there too.
+With a block wire format (``"all_to_all"``) only the blocks holding a non-finite value are
+NaN (in the slab of the worker that owns them).
+
 Stochastic noise (``rounding="stochastic"``): the noise word of an element is psum's,
 ``hash(fold_in(fold_in(fold_in(key, l), r), tag), i)`` with ``i`` the element's flat C-order
 index in the leaf ``x`` (for every order, also for a block format's elements).
@@ -77,7 +84,16 @@ from jaxlp.parallel._aggregate import bitwise
 from jaxlp.parallel._aps import aps_shift
 from jaxlp.parallel._arith import add_f32, scale_pow2
 from jaxlp.parallel._codec import codec_for
-from jaxlp.parallel._psum import _FLOAT_DTYPES, TAG_PRE, TAG_SUM, _Rounder, _step
+from jaxlp.parallel._psum import (
+  _FLOAT_DTYPES,
+  TAG_PRE,
+  TAG_SUM,
+  _Rounder,
+  chain_sum,
+  ring_gather,
+  ring_reduce_scatter,
+  tree_sum,
+)
 from jaxlp.parallel.compressors._base import pack_bits, packed_nbytes, unpack_bits
 
 #: The orders :func:`reduce_scatter` accepts.
@@ -440,6 +456,8 @@ def _rs_leaf(leaf, axis_name, w, q, order, kahan, aps, pack, d):
   """This worker's slab (flat, float32) of one leaf."""
   shape = leaf.shape
   x = leaf.astype(jnp.float32).reshape(-1)
+  # psum's non-finite policy: non-finite addends enter as NaN (see the end for the leaf)
+  x = jnp.where(jnp.isfinite(x), x, jnp.float32(jnp.nan))
   n = x.size
   me = _axes.axis_index(axis_name)
   elementwise = is_elementwise(q.fmt)
@@ -469,11 +487,16 @@ def _rs_leaf(leaf, axis_name, w, q, order, kahan, aps, pack, d):
     payload = rows if use is None else use.encode(rows)
     recv = _axes.all_to_all(payload, axis_name)
     g = recv if use is None else use.decode(recv)
-    res = _chain(g, q, kahan, my_idx) if order == "chain" else _tree(g, q, w, my_idx)
+    res = chain_sum(g, q, kahan, my_idx) if order == "chain" else tree_sum(g, q, w, my_idx)
   if aps:
     res = scale_pow2(res, -shift)
     res = jnp.where(bad, jnp.float32(jnp.nan), res)
-  return res
+  if not elementwise:  # block wire formats: a non-finite block arrives as a NaN block
+    return res
+  # a leaf with a non-finite value in any worker's slab is NaN in every slab (as in psum: one
+  # flag per leaf, max-reduced over the workers)
+  nonfinite = _axes.pmax(jnp.any(~jnp.isfinite(res)).astype(jnp.int32), axis_name)
+  return jnp.where(nonfinite > 0, jnp.float32(jnp.nan), res)
 
 
 def _encode_rows(wire, q_rows, v_rows):
@@ -512,75 +535,18 @@ def _psum_scatter_rows(rows, axis_name):
   return out
 
 
-def _chain(g, q, kahan, idx):
-  """psum's chain order over the rows of ``g`` (W, m); ``idx`` the elements' leaf indices."""
-  w = g.shape[0]
-  s = q(g[0], idx, 0, TAG_SUM)
-  c = jnp.zeros_like(s)
-
-  def body(r, sc):
-    gr = lax.dynamic_index_in_dim(g, r, 0, keepdims=False)
-    return _step(sc[0], sc[1], gr, idx, r, q, kahan)
-
-  s, c = lax.fori_loop(1, w, body, (s, c))
-  return s
-
-
-def _tree(g, q, w, idx):
-  """psum's tree order over the rows of ``g`` (W, m)."""
-  nodes = [g[r] for r in range(w)]
-  rounded = False
-  lv = 0
-  while len(nodes) > 1:
-    nxt = []
-    for p in range(0, len(nodes) - 1, 2):
-      nxt.append(q(add_f32(nodes[p], nodes[p + 1]), idx, w + lv * w + p // 2, TAG_SUM))
-    if len(nodes) % 2:
-      nxt.append(nodes[-1])
-    nodes = nxt
-    rounded = True
-    lv += 1
-  return nodes[0] if rounded else q(nodes[0], idx, 0, TAG_SUM)
-
-
 def _ring_rs(x, axis_name, w, me, q, kahan, codec, my_idx):
   """psum's ring reduce-scatter, then each finished chunk to its owner (``my_idx`` None:
   chunk c is slab c, one hop; else the chunks are all-gathered and slab ``my_idx`` taken)."""
-  n = x.size
-  length = n // w
-  xs = x.reshape(w, length)
-  ar = _iota(length)
-
-  def chunk(c):
-    return lax.dynamic_index_in_dim(xs, c, 0, keepdims=False)
-
-  def idx_of(c):
-    return ar + (c * length).astype(jnp.uint32)
-
-  enc = (lambda v: v) if codec is None else codec.encode
-  dec = (lambda v: v) if codec is None else codec.decode
-  s = q(chunk(me), idx_of(me), me, TAG_SUM)
-  c = jnp.zeros_like(s)
-
-  def hop(k, sc):
-    s, c = sc
-    if kahan:
-      s_in, c_in = _axes.ring_shift(jnp.stack([enc(s), enc(c)]), axis_name)
-      s, c = dec(s_in), dec(c_in)
-    else:
-      s = dec(_axes.ring_shift(enc(s), axis_name))
-    cid = (me - k) % w
-    return _step(s, c, chunk(cid), idx_of(cid), me, q, kahan)
-
-  s, c = lax.fori_loop(1, w, hop, (s, c))
+  s = ring_reduce_scatter(x.reshape(w, x.size // w), axis_name, w, me, q, kahan, codec)
   if w == 1:
     return s
   # Worker i now holds the finished chunk (i + 1) mod W.
   if my_idx is None:
-    return dec(_axes.ring_shift(enc(s), axis_name))
-  full = dec(_axes.all_gather(enc(s), axis_name))
-  full = jnp.roll(full, 1, axis=0).reshape(-1)
-  return jnp.take(full, my_idx.astype(jnp.int32))
+    if codec is None:
+      return _axes.ring_shift(s, axis_name)
+    return codec.decode(_axes.ring_shift(codec.encode(s), axis_name))
+  return jnp.take(ring_gather(s, axis_name, codec), my_idx.astype(jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ def psum_two_level(tree, node_axis, rank_axis, *, fmt, aps: bool = True, kahan: 
   across ranks). With E == 1 the raw gradient is used (ResNet18-master) unless
   ``combine_single``. Then :func:`psum` ``(order="chain", aps=aps, kahan=kahan)`` over
   ``rank_axis`` (APS recomputed from the combined gradient, with our all-zero guard).
-  Not equal to a flat chain over W*E workers.
+  Not equal to a flat chain over W*E workers. Non-finite values follow :func:`psum`'s
+  policy: a NaN or ±inf in any worker's leaf (it enters the local combine as NaN) makes the
+  whole leaf NaN on every worker.
 
   Args:
     tree: pytree of float32/float16/bfloat16 arrays (this emulated worker's gradients).
@@ -70,6 +72,9 @@ def psum_two_level(tree, node_axis, rank_axis, *, fmt, aps: bool = True, kahan: 
     x = g.astype(jnp.float32).reshape(-1)
     if e == 1 and not combine_single:
       return g
+    # non-finite values as NaN (a saturating format would turn ±inf finite): the final psum
+    # then makes the whole leaf NaN on every worker (the policy of every reduction)
+    x = jnp.where(jnp.isfinite(x), x, jnp.float32(jnp.nan))
     if aps:
       a, _ = local_exponent(x, e)
       a = jnp.where(a == ZERO_EXPONENT, CPD_SENTINEL, a)

@@ -46,7 +46,8 @@ from jaxlp.formats._compat import cpd_float
 from jaxlp.ops._quantize import quantize
 from jaxlp.parallel._aggregate import powersgd_finish, powersgd_middle, powersgd_start
 from jaxlp.parallel._aps import format_emax
-from jaxlp.parallel._psum import _chain, _check, _Rounder
+from jaxlp.parallel._psum import _check, _Rounder
+from jaxlp.parallel._psum import chain_sum as _psum_chain
 from jaxlp.parallel.compressors._base import exact_div
 from jaxlp.torch._dlpack import to_jax, to_torch
 
@@ -82,7 +83,7 @@ def _chain_fn(fmt, kahan: bool):
   def f(stack):
     flat = stack.reshape(stack.shape[0], -1)
     flat = jnp.concatenate([jnp.zeros((1, flat.shape[1]), jnp.float32), flat])
-    return _chain(flat, q, kahan).reshape(stack.shape[1:])
+    return _psum_chain(flat, q, kahan).reshape(stack.shape[1:])
 
   return jax.jit(f)
 

@@ -234,6 +234,28 @@ def _matches(name, patterns):
   return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _patterns(patterns, what):
+  if patterns is None:
+    return None
+  if isinstance(patterns, str):
+    return (patterns,)
+  try:
+    pats = tuple(patterns)
+  except TypeError:
+    raise TypeError(f"jaxlp.torch.nn.quantize_model: {what}={patterns!r} must be a str or a "
+                    f"sequence of str") from None
+  for p in pats:
+    if not isinstance(p, str):
+      raise TypeError(f"jaxlp.torch.nn.quantize_model: {what} entries must be str patterns, "
+                      f"got {p!r}")
+  return pats
+
+
+def _swappable(layer) -> bool:
+  return type(layer) is torch.nn.Linear or (type(layer) is torch.nn.Conv2d
+                                            and layer.padding_mode == "zeros")
+
+
 def quantize_model(module, policy, include=None, exclude=None):
   """Swap every ``nn.Linear`` / ``nn.Conv2d`` of ``module`` for the jaxlp layer (in place).
 
@@ -244,8 +266,10 @@ def quantize_model(module, policy, include=None, exclude=None):
     module: a ``torch.nn.Module``.
     policy: a :class:`jaxlp.DotPolicy` for every swapped layer, or a callable
       ``(qualified_name, layer) -> DotPolicy | None`` (None leaves the layer unchanged).
-    include: optional list of fnmatch patterns of qualified names to swap (default all).
-    exclude: optional list of fnmatch patterns of qualified names to leave unchanged.
+    include: optional fnmatch pattern or list of patterns of qualified names to swap
+      (default all).
+    exclude: optional fnmatch pattern or list of patterns of qualified names to leave
+      unchanged.
 
   Returns:
     ``module`` (modified in place; a bare Linear/Conv2d is returned as a new layer).
@@ -253,6 +277,9 @@ def quantize_model(module, policy, include=None, exclude=None):
   Raises:
     TypeError: ``module`` is not a ``torch.nn.Module``, or ``policy`` is not None, a
       :class:`jaxlp.DotPolicy` or a callable.
+    ValueError: an ``include`` / ``exclude`` pattern matches none of the module's
+      ``nn.Linear`` / ``nn.Conv2d`` layers (almost always a typo: ``"fc_l"`` for ``"fc1"``);
+      raised before any layer is swapped, naming the pattern and listing the layer names.
 
   Example:
     >>> import torch
@@ -274,6 +301,19 @@ def quantize_model(module, policy, include=None, exclude=None):
     raise TypeError(f"jaxlp.torch.nn.quantize_model: policy must be a DotPolicy or a callable, "
                     f"got {policy!r}")
 
+  include = _patterns(include, "include")
+  exclude = _patterns(exclude, "exclude")
+  if include is not None or exclude is not None:
+    names = [name for name, layer in module.named_modules() if _swappable(layer)
+             or isinstance(layer, (Linear, Conv2d))]
+    bad = [f"{what}={p!r}" for what, pats in (("include", include), ("exclude", exclude))
+           for p in pats or () if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if bad:
+      raise ValueError(
+          f"jaxlp.torch.nn.quantize_model: pattern {', '.join(bad)} matches no nn.Linear / "
+          f"nn.Conv2d of the module (fnmatch on the qualified name, case-sensitive); its "
+          f"layer names are: {names}")
+
   def pick(name, layer):
     if include is not None and not _matches(name, include):
       return None
@@ -285,21 +325,21 @@ def quantize_model(module, policy, include=None, exclude=None):
   def convert(name, layer):
     if isinstance(layer, (Linear, Conv2d)):
       return None
+    if not _swappable(layer):
+      return None
     if type(layer) is torch.nn.Linear:
       p = pick(name, layer)
       if p is None:
         return None
       new = Linear(layer.in_features, layer.out_features, bias=False, policy=p,
                    device="meta")
-    elif type(layer) is torch.nn.Conv2d and layer.padding_mode == "zeros":
+    else:
       p = pick(name, layer)
       if p is None:
         return None
       new = Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
                    layer.padding, layer.dilation, layer.groups, bias=False, policy=p,
                    device="meta")
-    else:
-      return None
     new.weight = layer.weight
     new.bias = layer.bias
     new.train(layer.training)

@@ -36,6 +36,7 @@ from jaxlp.parallel._compressed import (
   init_compression_state,
 )
 from jaxlp.training import _portable, _runs
+from jaxlp.training._recipes import NVFP4_PIECES, RECIPE_NAMES, ends_rules, recipe_policy
 
 
 @dataclasses.dataclass
@@ -43,35 +44,53 @@ class TrainConfig:
   """One training run: each field is the ``jaxlp train`` flag of the same name.
 
   The fields group as in ``jaxlp train --help``: model and data (``model``, ``data``,
-  ``data_dir``, ``width``); workers and gradient reduction (``nodes``, ``devices``,
+  ``data_dir``, ``width``; for the language models also ``tokens``, ``seq_len``, ``layers``,
+  ``dropout``); workers and gradient reduction (``nodes``, ``devices``,
   ``grad_exp``/``grad_man`` or ``grad_format``, ``order``, ``aps``, ``kahan``, ``lars``,
   ``compress``); sharded training (``shard``: ``"zero1"``, ``"zero2"`` or ``"fsdp"``;
   ``grad_wire``, ``param_wire``: see :mod:`jaxlp.training._sharded`); forward/backward
-  quantization (``hbfp``, ``tile``, ``weight_man``,
-  ``policy``, ``exact_blocks``); optimisation (``epochs``, ``batch_size``, ``lr``, ``schedule``,
+  quantization (``hbfp``, ``tile``, ``weight_man``, ``policy``, ``exact_blocks``);
+  optimisation (``optimizer``, ``epochs``, ``batch_size``, ``lr``, ``schedule``,
   ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
-  ``overwrite``, ``migrate_pickle``, ``quiet``). ``max_steps_per_epoch`` caps an epoch (for
-  quick tests).
+  ``overwrite``, ``migrate_pickle``, ``quiet``).
+  ``max_steps_per_epoch`` caps an epoch (for quick tests).
 
   ``width`` scales every model (MLP hidden units ``8 * width``, CNN channels ``2 * width``
-  and ``4 * width``; the defaults give 128 and 32/64). ``tile`` is the HBFP tile (None: 24)
-  of ``hbfp``/``weight_man`` and the ``hbfp8``/``hbfp12`` policies; it is refused without
-  them. A folder ``out`` that already holds a run needs ``resume`` (continue it: every field
-  must equal the run's ``config.json`` except ``epochs``, which may grow, and ``quiet``) or
-  ``overwrite`` (replace it). ``migrate_pickle`` lets ``resume`` convert a checkpoint of an
-  older jaxlp (``checkpoint.pkl``, a pickle: loading it can run code) to
-  ``checkpoint.msgpack``. The checks run (and fail with a ValueError/TypeError naming the
-  flag) in :class:`Trainer`.
+  and ``4 * width``; the defaults give 128 and 32/64; the language models' embedding, LSTM
+  and transformer width ``8 * width``, 128 by default).
+
+  Fields left None get their model's default when the config is made: ``data`` ``"text"``
+  for the language models (``lstm``, ``transformer``, ``bert``; ``LM_MODELS``) and
+  ``"digits"`` for the others; ``optimizer`` ``"adam"`` (language models; ``momentum`` is
+  Adam's b1) or ``"sgd"``; ``batch_size`` 32 (language models: rows of ``seq_len`` tokens)
+  or 128; ``lr`` 0.002 (Adam) or 0.05 (SGD); for the language models ``seq_len`` 64,
+  ``layers`` 2, ``dropout`` 0.1, ``tokens`` ``"bytes"`` (``"words"`` with a ``data_dir``).
+  ``tokens``, ``seq_len``, ``layers`` and ``dropout`` are refused for the classifiers.
+
+  ``tile`` is the HBFP tile (None: 24) of ``hbfp``/``weight_man`` and the ``hbfp8``/``hbfp12``
+  policies; it is refused without them. A folder ``out`` that already holds a run needs
+  ``resume`` (continue it: every field must equal the run's ``config.json`` except
+  ``epochs``, which may grow, and ``quiet``) or ``overwrite`` (replace it).
+  ``migrate_pickle`` lets ``resume`` convert a checkpoint of an older jaxlp
+  (``checkpoint.pkl``, a pickle: loading it can run code) to ``checkpoint.msgpack``. The
+  checks run (and fail with a ValueError/TypeError naming the flag) in :class:`Trainer`.
 
   Example:
     >>> from jaxlp.training import TrainConfig
     >>> TrainConfig(nodes=8, grad_exp=3, grad_man=0, aps=True).order
     'chain'
+    >>> c = TrainConfig(model="lstm")
+    >>> c.data, c.optimizer, c.batch_size, c.lr, c.seq_len, c.tokens
+    ('text', 'adam', 32, 0.002, 64, 'bytes')
   """
 
   model: str = "mlp"
-  data: str = "digits"
+  data: str | None = None
   data_dir: str | None = None
+  tokens: str | None = None
+  seq_len: int | None = None
+  layers: int | None = None
+  dropout: float | None = None
   nodes: int = 1
   devices: int = 0
   grad_exp: int | None = None
@@ -90,9 +109,10 @@ class TrainConfig:
   weight_man: int | None = None
   policy: str | None = None
   exact_blocks: bool = False
+  optimizer: str | None = None
   epochs: int = 10
-  batch_size: int = 128
-  lr: float = 0.05
+  batch_size: int | None = None
+  lr: float | None = None
   schedule: str = "constant"
   warmup_epochs: int = 0
   momentum: float = 0.9
@@ -105,6 +125,25 @@ class TrainConfig:
   overwrite: bool = False
   migrate_pickle: bool = False
   quiet: bool = False
+
+  def __post_init__(self):
+    from jaxlp.training._models import LM_MODELS
+
+    lm = self.model in LM_MODELS
+    if self.data is None:
+      self.data = "text" if lm else "digits"
+    if lm:
+      for k, v in (("seq_len", 64), ("layers", 2), ("dropout", 0.1)):
+        if getattr(self, k) is None:
+          setattr(self, k, v)
+      if self.tokens is None and self.data == "text":
+        self.tokens = "words" if self.data_dir is not None else "bytes"
+    if self.optimizer is None:
+      self.optimizer = "adam" if lm else "sgd"
+    if self.batch_size is None:
+      self.batch_size = 32 if lm else 128
+    if self.lr is None:
+      self.lr = 0.002 if self.optimizer == "adam" else 0.05
 
 
 def grad_format(cfg: TrainConfig):
@@ -192,13 +231,18 @@ def _policy(cfg: TrainConfig):
       "mxfp8": lambda: jaxlp.mx_policy(),
       "mxint8": lambda: jaxlp.mx_policy("int8"),
       "e4m3": lambda: jaxlp.float_policy(fwd=jaxlp.formats.E4M3, bwd=jaxlp.formats.E5M2),
+      "e5m2": lambda: jaxlp.float_policy(fwd=jaxlp.formats.E5M2, bwd=jaxlp.formats.E5M2),
   }
   if cfg.hbfp is not None:
     policy = hbfp(cfg.hbfp)
   elif cfg.policy in presets:
     policy = presets[cfg.policy]()
+  elif recipe_policy(cfg.policy) is not None:  # bf16, nvfp4[+pieces], mxfp4, mxfp8-rceil
+    policy = recipe_policy(cfg.policy)[0]
   else:
-    raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}")
+    raise ValueError(f"unknown --policy {cfg.policy!r}; choose from {sorted(presets)}, "
+                     f"{', '.join(RECIPE_NAMES)} or nvfp4+PIECE+... (PIECE: "
+                     f"{', '.join(NVFP4_PIECES)})")
   if not cfg.exact_blocks:
     return policy
   # exact integer block dots (DotPolicy(block_dot="exact")): the same bits on every backend
@@ -219,18 +263,27 @@ SEED_MAX = 2**32 - 1  # JAX's PRNG keys take 32-bit seeds here: larger seeds wou
 # HBFP tiles: --tile 2**31 - 1 overflowed XLA's shape arithmetic and aborted the process;
 # 4096 is far beyond the tiles in use (24, 64), and 0 gives one exponent per tensor
 TILE_MAX = 4096
+# the language models' depth and window: far beyond what trains on one machine here, and a
+# bound before the model is built (a Python loop over the layers)
+LAYERS_MAX = 64
+SEQ_LEN_MAX = 65536
+OPTIMIZERS = ("sgd", "adam")
+_LM_KEY_TAG = 0x6C6D  # folded into the step key for the language models' own randomness
+_Q_KEY_TAG = 0x7174  # ... for the classifiers' stochastic rounding (quantize_model's rngs)
+EVAL_ROWS = 10  # streams of the language models' valid/test text (AWD-LSTM's eval batch)
 _INT_FIELDS = {  # field: (lowest allowed, highest allowed, None allowed)
     "nodes": (1, INT_MAX, False), "devices": (0, INT_MAX, False),
     "grad_exp": (1, INT_MAX, True), "grad_man": (0, INT_MAX, True), "hbfp": (1, INT_MAX, True),
     "tile": (0, TILE_MAX, True), "weight_man": (1, INT_MAX, True), "epochs": (1, INT_MAX, False),
     "batch_size": (1, INT_MAX, False), "warmup_epochs": (0, INT_MAX, False),
     "seed": (0, SEED_MAX, False), "width": (1, INT_MAX, False),
-    "max_steps_per_epoch": (1, INT_MAX, True)}
+    "max_steps_per_epoch": (1, INT_MAX, True), "seq_len": (1, SEQ_LEN_MAX, True),
+    "layers": (1, LAYERS_MAX, True)}
 _FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= this
 _BOOL_FIELDS = ("aps", "kahan", "lars", "exact_blocks", "resume", "overwrite", "migrate_pickle",
                 "quiet")
-_STR_FIELDS = ("model", "data", "data_dir", "grad_format", "order", "compress", "policy",
-               "schedule", "out", "shard", "grad_wire", "param_wire")
+_STR_FIELDS = ("model", "data", "data_dir", "tokens", "grad_format", "order", "compress",
+               "policy", "optimizer", "schedule", "out", "shard", "grad_wire", "param_wire")
 
 
 def _flag(name):
@@ -240,7 +293,8 @@ def _flag(name):
 def check_config(cfg: TrainConfig) -> None:
   """Types and ranges of every field (TypeError/ValueError naming the flag)."""
   from jaxlp.training._data import DATASETS
-  from jaxlp.training._models import MODELS
+  from jaxlp.training._models import LM_MODELS, MODELS
+  from jaxlp.training._text import TOKENS
 
   for k, (lo, hi, none_ok) in _INT_FIELDS.items():
     v = getattr(cfg, k)
@@ -272,9 +326,35 @@ def check_config(cfg: TrainConfig) -> None:
     if v is not None and not isinstance(v, str):
       raise TypeError(f"{_flag(k)} must be a string, got {v!r}")
   for k, choices in (("model", MODELS), ("data", DATASETS), ("order", ORDERS),
-                     ("schedule", ("constant", "triangle"))):
+                     ("schedule", ("constant", "triangle")), ("optimizer", OPTIMIZERS)):
     if getattr(cfg, k) not in choices:
       raise ValueError(f"{_flag(k)} must be one of {choices}, got {getattr(cfg, k)!r}")
+  if cfg.tokens is not None and cfg.tokens not in TOKENS:
+    raise ValueError(f"--tokens must be one of {TOKENS}, got {cfg.tokens!r}")
+  if cfg.dropout is not None:
+    v = cfg.dropout
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+      raise TypeError(f"--dropout must be a number, got {v!r}")
+    if not 0.0 <= v < 1.0:
+      raise ValueError(f"--dropout must be in [0, 1), got {v}")
+  lm = cfg.model in LM_MODELS
+  if lm and cfg.data != "text":
+    raise ValueError(f"--model {cfg.model} is a language model: it trains on --data text "
+                     f"(built in, or train.txt/valid.txt/test.txt from --data-dir), not --data "
+                     f"{cfg.data}")
+  if not lm and cfg.data == "text":
+    raise ValueError(f"--data text is for the language models (--model "
+                     f"{'/'.join(LM_MODELS)}), not --model {cfg.model}")
+  if not lm:
+    for k in ("tokens", "seq_len", "layers", "dropout"):
+      if getattr(cfg, k) is not None:
+        raise ValueError(f"{_flag(k)} applies only to the language models (--model "
+                         f"{'/'.join(LM_MODELS)}), not --model {cfg.model}")
+  if cfg.tokens == "words" and cfg.data_dir is None:
+    raise ValueError("--tokens words needs --data-dir (the built-in text is byte level)")
+  if cfg.lars and cfg.optimizer != "sgd":
+    raise ValueError(f"--lars is its own optimizer (CPD's LARS SGD); remove --optimizer "
+                     f"{cfg.optimizer} or --lars")
   if cfg.batch_size % cfg.nodes:
     raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --nodes {cfg.nodes}")
   if cfg.warmup_epochs and cfg.schedule != "triangle":
@@ -282,8 +362,8 @@ def check_config(cfg: TrainConfig) -> None:
   if cfg.warmup_epochs > cfg.epochs:
     raise ValueError(f"--warmup-epochs {cfg.warmup_epochs} exceeds --epochs {cfg.epochs}")
   if cfg.data_dir is not None and cfg.data in ("digits", "synthetic"):
-    raise ValueError(f"--data-dir applies only to --data cifar10/mnist (--data {cfg.data} is "
-                     "built in)")
+    raise ValueError(f"--data-dir applies only to --data cifar10/mnist/text (--data {cfg.data} "
+                     "is built in)")
   if cfg.weight_man is not None:
     if cfg.hbfp is None:
       raise ValueError("--weight-man needs --hbfp (HBFP's wide weight storage)")
@@ -478,7 +558,6 @@ class Trainer:
   def __init__(self, cfg: TrainConfig):
     import optax
 
-    from jaxlp.training import _data as D
     from jaxlp.training import _models as M
 
     self.cfg = cfg
@@ -487,49 +566,13 @@ class Trainer:
     self.axis = ("dev", "nodes") if ndev > 1 else "nodes"
     self.fmt, self.compressor = flags["fmt"], flags["compressor"]
     self.reduce_opts, policy = flags["reduce_opts"], flags["policy"]
-    self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
-    steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
-    if steps_per_epoch == 0:
-      raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set "
-                       f"({len(self.ds.x_train)} images of --data {cfg.data})")
-    if cfg.max_steps_per_epoch:
-      steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    if cfg.schedule == "triangle" and cfg.epochs * steps_per_epoch > INT_MAX:
-      raise ValueError(f"--epochs {cfg.epochs}: the triangle schedule spans {cfg.epochs} x "
-                       f"{steps_per_epoch} steps, more than optax's step counter holds "
-                       f"({INT_MAX})")
-    kw = {}
-    if policy is not None:
-      kw = dict(dot_general=jaxlp.dot_general(policy),
-                conv_general_dilated=jaxlp.conv_general_dilated(policy))
-    # --exact-blocks with the MLP or the CNN and an fp32 reduction: every op of the step has
-    # specified bits (jaxlp.training._portable), so the run is the same on every backend
-    self.portable = bool(cfg.exact_blocks and cfg.model in ("mlp", "cnn") and not cfg.lars
-                         and cfg.weight_man is None and self.compressor is None
-                         and self.fmt is None and cfg.shard is None)
-    self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
-                         portable=self.portable, **kw)
+    self.lm = cfg.model in M.LM_MODELS
     key = jax.random.key(cfg.seed)
     init_key, self.step_key = jax.random.split(key)
-    init = lambda k, x: self.model.init(k, x, train=False)
-    if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
-      init = jax.jit(init)
-    init_dev = _portable.init_device() if self.portable else None
-    x0 = jnp.asarray(self.ds.x_train[:2])
-    # before allocating: the shapes of the plain model (a policy or the portable layers
-    # change no parameter), traced abstractly
-    plain = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width))
-    _check_memory(cfg, jax.eval_shape(lambda k, x: plain.init(k, x, train=False), init_key, x0),
-                  ndev)
-    with _device_memory(cfg, "initialising the model"):
-      if init_dev is not None:  # the CPU's erf_inv defines the initial weights
-        with jax.default_device(init_dev):
-          variables = init(init_key, x0)
-        variables = jax.tree_util.tree_map(jnp.asarray, jax.device_get(variables))
-      else:
-        variables = init(init_key, x0)
-    self.params = variables["params"]
-    self.batch_stats = variables.get("batch_stats", {})
+    if self.lm:
+      steps_per_epoch = self._setup_lm(policy, init_key)
+    else:
+      steps_per_epoch = self._setup_classifier(policy, init_key)
     self.n_params = int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
     lr = cfg.lr
     if cfg.schedule == "triangle":  # DavidNet: 0 -> lr over warm-up, then linearly -> 0
@@ -545,6 +588,8 @@ class Trainer:
       from jaxlp.optim import lars
 
       self.tx = lars(lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    elif cfg.optimizer == "adam":  # AdamW's decoupled decay; --momentum is b1
+      self.tx = optax.adamw(lr, b1=cfg.momentum, weight_decay=cfg.weight_decay)
     else:
       self.tx = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
                             optax.sgd(lr, momentum=cfg.momentum,
@@ -573,6 +618,120 @@ class Trainer:
     if cfg.shard is not None:  # parameters / optimizer state sharded over the workers
       from jaxlp.training._sharded import ShardedRun
       self._shard = ShardedRun(self, flags)
+    if self.lm:
+      self._check_lm_step()
+
+  def _steps_per_epoch(self, steps: int) -> int:
+    cfg = self.cfg
+    if cfg.max_steps_per_epoch:
+      steps = min(steps, cfg.max_steps_per_epoch)
+    if cfg.schedule == "triangle" and cfg.epochs * steps > INT_MAX:
+      raise ValueError(f"--epochs {cfg.epochs}: the triangle schedule spans {cfg.epochs} x "
+                       f"{steps} steps, more than optax's step counter holds ({INT_MAX})")
+    return steps
+
+  def _setup_classifier(self, policy, init_key) -> int:
+    """Data, model and variables of an image classifier; returns the steps per epoch."""
+    from jaxlp.training import _data as D
+    from jaxlp.training import _models as M
+
+    cfg, ndev = self.cfg, self.ndev
+    self.ds = D.load(cfg.data, cfg.data_dir, cfg.seed)
+    steps_per_epoch = len(self.ds.x_train) // cfg.batch_size
+    if steps_per_epoch == 0:
+      raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set "
+                       f"({len(self.ds.x_train)} images of --data {cfg.data})")
+    steps_per_epoch = self._steps_per_epoch(steps_per_epoch)
+    kw = {}
+    # stochastic policies and per-layer choices (a recipe's BF16 ends) go through
+    # quantize_model (keys from the rng stream "quantize"); the others into every layer
+    ends = bool(cfg.policy and (recipe_policy(cfg.policy) or (None, False))[1])
+    use_q = policy is not None and (policy.stochastic or ends)
+    if policy is not None and not use_q:
+      kw = dict(dot_general=jaxlp.dot_general(policy),
+                conv_general_dilated=jaxlp.conv_general_dilated(policy))
+    # --exact-blocks with the MLP or the CNN and an fp32 reduction: every op of the step has
+    # specified bits (jaxlp.training._portable), so the run is the same on every backend
+    self.portable = bool(cfg.exact_blocks and cfg.model in ("mlp", "cnn") and not cfg.lars
+                         and cfg.optimizer == "sgd" and cfg.weight_man is None
+                         and self.compressor is None and self.fmt is None
+                         and cfg.shard is None)
+    self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
+                         portable=self.portable, **kw)
+    self.apply_model = self.model.apply
+    self.policy, self.qmodel = policy, None
+    x0 = jnp.asarray(self.ds.x_train[:2])
+    if use_q:
+      from jaxlp.flax import quantize_model  # noqa: PLC0415 -- flax: the examples extra
+
+      rules = (ends_rules(quantize_model(self.model, policy), init_key, x0, train=False)
+               if ends else ())
+      self.qmodel = quantize_model(self.model, policy, rules=rules)
+      self.apply_model = self.qmodel.apply
+    init = lambda k, x: self.model.init(k, x, train=False)
+    if policy is not None:  # quantized layers run op by op eagerly: one compile, not hundreds
+      init = jax.jit(init)
+    init_dev = _portable.init_device() if self.portable else None
+    # before allocating: the shapes of the plain model (a policy or the portable layers
+    # change no parameter), traced abstractly
+    plain = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width))
+    _check_memory(cfg, jax.eval_shape(lambda k, x: plain.init(k, x, train=False), init_key, x0),
+                  ndev)
+    with _device_memory(cfg, "initialising the model"):
+      if init_dev is not None:  # the CPU's erf_inv defines the initial weights
+        with jax.default_device(init_dev):
+          variables = init(init_key, x0)
+        variables = jax.tree_util.tree_map(jnp.asarray, jax.device_get(variables))
+      else:
+        variables = init(init_key, x0)
+    self.params = variables["params"]
+    self.batch_stats = variables.get("batch_stats", {})
+    return steps_per_epoch
+
+  def _setup_lm(self, policy, init_key) -> int:
+    """Text, windows, model and parameters of a language model (every matmul quantized by
+    :func:`jaxlp.flax.quantize_model`); returns the steps per epoch."""
+    from jaxlp.training import _models as M
+    from jaxlp.training import _text as T
+
+    cfg = self.cfg
+    self.portable = False
+    self.ds = T.load(cfg.data_dir, cfg.tokens)
+    rows, seq_len = cfg.batch_size, cfg.seq_len
+    self.train_windows = T.lm_windows(self.ds.train, rows, seq_len)
+    steps_per_epoch = len(self.train_windows[0])
+    if steps_per_epoch == 0:
+      raise ValueError(f"--batch-size {rows} x --seq-len {seq_len}: the training text has "
+                       f"{len(self.ds.train):,} tokens, fewer than one batch of {rows} rows of "
+                       f"{seq_len} + 1 tokens; choose a smaller --batch-size or --seq-len")
+    steps_per_epoch = self._steps_per_epoch(steps_per_epoch)
+    # evaluation: EVAL_ROWS streams (fewer for a tiny split), every target counted once; the
+    # windows of valid and test in one array (one compiled evaluation)
+    rows_eval = min(EVAL_ROWS, len(self.ds.valid) - 1, len(self.ds.test) - 1)
+    valid = T.lm_windows(self.ds.valid, rows_eval, seq_len, partial=True)
+    test = T.lm_windows(self.ds.test, rows_eval, seq_len, partial=True)
+    self.eval_windows = tuple(np.concatenate(pair) for pair in zip(valid, test))
+    self.eval_split = len(valid[0])  # windows [0, eval_split) are valid, the rest test
+    self.model = M.build(cfg.model, self.ds.vocab_size, width=int(cfg.width),
+                         layers=cfg.layers, dropout=cfg.dropout, seq_len=seq_len)
+    self.qmodel = None
+    x0 = jnp.zeros((2, seq_len), jnp.int32)
+    if policy is not None:
+      from jaxlp.flax import quantize_model  # noqa: PLC0415 -- flax: the examples extra
+
+      ends = bool(cfg.policy and (recipe_policy(cfg.policy) or (None, False))[1])
+      rules = (ends_rules(quantize_model(self.model, policy), init_key, x0, train=False)
+               if ends else ())
+      self.qmodel = quantize_model(self.model, policy, rules=rules)
+    self.apply_model = (self.qmodel or self.model).apply
+    self.policy = policy
+    init = lambda k, x: self.model.init(k, x, train=False)
+    _check_memory(self.cfg, jax.eval_shape(init, init_key, x0), self.ndev)
+    with _device_memory(cfg, "initialising the model"):
+      variables = jax.jit(init)(init_key, x0)
+    self.params = variables["params"]
+    self.batch_stats = {}
+    return steps_per_epoch
 
   @staticmethod
   def _lr_table(lr, steps: int):
@@ -633,35 +792,76 @@ class Trainer:
     return psum(g, self.axis, fmt=self.fmt, order=cfg.order, kahan=cfg.kahan, aps=cfg.aps,
                 rounding="nearest"), comp_state
 
-  def _node_loss(self):
-    """The loss of one worker's batch, pre-scaled by 1/W, and its new batch statistics."""
+  def _classifier_loss(self, has_bn, params, batch_stats, x, y, key):
+    """One worker's loss on its images, pre-scaled by 1/W (CPD), and its batch statistics."""
     import optax
 
-    model, W = self.model, self.cfg.nodes
-    has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
+    apply, W = self.apply_model, self.cfg.nodes
+    kw = {}
+    if self.qmodel is not None and self.policy.stochastic:  # this worker's rounding noise
+      kw["rngs"] = {"quantize": jax.random.fold_in(jax.random.fold_in(key, _Q_KEY_TAG),
+                                                   lax.axis_index(self.axis))}
+    if has_bn:
+      logits, upd = apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                          mutable=["batch_stats"], **kw)
+      new_bs = upd["batch_stats"]
+    else:
+      logits = apply({"params": params}, x, train=True, **kw)
+      new_bs = batch_stats
+    if self.portable:  # the same pre-scaled mean, every rounding specified
+      scale = np.float32(1.0 / (x.shape[0] * W))
+      return _portable.cross_entropy(logits, y, jnp.asarray(scale)), new_bs
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
 
-    def node_loss(params, batch_stats, x, y):
-      if has_bn:
-        logits, upd = model.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                                  mutable=["batch_stats"])
-        new_bs = upd["batch_stats"]
-      else:
-        logits = model.apply({"params": params}, x, train=True)
-        new_bs = batch_stats
-      if self.portable:  # the same pre-scaled mean, every rounding specified
-        scale = np.float32(1.0 / (x.shape[0] * W))
-        return _portable.cross_entropy(logits, y, jnp.asarray(scale)), new_bs
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      return loss / W, new_bs  # CPD: pre-scale so that the SUM over workers is the mean
+  def _lm_keys(self, key):
+    """This worker's (dropout, masking, quantization) keys of a step: ``key`` folded with a
+    tag (apart from the compressor's use of ``key``) and the worker's index."""
+    k = jax.random.fold_in(jax.random.fold_in(key, _LM_KEY_TAG), lax.axis_index(self.axis))
+    return jax.random.split(k, 3)
 
-    return node_loss
+  def _lm_rngs(self, k_drop, k_quant):
+    rngs = {"dropout": k_drop}
+    if self.policy is not None and self.policy.stochastic:
+      rngs["quantize"] = k_quant
+    return rngs
+
+  def _lm_loss(self, params, batch_stats, x, y, key):
+    """One worker's mean token cross-entropy (BERT: over its masked tokens), pre-scaled by
+    1/W (CPD's convention, as for the classifiers)."""
+    import optax
+
+    from jaxlp.flax.models import mask_tokens
+
+    k_drop, k_mask, k_quant = self._lm_keys(key)
+    if self.cfg.model == "bert":
+      inputs, w = mask_tokens(k_mask, x, mask_id=self.ds.mask_id,
+                              num_tokens=self.ds.num_tokens)
+      y = x
+    else:
+      inputs, w = x, jnp.ones(x.shape, jnp.float32)
+    logits = self.apply_model({"params": params}, inputs, train=True,
+                              rngs=self._lm_rngs(k_drop, k_quant))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return loss / self.cfg.nodes, batch_stats
+
+  def _node_loss(self):
+    """One worker's loss function ``(params, batch_stats, x, y, key) -> (loss pre-scaled by
+    1/W, new batch statistics)`` (:meth:`_lm_loss` or :meth:`_classifier_loss`); the step of
+    the replicated run and that of ``--shard`` (:mod:`jaxlp.training._sharded`) share it."""
+    if self.lm:
+      return self._lm_loss
+    return functools.partial(self._classifier_loss,
+                             bool(jax.tree_util.tree_leaves(self.batch_stats)))
 
   def _build_step(self):
     import optax
 
-    model, W = self.model, self.cfg.nodes
+    W = self.cfg.nodes
     has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
     node_loss = self._node_loss()
+
     mesh = None
     if self.ndev > 1:
       mesh = jax.make_mesh((self.ndev,), ("dev",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -670,7 +870,7 @@ class Trainer:
     def make_train_step(comp):
       def node_step(params, batch_stats, x, y, key, comp_state):
         (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x,
-                                                                        y)
+                                                                        y, key)
         g, comp_state = self._reduce(g, key, comp_state, comp)
         loss = (_portable.sum_over_axis(loss, self.axis) if self.portable and W > 1
                 else lax.psum(loss, self.axis))
@@ -689,7 +889,7 @@ class Trainer:
 
     def train_step(vstep, params, batch_stats, opt_state, comp_state, x, y, key):
       xs = x.reshape((W, x.shape[0] // W) + x.shape[1:])
-      ys = y.reshape((W, y.shape[0] // W))
+      ys = y.reshape((W, y.shape[0] // W) + y.shape[1:])
       cs = comp_state if comp_state is not None else jnp.zeros((W,), jnp.float32)
       g, loss, bs, cs = vstep(params, batch_stats, xs, ys, key, cs)
       g0 = jax.tree_util.tree_map(lambda a: a[0], g)  # identical on every worker
@@ -711,12 +911,70 @@ class Trainer:
       v = {"params": params}
       if has_bn:
         v["batch_stats"] = batch_stats
-      return jnp.argmax(model.apply(v, x, train=False), -1)
+      if self.qmodel is not None and self.policy.stochastic:  # a fixed key: the same noise
+        return jnp.argmax(self.apply_model(v, x, train=False,
+                                           rngs={"quantize": jax.random.key(0)}), -1)
+      return jnp.argmax(self.apply_model(v, x, train=False), -1)
 
     self._predict = jax.jit(predict)
+    if self.lm:
+      self._eval_sums = jax.jit(self._lm_eval_all)
+
+  def _lm_eval_all(self, params, xs, ys, ws):
+    """Per window of ``xs`` (windows, rows, seq_len): :meth:`_lm_eval_sums`, in a loop (window
+    ``j`` gets key ``fold_in(key(0), j)``)."""
+    keys = jax.vmap(lambda j: jax.random.fold_in(jax.random.key(0), j))(
+        jnp.arange(xs.shape[0]))
+    return lax.map(lambda a: self._lm_eval_sums(params, *a), (xs, ys, ws, keys))
+
+  def _lm_eval_sums(self, params, x, y, w, key):
+    """(sum of the token cross-entropies weighted by ``w``, sum of ``w``) of one window;
+    BERT masks the window with ``key`` (fixed per window: every run is evaluated on the same
+    masked positions) and counts the masked positions only."""
+    import optax
+
+    from jaxlp.flax.models import mask_tokens
+
+    k_mask, k_quant = jax.random.split(key)
+    inputs = x
+    if self.cfg.model == "bert":
+      inputs, wm = mask_tokens(k_mask, x, mask_id=self.ds.mask_id,
+                               num_tokens=self.ds.num_tokens)
+      y, w = x, w * wm
+    rngs = {"quantize": k_quant} if self.policy is not None and self.policy.stochastic else {}
+    logits = self.apply_model({"params": params}, inputs, train=False, rngs=rngs)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return jnp.sum(ce * w), jnp.sum(w)
+
+  def _check_lm_step(self):
+    """Trace (abstractly; nothing runs) the training step and the evaluation of a language
+    model before anything is written: a policy mode that cannot run on its matmuls is a
+    ValueError naming the flags."""
+    cfg = self.cfg
+    rows, seq_len = cfg.batch_size, cfg.seq_len
+    x = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
+    xe, ye, we = (jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.eval_windows)
+    # the step of stage 0, kept: run_epoch uses this jitted function (its trace is cached)
+    step = self._train_steps.setdefault(self._stage(0),
+                                        self._make_train_step(self._compressor_at(0)))
+    try:
+      jax.eval_shape(step, self.params, self.batch_stats, self.opt_state, self.comp_state, x, x,
+                     self.step_key)
+      jax.eval_shape(self._eval_sums, self._full_params(), xe, ye, we)
+    except NotImplementedError as e:
+      flags = " ".join(f for f in (
+          f"--hbfp {cfg.hbfp}" if cfg.hbfp is not None else "",
+          f"--policy {cfg.policy}" if cfg.policy else "",
+          "--exact-blocks" if cfg.exact_blocks else "") if f)
+      raise ValueError(f"--model {cfg.model} with {flags or 'this configuration'}: not "
+                       f"supported yet on its (batch, sequence, features) matmuls ({e})"
+                       ) from None
 
   # -- epochs ----------------------------------------------------------------------------
   def evaluate(self) -> float:
+    """Test accuracy of an image classifier (:meth:`evaluate_text` for a language model)."""
+    if self.lm:
+      raise ValueError("Trainer.evaluate: a language model has no accuracy; use evaluate_text")
     ds, correct = self.ds, 0
     bs = 512
     for i in range(0, len(ds.x_test), bs):
@@ -724,19 +982,46 @@ class Trainer:
       correct += int(np.sum(np.asarray(pred) == ds.y_test[i:i + bs]))
     return correct / len(ds.x_test)
 
+  def _full_params(self):
+    """This process's copy of the full parameters (a ``--shard fsdp`` run keeps only the
+    workers' shards between steps: gathered here)."""
+    return self.params if self._shard is None else self._shard.local_full_params(self.params)
+
+  def evaluate_text(self) -> dict:
+    """A language model's mean token cross-entropy (BERT: of its masked tokens) on the
+    valid and test text: ``valid_loss``, ``valid_perplexity``, ``test_loss``,
+    ``perplexity`` (of the test text; ``exp`` of its loss)."""
+    ce, n = jax.device_get(self._eval_sums(self._full_params(), *self.eval_windows))
+    ce, n = np.asarray(ce, np.float64), np.asarray(n, np.float64)
+    out = {}
+    for split, part in (("valid", slice(0, self.eval_split)),
+                        ("test", slice(self.eval_split, None))):
+      loss = float(ce[part].sum() / max(n[part].sum(), 1.0))
+      out[f"{split}_loss"] = loss
+      out["perplexity" if split == "test" else f"{split}_perplexity"] = perplexity(loss)
+    return out
+
   def run_epoch(self, progress=None) -> dict:
     cfg, ds = self.cfg, self.ds
     t0 = time.perf_counter()
     rng = np.random.default_rng([cfg.seed, self.epoch])
-    perm = rng.permutation(len(ds.x_train))
-    steps = len(perm) // cfg.batch_size
+    if self.lm:  # one window of every stream per step, the windows in a random order
+      perm = rng.permutation(len(self.train_windows[0]))
+      steps = len(perm)
+    else:
+      perm = rng.permutation(len(ds.x_train))
+      steps = len(perm) // cfg.batch_size
     if steps == 0:
       raise ValueError(f"--batch-size {cfg.batch_size} exceeds the training set ({len(perm)})")
     if cfg.max_steps_per_epoch:
       steps = min(steps, cfg.max_steps_per_epoch)
     losses, nonfinite, wire = [], 0, 0
     for s in range(steps):
-      idx = perm[s * cfg.batch_size:(s + 1) * cfg.batch_size]
+      if self.lm:
+        xb, yb = self.train_windows[0][perm[s]], self.train_windows[1][perm[s]]
+      else:
+        idx = perm[s * cfg.batch_size:(s + 1) * cfg.batch_size]
+        xb, yb = ds.x_train[idx], ds.y_train[idx]
       key = jax.random.fold_in(self.step_key, self.step)
       stage = self._stage(self.step)
       if stage not in self._train_steps:
@@ -747,18 +1032,18 @@ class Trainer:
       with _device_memory(cfg, f"running step {self.step + 1}"):
         (self.params, self.batch_stats, self.opt_state, self.comp_state, loss,
          finite) = self._train_steps[stage](self.params, self.batch_stats, self.opt_state,
-                                           self.comp_state, jnp.asarray(ds.x_train[idx]),
-                                           jnp.asarray(ds.y_train[idx]), key)
+                                           self.comp_state, jnp.asarray(xb),
+                                           jnp.asarray(yb), key)
         losses.append(float(loss))
       nonfinite += int(not bool(finite))
       self.step += 1
       if progress:
         progress(s + 1, steps, losses[-1])
     with _device_memory(cfg, "evaluating"):
-      acc = self.evaluate()
+      scores = self.evaluate_text() if self.lm else {"test_accuracy": self.evaluate()}
     self.epoch += 1
     mem = {} if self._shard is None else self._shard.memory()
-    return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), "test_accuracy": acc,
+    return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), **scores,
             "wire_bytes": int(wire), "steps": steps,
             "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0} | mem
 
@@ -825,6 +1110,14 @@ class Trainer:
     return list(ck["history"]), int(ck["version"])
 
 
+def perplexity(loss: float) -> float:
+  """``exp(loss)`` of a mean token cross-entropy in nats (inf past float range, NaN for a
+  NaN loss)."""
+  if math.isnan(loss):
+    return float("nan")
+  return math.exp(loss) if loss < 700 else float("inf")
+
+
 def _progress_printer(epoch, epochs, stream):
   if not stream.isatty():
     return None
@@ -865,9 +1158,11 @@ def train(cfg: TrainConfig, stream=None) -> list[dict]:
     stream: where progress goes unless ``cfg.quiet`` (default ``sys.stdout``).
 
   Returns:
-    One dict per epoch: ``epoch``, ``train_loss``, ``test_accuracy``, ``wire_bytes``,
-    ``steps``, ``nonfinite_steps`` (steps whose loss or gradient had a NaN/inf),
-    ``seconds`` (the lines of ``metrics.jsonl``).
+    One dict per epoch: ``epoch``, ``train_loss``, ``test_accuracy`` (classifiers) or
+    ``valid_loss``, ``valid_perplexity``, ``test_loss``, ``perplexity`` (language models:
+    mean token cross-entropy in nats and its ``exp``; ``perplexity`` is the test text's;
+    BERT: of the masked tokens), ``wire_bytes``, ``steps``, ``nonfinite_steps`` (steps whose
+    loss or gradient had a NaN/inf), ``seconds`` (the lines of ``metrics.jsonl``).
 
   Raises:
     ValueError: an invalid configuration (the message names the flag), one that cannot fit
@@ -964,8 +1259,12 @@ class _Run:
     if cfg.quiet:
       return
     fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or cfg.grad_wire or "fp32")
-    stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({len(trainer.ds.x_train)} train / "
-                 f"{len(trainer.ds.x_test)} test), {cfg.nodes} worker(s) on {trainer.ndev} "
+    if trainer.lm:
+      sizes = f"{trainer.ds.name}, {trainer.ds.sizes()}, windows of {cfg.seq_len}"
+    else:
+      sizes = f"{len(trainer.ds.x_train)} train / {len(trainer.ds.x_test)} test"
+    stream.write(f"jaxlp train: {cfg.model} on {cfg.data} ({sizes}), {cfg.nodes} worker(s) on "
+                 f"{trainer.ndev} "
                  f"device(s), gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
@@ -983,9 +1282,10 @@ class _Run:
       m = trainer.run_epoch(prog)
       history.append(m)
       if not cfg.quiet:
+        score = (f"valid ppl {m['valid_perplexity']:.3f}  test ppl {m['perplexity']:.3f}"
+                 if trainer.lm else f"test acc {m['test_accuracy']:.4f}")
         stream.write(f"epoch {m['epoch']:>3}/{cfg.epochs}  loss {m['train_loss']:.4f}  "
-                     f"test acc {m['test_accuracy']:.4f}  wire {m['wire_bytes'] / 1e6:.2f} MB  "
-                     f"{m['seconds']:.1f}s\n")
+                     f"{score}  wire {m['wire_bytes'] / 1e6:.2f} MB  {m['seconds']:.1f}s\n")
         stream.flush()
       if ckpt is not None:
         # metrics first: a crash before the checkpoint leaves one extra line, dropped on resume

@@ -1,19 +1,29 @@
-"""Flax linen models for the ``jaxlp`` command: MLP, small CNN, ResNet-18 (CIFAR), VGG-19."""
+"""Flax linen models for the ``jaxlp`` command: MLP, small CNN, ResNet-9/18 (CIFAR), VGG-19,
+and the language models of :mod:`jaxlp.flax.models` (LSTM, GPT-style transformer, BERT)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19")
+LM_MODELS = ("lstm", "transformer", "bert")
+MODELS = ("mlp", "cnn", "resnet9", "resnet18", "vgg19") + LM_MODELS
 
 
 def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated=None,
-          width: int | None = None, portable: bool = False) -> Any:
+          width: int | None = None, portable: bool = False, layers: int | None = None,
+          dropout: float | None = None, seq_len: int | None = None) -> Any:
   """A built-in model (exported as ``jaxlp.training.build_model``).
 
+  The language models (``LM_MODELS``) are :class:`jaxlp.flax.models.LSTMLM`,
+  :class:`~jaxlp.flax.models.TransformerLM` (4 heads, tied logits) and
+  :class:`~jaxlp.flax.models.BertMLM` (4 heads) of width ``8 * width``; quantize them with
+  :func:`jaxlp.flax.quantize_model` (it reaches their attention and recurrent matmuls),
+  not with ``dot_general``.
+
   Args:
-    name: one of ``MODELS`` (``"mlp"``, ``"cnn"``, ``"resnet9"``, ``"resnet18"``, ``"vgg19"``).
-    num_classes: outputs of the last layer.
+    name: one of ``MODELS`` (``"mlp"``, ``"cnn"``, ``"resnet9"``, ``"resnet18"``, ``"vgg19"``,
+      ``"lstm"``, ``"transformer"``, ``"bert"``).
+    num_classes: outputs of the last layer (the language models: the vocabulary size).
     dot_general, conv_general_dilated: passed to every Dense / Conv (e.g.
       ``jaxlp.dot_general(policy)``); None: the Flax defaults.
     width: the model's width: MLP hidden units ``8 * width``, CNN channels ``2 * width`` and
@@ -22,18 +32,26 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
     portable: bias adds, their gradients and the CNN's spatial mean in portable arithmetic
       (the same bits on every backend; ``jaxlp.training._portable``). The parameters (names,
       shapes, init) are those of the default. Only the MLP and the CNN have this mode.
+    layers: the language models' LSTM layers / transformer blocks (None: 2).
+    dropout: the language models' dropout rate (None: 0.1).
+    seq_len: the transformers' longest sequence (position embeddings; None: 64).
 
   Returns:
     A ``flax.linen.Module``.
 
   Raises:
-    ValueError: an unknown name, or ``width`` < 1.
+    ValueError: an unknown name, or ``width`` < 1; ``dot_general`` /
+      ``conv_general_dilated`` / ``portable`` for a language model, or ``layers`` /
+      ``dropout`` / ``seq_len`` for a classifier.
     TypeError: ``width`` or ``num_classes`` is not an int.
 
   Example:
     >>> from jaxlp.training import build_model
     >>> type(build_model("mlp", 10)).__name__
     'MLP'
+    >>> lm = build_model("transformer", 257, width=4)
+    >>> type(lm).__name__, lm.features, lm.num_heads, lm.max_len
+    ('TransformerLM', 32, 4, 64)
   """
   import flax.linen as nn
   import jax.numpy as jnp
@@ -50,6 +68,14 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
   if portable and name not in ("mlp", "cnn"):
     raise ValueError(f"build_model: portable=True is implemented for the mlp and the cnn, not "
                      f"{name!r}")
+  if name in LM_MODELS:
+    return _language_model(name, num_classes, width=16 if width is None else width,
+                           layers=layers, dropout=dropout, seq_len=seq_len,
+                           plain=dot_general is None and conv_general_dilated is None
+                           and not portable)
+  for arg, v in (("layers", layers), ("dropout", dropout), ("seq_len", seq_len)):
+    if v is not None:
+      raise ValueError(f"build_model: {arg} applies only to the language models {LM_MODELS}")
   if width is None:
     width = 16 if name in ("mlp", "cnn") else 64
   dkw = {} if dot_general is None else {"dot_general": dot_general}
@@ -178,3 +204,23 @@ def build(name: str, num_classes: int, *, dot_general=None, conv_general_dilated
   if name not in table:
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
   return table[name]()
+
+
+def _language_model(name, vocab_size, *, width, layers, dropout, seq_len, plain):
+  from jaxlp.flax import models as LM
+
+  if not plain:
+    raise ValueError(f"build_model: --model {name} is quantized with "
+                     "jaxlp.flax.quantize_model (which reaches its attention and recurrent "
+                     "matmuls), not with dot_general / conv_general_dilated / portable")
+  layers = 2 if layers is None else layers
+  dropout = 0.1 if dropout is None else dropout
+  seq_len = 64 if seq_len is None else seq_len
+  features = 8 * width
+  if name == "lstm":
+    return LM.LSTMLM(vocab_size, features=features, num_layers=layers, dropout=dropout)
+  kw = dict(features=features, num_heads=4, num_layers=layers, max_len=seq_len,
+            dropout=dropout)
+  if name == "transformer":
+    return LM.TransformerLM(vocab_size, **kw)
+  return LM.BertMLM(vocab_size, **kw)

@@ -9,8 +9,9 @@ import os
 def read_metrics(run_dir: str) -> list[dict]:
   r"""The per-epoch metrics of a run folder (its ``metrics.jsonl``).
 
-  Every line must be a JSON object with a numeric ``epoch`` and ``test_accuracy`` (and, where
-  present, a numeric ``wire_bytes``); a last line without its newline that does not parse is
+  Every line must be a JSON object with a numeric ``epoch`` and a numeric ``test_accuracy``
+  (classifiers) or ``perplexity`` (language models), and, where present, a numeric
+  ``wire_bytes``; a last line without its newline that does not parse is
   skipped (a run is writing it, or a crash tore it: ``--resume`` repairs it).
 
   Args:
@@ -47,25 +48,29 @@ def read_metrics(run_dir: str) -> list[dict]:
       raise ValueError(f"{path}: line {i} is not valid JSON; the metrics file is damaged") from None
     if not isinstance(h, dict):
       raise ValueError(f"{path}: line {i} is not a JSON object of metrics")
-    for key, need in (("epoch", True), ("test_accuracy", True), ("wire_bytes", False)):
+    score = "perplexity" if "perplexity" in h else "test_accuracy"
+    for key, need in (("epoch", True), (score, True), ("wire_bytes", False)):
       v = h.get(key)
       if (v is None and need) or (v is not None and (isinstance(v, bool)
                                                     or not isinstance(v, (int, float)))):
-        raise ValueError(f"{path}: line {i} has no numeric {key!r}")
+        what = ("'test_accuracy' (or 'perplexity')" if key == "test_accuracy" else repr(key))
+        raise ValueError(f"{path}: line {i} has no numeric {what}")
     out.append(h)
   return out
 
 
 def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:
-  r"""Write ``accuracy_vs_epoch.png`` and ``accuracy_vs_wire_bytes.png``; return their paths.
+  r"""Write ``accuracy_vs_epoch.png`` and ``accuracy_vs_wire_bytes.png`` (classifier runs)
+  and/or ``perplexity_vs_epoch.png`` and ``perplexity_vs_wire_bytes.png`` (language-model
+  runs: test perplexity, log scale); return their paths.
 
   Args:
     dirs: run folders (each with a ``metrics.jsonl``).
-    out_dir: where the two PNG files go.
+    out_dir: where the PNG files go.
     labels: a legend label per run (default: the folder names).
 
   Returns:
-    The paths of the two files.
+    The paths of the files written (two per kind of run present).
 
   Example:
     >>> import json, os, tempfile
@@ -86,15 +91,30 @@ def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:
   labels = labels or [os.path.basename(os.path.normpath(d)) for d in dirs]
   runs = [(lab, read_metrics(d)) for lab, d in zip(labels, dirs)]
   os.makedirs(out_dir, exist_ok=True)
+  lm = lambda hist: bool(hist) and "perplexity" in hist[-1]
+  kinds = []
+  if not runs or not all(lm(h) for _, h in runs):
+    kinds.append(("accuracy", "test_accuracy", "test accuracy",
+                  [(lab, h) for lab, h in runs if not lm(h)]))
+  if any(lm(h) for _, h in runs):
+    kinds.append(("perplexity", "perplexity", "test perplexity (log scale)",
+                  [(lab, h) for lab, h in runs if lm(h)]))
   paths = []
-  for xkey, fname, xlabel in (("epoch", "accuracy_vs_epoch.png", "epoch"),
-                              ("wire", "accuracy_vs_wire_bytes.png",
+  for kind, key, ylabel, group in kinds:
+    paths += _plot_kind(plt, group, out_dir, kind, key, ylabel)
+  return paths
+
+
+def _plot_kind(plt, runs, out_dir, kind, key, ylabel):
+  paths = []
+  for xkey, fname, xlabel in (("epoch", f"{kind}_vs_epoch.png", "epoch"),
+                              ("wire", f"{kind}_vs_wire_bytes.png",
                                "cumulative bytes sent per worker (MB)")):
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for lab, hist in runs:
       if not hist:
         continue
-      ys = [h["test_accuracy"] for h in hist]
+      ys = [h[key] for h in hist]
       if xkey == "epoch":
         xs = [h["epoch"] for h in hist]
       else:
@@ -104,8 +124,11 @@ def plot_runs(dirs, out_dir: str, labels=None) -> list[str]:
           xs.append(acc / 1e6)
       ax.plot(xs, ys, marker="o", ms=3, label=lab)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(ylabel)
+    if kind == "accuracy":
+      ax.set_ylim(0, 1)
+    else:
+      ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""``jaxlp reproduce``: each replaced system's headline accuracy claim, one command each.
+"""``jaxlp reproduce``: each replaced system's headline accuracy (or perplexity) claim, one
+command each.
 
 A :class:`Claim` names the system, quotes its claim (with the source), and lists one or more
 :class:`Setting` groups: a base configuration (model, workers, epochs, ...), its fp32
@@ -9,6 +10,16 @@ each seed, their mean, the mean difference to the fp32 baseline of the same sett
 bytes, and a verdict: the claim *holds* for a row when its mean final accuracy is at most
 ``margin`` points below the fp32 mean (being better is fine); otherwise it *does not hold*,
 with the difference. A claim that does not hold at this scale is a finding, reported as such.
+
+Language-model claims (``metric="perplexity"``: ``hbfp-lstm``, ``hbfp-bert``) report the
+final test perplexity (BERT: of the masked tokens) instead, and a row holds when it is on
+average at most ``margin`` percent above fp32's, compared seed by seed (lower is better):
+the difference is the mean over seeds of ``100 * (ppl_row / ppl_fp32 - 1)``, since the runs
+of one seed share their initial weights, dropout masks and batch order; fp32's own
+seed-to-seed spread at this small scale (about 5% for the LSTM) would hide a 2% effect in a
+difference of means. They train on the
+built-in text (the standard library's ``pydoc_data`` topics, byte level; see
+:mod:`jaxlp.training._text`).
 
 The built-in settings use the scikit-learn digits (1437 train / 360 test images) and finish in
 minutes on a 2-core CPU. ``data_dir`` switches every setting to its full-scale version
@@ -33,6 +44,7 @@ import os
 import sys
 from typing import Any
 
+from jaxlp.training._gap import add_gap, final_loss, gap_table, plot_gap
 from jaxlp.training._loop import TrainConfig, train
 from jaxlp.training._runs import RunLock, continue_or_replace
 
@@ -66,17 +78,23 @@ class Setting:
     base: :class:`~jaxlp.training.TrainConfig` fields shared by every row (built-in data).
     rows: the compared rows (the fp32 baseline is added first, as row ``fp32``).
     full: fields that replace ``base`` for the full-scale version (``data_dir`` given).
+    gap: ``(reference, start)`` row labels: the report adds a table of every row's final
+      training loss and the part of the loss gap from ``start`` to ``reference`` it closes
+      (``jaxlp/training/_gap.py``), and its plots; None: no such table.
 
   Example:
     >>> from jaxlp.training import CLAIMS
     >>> CLAIMS["cgx"].settings[0].base["model"]
     'cnn'
+    >>> CLAIMS["nvfp4"].settings[0].gap
+    ('bf16', 'NVFP4')
   """
 
   name: str
   base: dict
   rows: tuple
   full: dict = dataclasses.field(default_factory=dict)
+  gap: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +106,16 @@ class Claim:
     system: the system (and paper) the claim comes from.
     statement: the claim, as its source states it.
     settings: the :class:`Setting` groups.
-    margin: accuracy points a claim row may lose against fp32 and still hold.
+    margin: accuracy points a claim row may lose against fp32 and still hold
+      (``metric="accuracy"``), or percent by which its test perplexity may exceed fp32's,
+      on average over the seeds, seed by seed (``metric="perplexity"``).
+    metric: ``"accuracy"`` (final test accuracy; classifiers) or ``"perplexity"`` (final
+      test perplexity; language models).
 
   Example:
     >>> from jaxlp.training import CLAIMS
-    >>> CLAIMS["hbfp"].margin
-    1.0
+    >>> CLAIMS["hbfp"].margin, CLAIMS["hbfp-lstm"].metric, CLAIMS["hbfp-lstm"].margin
+    (1.0, 'perplexity', 2.0)
   """
 
   name: str
@@ -101,6 +123,7 @@ class Claim:
   statement: str
   settings: tuple
   margin: float = 1.0
+  metric: str = "accuracy"
 
 
 # Built-in settings: digits, 8 workers, batch 128 (16 per worker), SGD with momentum 0.9.
@@ -113,6 +136,46 @@ _CIFAR = {"data": "cifar10", "model": "resnet18", "nodes": 8, "epochs": 30, "bat
 _DAVIDNET = {"data": "cifar10", "model": "resnet9", "nodes": 8, "epochs": 24, "batch_size": 512,
              "lr": 0.4, "schedule": "triangle", "warmup_epochs": 5, "weight_decay": 5e-4}
 _VGG19 = dict(_CIFAR, model="vgg19")
+# The language models on the built-in text (bytes; 419,575 training bytes on Python 3.11.7),
+# sized to train in minutes per run on the 2-core CPU: windows of 64 bytes, 32 rows, Adam 2e-3,
+# 3 epochs of 204 steps, one worker (HBFPEmulator's LSTM and Megatron-LM's BERT
+# runs are single-node); the LSTM 2 layers of 128, BERT 2 blocks of width 64 (4 heads). Full
+# scale (--data-dir: Penn Treebank / WikiText-2 words; not run here): AWD-LSTM's 3 layers,
+# BPTT 70, batch 20 (its hidden layers of 1150 are 400 here, the embedding size), and a
+# 4-layer BERT of width 256 on windows of 128.
+_LSTM = {"model": "lstm", "nodes": 1, "epochs": 3, "width": 16, "layers": 2, "seq_len": 64,
+         "batch_size": 32}
+_BERT = {"model": "bert", "nodes": 1, "epochs": 3, "width": 8, "layers": 2, "seq_len": 64,
+         "batch_size": 32}
+_LSTM_FULL = {"model": "lstm", "nodes": 1, "epochs": 50, "width": 50, "layers": 3,
+              "seq_len": 70, "batch_size": 20, "dropout": 0.4}
+_BERT_FULL = {"model": "bert", "nodes": 8, "epochs": 20, "width": 32, "layers": 4,
+              "seq_len": 128, "batch_size": 64}
+# HBFPEmulator's LSTM scripts (lstm/scripts/run_bfp8.sh): --mant_bits 8 --bfp_tile_size 24
+# --weight_mant_bits 16; the other 8-bit formats of jaxlp for comparison
+# The NVFP4 recipe (arXiv:2509.25149) piece by piece, on the CNN with one worker (the recipe
+# is about the GEMMs, not the reduction): NVFP4 with no piece of the recipe, each piece alone
+# on top of it, the whole recipe; MXFP4, and MXFP8 with OCP's floor scales vs rounded-up ones
+_NVFP4_CNN = {"model": "cnn", "nodes": 1, "epochs": 30}
+_NVFP4_ROWS = (
+    Row("bf16", {"policy": "bf16"}, claim=False),
+    Row("NVFP4", {"policy": "nvfp4"}, claim=False),
+    Row("+ 2-D weight tiles", {"policy": "nvfp4+tiles"}, claim=False),
+    Row("+ SR of gradients", {"policy": "nvfp4+sr"}, claim=False),
+    Row("+ RHT on Wgrad", {"policy": "nvfp4+rht"}, claim=False),
+    Row("+ BF16 first/last", {"policy": "nvfp4+ends"}, claim=False),
+    Row("NVFP4 recipe", {"policy": "nvfp4-recipe"}),
+    Row("MXFP4", {"policy": "mxfp4"}, claim=False),
+    Row("MXFP8 (floor)", {"policy": "mxfp8"}, claim=False),
+    Row("MXFP8 (rceil)", {"policy": "mxfp8-rceil"}),
+)
+
+_LM_ROWS = (
+    Row("HBFP8 + 16-bit weights", {"hbfp": 8, "tile": 24, "weight_man": 16}),
+    Row("MXFP8", {"policy": "mxfp8"}),
+    Row("E4M3", {"policy": "e4m3"}),
+    Row("E5M2", {"policy": "e5m2"}),
+)
 
 CLAIMS: dict[str, Claim] = {c.name: c for c in (
     Claim(
@@ -189,7 +252,44 @@ CLAIMS: dict[str, Claim] = {c.name: c for c in (
             Row("fp16", {"compress": "cast:fmt=fp16"}),
             Row("PowerSGD r2", {"compress": "powersgd:rank=2"}),
         ), full={"data": "mnist", "model": "cnn", "nodes": 8, "epochs": 10}),)),
+    Claim(
+        "hbfp-lstm", "HBFPEmulator (Drumond et al., NeurIPS 2018): its LSTM language model "
+        "(lstm/, adapted from AWD-LSTM; Penn Treebank)",
+        "An LSTM language model trained with HBFP8 (every dot product in block floating point "
+        "with 24x24 tiles and 8-bit mantissas, 16-bit wide weight storage, other operations "
+        "in fp32) reaches the perplexity of fp32 training. MXFP8, E4M3 (E5M2 gradients) and "
+        "E5M2 on every matmul are judged by the same margin.",
+        (Setting("LSTM LM, 2 layers of 128, byte level, windows of 64, every matmul (gates, "
+                 "tied decoder) quantized", _LSTM, _LM_ROWS, full=_LSTM_FULL),),
+        margin=2.0, metric="perplexity"),
+    Claim(
+        "hbfp-bert", "HBFPEmulator (Drumond et al., NeurIPS 2018): BERT through its "
+        "Megatron-LM fork (Megatron-LM_HBFP)",
+        "A BERT masked language model trained with HBFP8 (24x24 tiles, 8-bit mantissas, "
+        "16-bit wide weights, as the LSTM scripts) reaches the masked-LM loss of fp32 "
+        "training. MXFP8, E4M3 (E5M2 gradients) and E5M2 on every matmul are judged by the "
+        "same margin.",
+        (Setting("BERT MLM, 2 layers of 64, 4 heads, byte level, windows of 64, 80/10/10 "
+                 "masking of 15%, every matmul (projections, attention q.k and p.v, MLP, tied "
+                 "MLM logits) quantized", _BERT, _LM_ROWS, full=_BERT_FULL),),
+        margin=2.0, metric="perplexity"),
+    Claim(
+        "nvfp4", "NVIDIA's NVFP4 pretraining recipe (arXiv:2509.25149); the MXFP8 recipe "
+        "(Mishra et al., arXiv:2506.08027)",
+        "Trained with NVFP4 on the GEMMs of its linear layers and the recipe (16x16 2-D "
+        "weight scaling, stochastic rounding of gradients, 16x16 random Hadamard transforms "
+        "on the weight-gradient inputs, a few layers kept in BF16), a 12B model reaches "
+        "training loss and downstream accuracy comparable to FP8 training over 10T tokens; "
+        "the paper's ablations show a higher loss without each piece. MXFP8 (E4M3 on every "
+        "tensor) with scales rounded up (RCEIL) matches BF16.",
+        (Setting("CNN, 1 worker, batch 128, every GEMM (forward, dlhs, weight gradient) of "
+                 "every conv/dense layer quantized; '+' rows add one piece of the recipe to "
+                 "plain NVFP4", _NVFP4_CNN, _NVFP4_ROWS, gap=("bf16", "NVFP4")),)),
 )}
+
+
+
+METRICS = ("accuracy", "perplexity")
 
 
 def _run_dir(out, claim, setting_index, label, seed):
@@ -198,11 +298,21 @@ def _run_dir(out, claim, setting_index, label, seed):
 
 
 def _config(base: dict, flags: dict, seed: int, out: str, *, data_dir, toy: bool,
-            overwrite: bool) -> TrainConfig:
+            overwrite: bool, epochs: int | None = None,
+            max_steps: int | None = None) -> TrainConfig:
+  from jaxlp.training._models import LM_MODELS
+
   fields = dict(base) | dict(flags) | {"seed": seed, "out": out, "quiet": True}
   if data_dir is not None:
     fields["data_dir"] = data_dir
-  if toy:  # the whole pipeline, smallest: a narrow MLP, 2 workers, one epoch of two steps
+  if epochs is not None:  # a reduced run: fewer epochs (a warm-up no longer than the run)
+    fields |= {"epochs": epochs, "warmup_epochs": min(fields.get("warmup_epochs", 0), epochs)}
+  if max_steps is not None:
+    fields["max_steps_per_epoch"] = max_steps
+  if toy and fields.get("model") in LM_MODELS:  # the same language model, smallest
+    fields |= {"width": 1, "layers": 1, "seq_len": 8, "epochs": 1, "max_steps_per_epoch": 2,
+               "nodes": 2, "batch_size": 4}
+  elif toy:  # the whole pipeline, smallest: a narrow MLP, 2 workers, one epoch of two steps
     fields |= {"model": "mlp", "width": 2, "epochs": 1, "max_steps_per_epoch": 2, "nodes": 2,
                "batch_size": 16, "warmup_epochs": min(fields.get("warmup_epochs", 0), 1)}
   return continue_or_replace(TrainConfig(**fields), overwrite)
@@ -216,7 +326,8 @@ def _stats(xs):
 
 def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
               data_dir: str | None = None, toy: bool = False, overwrite: bool = False,
-              plots: bool = True, stream=None) -> dict[str, Any]:
+              plots: bool = True, stream=None, epochs: int | None = None,
+              max_steps: int | None = None) -> dict[str, Any]:
   """Train every row of claim ``name`` for every seed and judge the claim.
 
   Finished runs in ``out`` are reused (resumed: a run with the same configuration continues to
@@ -226,29 +337,41 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
   every run folder by its run (:func:`jaxlp.training.train`).
 
   Args:
-    name: a key of :data:`CLAIMS` (``cpd``, ``aps``, ``hbfp``, ``cgx``, ``hipress``, ``ddp``),
-      or a :class:`Claim` of your own.
+    name: a key of :data:`CLAIMS` (``cpd``, ``aps``, ``hbfp``, ``cgx``, ``hipress``, ``ddp``,
+      ``hbfp-lstm``, ``hbfp-bert``, ``nvfp4``), or a :class:`Claim` of your own.
     seeds: the seeds each row is trained with.
     out: the folder for the run folders, ``summary.json``, ``REPORT.md`` and the plots (in
       ``out/name``).
-    data_dir: CIFAR-10/MNIST folder: run the full-scale settings instead of the built-in ones.
-    toy: a narrow MLP, 2 workers, one epoch of two steps per run (a smoke test of the whole
-      pipeline; no verdicts).
+    data_dir: CIFAR-10/MNIST folder (Penn Treebank / WikiText-2 text files for the language
+      models): run the full-scale settings instead of the built-in ones.
+    toy: a narrow MLP (the language-model claims: their model at width 1, one layer, windows
+      of 8), 2 workers, one epoch of two steps per run (a smoke test of the whole pipeline; no
+      verdicts).
     overwrite: replace run folders whose configuration differs (runs of the same
       configuration are still reused).
-    plots: write ``accuracy_vs_epoch.png`` / ``accuracy_vs_wire_bytes.png`` per setting
-      (seed 0 of every row; needs matplotlib).
+    plots: write ``accuracy_vs_epoch.png`` / ``accuracy_vs_wire_bytes.png`` (language
+      models: ``perplexity_vs_...``) per setting (seed 0 of every row; needs matplotlib).
     stream: where the progress and the report go (default ``sys.stdout``).
+    epochs, max_steps: a reduced run, for a machine too slow for the settings' size: every
+      run trains ``epochs`` epochs (None: the setting's) of at most ``max_steps`` steps
+      (None: all). The verdicts are those of the reduced runs; the setting's name in the
+      report says so, and the summary records both under ``reduced``.
 
   Returns:
-    The summary (also written to ``out/name/summary.json``): the claim, its statement and
-    margin, and per setting the rows with ``label``, ``flags``, ``claim``, ``seeds``,
-    ``final_test_accuracy`` (one per seed), ``mean``, ``sd``, ``delta_points`` (mean minus the
-    fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire bytes) and
-    ``verdict``.
+    The summary (also written to ``out/name/summary.json``): the claim, its statement,
+    ``metric`` and margin, and per setting the rows with ``label``, ``flags``, ``claim``,
+    ``seeds``, ``final_test_accuracy`` (one per seed), ``mean``, ``sd``, ``delta_points``
+    (mean minus the fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire
+    bytes) and ``verdict``. Perplexity claims have ``final_perplexity`` and
+    ``delta_percent`` (the mean over seeds of 100 * (ppl / fp32's ppl of the seed - 1))
+    instead. Every row also has ``final_train_loss`` (the mean training loss of the last 5
+    epochs, one per seed); in a setting with a ``gap``, also ``final_loss_mean``,
+    ``final_loss_sd``, ``delta_loss``, ``delta_loss_se`` and ``gap_closed``
+    (``jaxlp/training/_gap.py``).
 
   Raises:
-    ValueError: an unknown ``name``; no seeds; ``out/name`` in use by another reproduce; or
+    ValueError: an unknown ``name``; no seeds; ``epochs`` or ``max_steps`` below 1 or with
+      ``toy``; ``out/name`` in use by another reproduce; or
       an error of :func:`jaxlp.training.train` (a run folder with another configuration,
       without ``overwrite``; a damaged checkpoint).
     KeyboardInterrupt: Ctrl-C (``jaxlp.training._runs.Interrupted`` naming the run folder);
@@ -278,62 +401,97 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
   if not seeds:
     raise ValueError("jaxlp reproduce: give at least one seed")
   stream = stream or sys.stdout
+  for arg, v in (("epochs", epochs), ("max_steps", max_steps)):
+    if v is None:
+      continue
+    flag = f"{arg} (--{arg.replace('_', '-')})"
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"jaxlp reproduce: {flag} must be an int >= 1, got {v!r}")
+    if toy:
+      raise ValueError(f"jaxlp reproduce: {flag} and toy (--toy) both set the size of the "
+                       "runs; choose one")
+  if claim.metric not in METRICS:
+    raise ValueError(f"jaxlp reproduce: Claim.metric must be one of {METRICS}, got "
+                     f"{claim.metric!r}")
+  margin_key = "margin_points" if claim.metric == "accuracy" else "margin_percent"
   summary: dict[str, Any] = {"claim": name, "system": claim.system,
-                             "statement": claim.statement, "margin_points": claim.margin,
+                             "statement": claim.statement, "metric": claim.metric,
+                             margin_key: claim.margin,
                              "seeds": list(seeds), "toy": toy, "data_dir": data_dir,
+                             "reduced": ({"epochs": epochs, "max_steps_per_epoch": max_steps}
+                                         if epochs or max_steps else None),
                              "settings": []}
   with RunLock(os.path.join(out, name)):  # one reproduce of a claim per output folder
     return _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary)
 
 
+def _reduced_label(reduced, base) -> str:
+  """`` [reduced: E epochs of at most N steps]`` (empty for a full-size run)."""
+  if not reduced:
+    return ""
+  e = reduced["epochs"] or base.get("epochs", 10)
+  n = reduced["max_steps_per_epoch"]
+  return f" [reduced: {e} epoch{'s' if e != 1 else ''}" + \
+      (f" of at most {n} steps]" if n else "]")
+
+
 def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary):
   name = claim.name
+  reduced = summary["reduced"] or {}
   stream.write(f"jaxlp reproduce {name}: {claim.system}\n  claim: {claim.statement}\n")
   for si, setting in enumerate(claim.settings):
     base = dict(setting.full) if data_dir is not None else dict(setting.base)
     rows = (Row("fp32", {}, claim=False),) + tuple(setting.rows)
+    from jaxlp.training._models import LM_MODELS
+
+    toy_what = ("the same model at width 1, 1 layer, windows of 8" if base.get("model") in
+                LM_MODELS else "MLP of width 2")
     label = setting.name + (" (full scale)" if data_dir is not None else "") + \
-        (" [toy size: MLP of width 2, 2 workers, 2 steps]" if toy else "")
+        (f" [toy size: {toy_what}, 2 workers, 2 steps]" if toy else "") + \
+        _reduced_label(summary["reduced"], base)
     stream.write(f"\n  setting {si + 1}: {label}\n")
+    ppl = claim.metric == "perplexity"
+    key = "perplexity" if ppl else "test_accuracy"
     results = []
     for row in rows:
-      accs, wires, dirs = [], [], []
+      accs, wires, dirs, losses = [], [], [], []
       for seed in seeds:
         d = _run_dir(out, name, si, row.label, seed)
-        cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite)
+        cfg = _config(base, row.flags, seed, d, data_dir=data_dir, toy=toy, overwrite=overwrite,
+                      epochs=reduced.get("epochs"), max_steps=reduced.get("max_steps_per_epoch"))
         hist = train(cfg)
-        accs.append(hist[-1]["test_accuracy"])
+        accs.append(hist[-1][key])
+        losses.append(final_loss(hist))
         wires.append(sum(h["wire_bytes"] for h in hist) / 1e6)
         dirs.append(d)
       mean, sd = _stats(accs)
       results.append({"label": row.label, "flags": row.flags, "claim": row.claim,
-                      "seeds": list(seeds), "final_test_accuracy": accs, "mean": mean, "sd": sd,
-                      "wire_mb": sum(wires) / len(wires), "dirs": dirs})
+                      "seeds": list(seeds), f"final_{key}": accs, "mean": mean, "sd": sd,
+                      "final_train_loss": losses, "wire_mb": sum(wires) / len(wires),
+                      "dirs": dirs})
       stream.write(f"    {row.label:<22} {' '.join(f'{a:.4f}' for a in accs)}  mean {mean:.4f}"
                    f"  wire {results[-1]['wire_mb']:.1f} MB\n")
       stream.flush()
-    fp32 = results[0]["mean"]
-    for r in results:
-      r["delta_points"] = 100.0 * (r["mean"] - fp32)
-      if r["label"] == "fp32":
-        r["verdict"] = "baseline"
-      elif toy:
-        r["verdict"] = "toy run: no verdict"
-      elif not r["claim"]:
-        r["verdict"] = "context (no claim)"
-      elif r["delta_points"] >= -claim.margin:
-        r["verdict"] = "holds"
-      else:
-        r["verdict"] = f"does not hold ({r['delta_points']:+.1f} points)"
+    _judge(results, claim, toy)
     summary["settings"].append({"name": label, "base": base, "rows": results})
+    if setting.gap is not None:
+      add_gap(results, *setting.gap)
+      summary["settings"][-1]["gap"] = list(setting.gap)
   folder = os.path.join(out, name)
   os.makedirs(folder, exist_ok=True)
   table = report_table(summary)
+  for si, s in enumerate(summary["settings"]):
+    if s.get("gap"):
+      table += f"\nSetting {si + 1}, final training loss:\n\n" + gap_table(s, *s["gap"])
   stream.write("\n" + table)
   with open(os.path.join(folder, "REPORT.md"), "w") as f:
+    what = (f"{claim.margin}% above fp32 (final test perplexity against fp32's of the same "
+            "seed, averaged" if claim.metric == "perplexity" else
+            f"{claim.margin} points below fp32 (mean final test accuracy")
+    size = ("Reduced runs (the settings' size did not fit the machine): the verdicts are "
+            "those of runs shorter than the settings'.\n\n" if reduced else "")
     f.write(f"# jaxlp reproduce {name}\n\n{claim.system}\n\nClaim: {claim.statement}\n\n"
-            f"Margin: {claim.margin} points below fp32 (mean final test accuracy over seeds "
-            f"{', '.join(map(str, seeds))}).\n\n{table}")
+            f"Margin: {what} over seeds {', '.join(map(str, seeds))}).\n\n{size}{table}")
   with open(os.path.join(folder, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   if plots:
@@ -342,15 +500,43 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
     for si, s in enumerate(summary["settings"]):
       paths = plot_runs([r["dirs"][0] for r in s["rows"]], os.path.join(folder, f"s{si}"),
                         labels=[r["label"] for r in s["rows"]])
+      if s.get("gap"):
+        paths += plot_gap(s, os.path.join(folder, f"s{si}"), *s["gap"])
       stream.write(f"plots: {', '.join(paths)}\n")
   return summary
+
+
+def _judge(results: list[dict], claim: Claim, toy: bool) -> None:
+  """Set ``delta_points`` / ``delta_percent`` and ``verdict`` of every row of one setting
+  (``results[0]`` is the fp32 baseline)."""
+  fp32 = results[0]["mean"]
+  ppl = claim.metric == "perplexity"
+  for r in results:
+    if ppl:  # lower is better: a row may exceed fp32 by margin percent, seed by seed
+      pairs = list(zip(r["final_perplexity"], results[0]["final_perplexity"], strict=True))
+      r["delta_percent"] = sum(100.0 * (v / b - 1.0) for v, b in pairs) / len(pairs)
+      ok, diff = r["delta_percent"] <= claim.margin, f"{r['delta_percent']:+.1f}%"
+    else:
+      r["delta_points"] = 100.0 * (r["mean"] - fp32)
+      ok, diff = r["delta_points"] >= -claim.margin, f"{r['delta_points']:+.1f} points"
+    if r["label"] == "fp32":
+      r["verdict"] = "baseline"
+    elif toy:
+      r["verdict"] = "toy run: no verdict"
+    elif not r["claim"]:
+      r["verdict"] = "context (no claim)"
+    elif ok and math.isfinite(r["mean"]):
+      r["verdict"] = "holds"
+    else:
+      r["verdict"] = f"does not hold ({diff})"
 
 
 def report_table(summary: dict) -> str:
   """The reproduction table of a :func:`reproduce` summary, in Markdown.
 
   Columns: claim, setting, row, fp32 mean, the row's mean (per-seed values), difference in
-  points, wire MB and verdict.
+  points, wire MB and verdict; for a perplexity claim (``summary["metric"]``) the means are
+  test perplexities and the difference is in percent of fp32's.
 
   Args:
     summary: what :func:`reproduce` returned (or its ``summary.json``).
@@ -368,13 +554,21 @@ def report_table(summary: dict) -> str:
     >>> print(report_table(s).splitlines()[-1])
     | cgx | CNN | cgx4 | 0.9000 | 0.8950 (0.8950) | -0.5 | 1.5 | holds |
   """
-  lines = ["| claim | setting | row | fp32 | jaxlp (seeds) | diff (points) | wire MB | verdict |",
-           "|---|---|---|---|---|---|---|---|"]
+  ppl = summary.get("metric") == "perplexity"
+  if ppl:
+    lines = ["| claim | setting | row | fp32 ppl | jaxlp ppl (seeds) | diff (%) | wire MB | "
+             "verdict |"]
+  else:
+    lines = ["| claim | setting | row | fp32 | jaxlp (seeds) | diff (points) | wire MB | "
+             "verdict |"]
+  lines.append("|---|---|---|---|---|---|---|---|")
   for s in summary["settings"]:
     fp32 = s["rows"][0]["mean"]
     for r in s["rows"]:
-      per_seed = ", ".join(f"{a:.4f}" for a in r["final_test_accuracy"])
+      vals = r["final_perplexity"] if ppl else r["final_test_accuracy"]
+      per_seed = ", ".join(f"{a:.4f}" for a in vals)
+      diff = f"{r['delta_percent']:+.1f}" if ppl else f"{r['delta_points']:+.1f}"
       lines.append(f"| {summary['claim']} | {s['name']} | {r['label']} | {fp32:.4f} | "
-                   f"{r['mean']:.4f} ({per_seed}) | {r['delta_points']:+.1f} | "
+                   f"{r['mean']:.4f} ({per_seed}) | {diff} | "
                    f"{r['wire_mb']:.1f} | {r['verdict']} |")
   return "\n".join(lines) + "\n"

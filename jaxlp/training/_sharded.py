@@ -238,6 +238,12 @@ class ShardedRun:
       return params
     return self.tx.unstack_shards(self._to_slab_order(params))
 
+  def local_full_params(self, params):
+    """This process's copy of the full parameters of the trainer's ``params`` (fsdp: the
+    shards all-gathered, exactly)."""
+    full = self._gather(params) if self.level == "fsdp" else params
+    return jax.tree_util.tree_map(_local, full)
+
   def wire_bytes(self, comp) -> int:
     return int(self._wire_fn(comp))
 
@@ -256,8 +262,9 @@ class ShardedRun:
       def node_step(p, batch_stats, x, y, key, opt, cs):
         shards = p if fsdp else tx.shard(p)
         params = tx.gather(p) if fsdp else p
+        # the replicated run's key: its dropout / masking / rounding noise per worker
         (loss, new_bs), g = jax.value_and_grad(node_loss, has_aux=True)(params, batch_stats, x,
-                                                                        y)
+                                                                        y, key)
         if self.zero1:
           g, cs = t._reduce(g, key, cs, comp)
           sg, opt = tx.reduce(g, opt, reduced=True)
@@ -285,7 +292,7 @@ class ShardedRun:
       def train_step(p, batch_stats, opt_state, comp_state, x, y, key_data):
         key = jax.random.wrap_key_data(key_data, impl=self._key_impl)
         xs = x.reshape((W, x.shape[0] // W) + x.shape[1:])
-        ys = y.reshape((W, y.shape[0] // W))
+        ys = y.reshape((W, y.shape[0] // W) + y.shape[1:])
         cs = comp_state if comp_state is not None else jnp.zeros((W,), jnp.float32)
         out, loss, bs, opt, cs, ok = vstep(p, batch_stats, xs, ys, key, opt_state, cs)
         first = lambda tree: jax.tree_util.tree_map(lambda a: a[0], tree)  # noqa: E731
@@ -297,7 +304,7 @@ class ShardedRun:
 
       def run(p, batch_stats, opt_state, comp_state, x, y, key):
         kd = jax.random.key_data(key)
-        x, y, kd = (self._global(np.asarray(a)) for a in (x, y, kd))
+        x, y, kd = (self._global(a) for a in (x, y, kd))
         return jitted(p, batch_stats, opt_state, comp_state, x, y, kd)
 
       return run
@@ -306,11 +313,10 @@ class ShardedRun:
     t._train_steps = {}
     t._make_train_step = make_train_step
     predict = t._predict
-    gather = jax.jit(self.full_params, out_shardings=self._rep())
+    self._gather = jax.jit(self.full_params, out_shardings=self._rep())
 
     def predict_local(params, batch_stats, x):
-      full = gather(params) if fsdp else params
-      local = jax.tree_util.tree_map(_local, (full, batch_stats))
+      local = jax.tree_util.tree_map(_local, (self.local_full_params(params), batch_stats))
       return predict(*local, x)
 
     t._predict = predict_local
@@ -326,9 +332,10 @@ class ShardedRun:
 
   def _global(self, a):
     """A host value as an array replicated on the mesh (every process passes the same)."""
-    if self.mesh is None or jax.process_count() == 1:
-      return jnp.asarray(a)
-    return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()), a)
+    if self.mesh is None or jax.process_count() == 1 or isinstance(a, jax.core.Tracer):
+      return jnp.asarray(a)  # a tracer: Trainer._check_lm_step traces the step abstractly
+    return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P()),
+                                                  np.asarray(a))
 
   def place(self):
     """Put the state where the compiled step leaves it (stacked state split over the mesh)."""

@@ -23,7 +23,11 @@ BAD = {
     "--model": (["--model", "nope"], "--model"),
     "--data": (["--data", "nope"], "--data"),
     "--data-dir": (["--data-dir", "/nonexistent"], "--data-dir"),
+    "--tokens": (["--tokens", "chars"], "--tokens"),
     "--width": (["--width", "0"], "--width"),
+    "--seq-len": (["--seq-len", "0"], "--seq-len"),
+    "--layers": (["--layers", "65"], "--layers"),
+    "--dropout": (["--dropout", "1.0"], "--dropout"),
     "--nodes": (["--nodes", "0"], "--nodes"),
     "--devices": (["--devices", "-1"], "--devices"),
     "--grad-exp": (["--grad-exp", "4.5", "--grad-man", "3"], "--grad-exp"),
@@ -45,6 +49,7 @@ BAD = {
     "--weight-man": (["--weight-man", "16"], "--weight-man"),
     "--policy": (["--policy", "fp3"], "--policy"),
     "--exact-blocks": (["--exact-blocks", "--policy", "mxfp8"], "--exact-blocks"),
+    "--optimizer": (["--optimizer", "rmsprop"], "--optimizer"),
     "--epochs": (["--epochs", "0"], "--epochs"),
     "--batch-size": (["--batch-size", "0"], "--batch-size"),
     "--lr": (["--lr", "nan"], "--lr"),
@@ -86,6 +91,16 @@ MORE = [
     # a model that cannot fit: refused from its shapes before allocating (the issue's
     # --width 20000 needs 382 GiB with 2 workers; this one TiBs, beyond any machine's memory)
     (["--width", "100000"], "--width"),
+    # issue 45: the language models and their text
+    (["--seq-len", "16"], "--seq-len"),  # the mlp has no sequence
+    (["--dropout", "0.2"], "--dropout"),
+    (["--data", "text"], "--data text"),  # text is for the language models
+    (["--model", "lstm", "--data", "digits"], "--model lstm"),
+    (["--model", "lstm", "--tokens", "words"], "--tokens words"),  # words need --data-dir
+    (["--model", "lstm", "--lars"], "--lars"),  # LARS is SGD; the LMs default to Adam
+    (["--model", "bert", "--data-dir", "/nonexistent"], "--data-dir"),
+    (["--model", "transformer", "--batch-size", "8000"], "--batch-size"),  # > the text
+    (["--model", "lstm", "--width", "100000"], "--width"),
 ]
 
 

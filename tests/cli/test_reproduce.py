@@ -28,7 +28,16 @@ def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
     labels = [r["label"] for r in setting["rows"]]
     assert labels == ["fp32"] + [r.label for r in spec.rows]
     assert {r["verdict"] for r in setting["rows"][1:]} == {"toy run: no verdict"}
-    assert all(0.0 <= r["mean"] <= 1.0 for r in setting["rows"])
+    if CLAIMS[name].metric == "perplexity":  # language models: test perplexity
+      assert all(1.0 < r["mean"] < 1e4 for r in setting["rows"])
+      assert all(len(r["final_perplexity"]) == 1 for r in setting["rows"])
+    else:
+      assert all(0.0 <= r["mean"] <= 1.0 for r in setting["rows"])
+    if spec.gap is not None:  # nvfp4: every row's final loss and the gap it closes
+      assert setting["gap"] == list(spec.gap)
+      assert all(len(r["final_train_loss"]) == 1 and "gap_closed" in r
+                 for r in setting["rows"])
+      assert "final training loss" in (tmp_path / name / "REPORT.md").read_text()
   assert (tmp_path / name / "REPORT.md").exists()
   if name == "ddp":
     assert (tmp_path / name / "s0" / "accuracy_vs_epoch.png").exists()
@@ -44,6 +53,9 @@ def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
     (["reproduce", "cgx", "--seeds", "1,x"], "--seeds"),
     (["reproduce", "cgx", "--seeds", "1,1"], "distinct seeds"),
     (["reproduce", "cgx", "--seeds", "0,99999999999999999999"], "at most 4294967295"),
+    (["reproduce", "hbfp-lstm", "--max-steps", "0"], "--max-steps"),
+    (["reproduce", "hbfp-bert", "--epochs", "x"], "--epochs"),
+    (["reproduce", "hbfp-lstm", "--toy", "--max-steps", "5"], "choose one"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   try:
@@ -53,6 +65,30 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   assert rc == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_reduced_runs_are_marked_and_judged(tmp_path):
+  """--epochs/--max-steps shrink every run of a claim (for a machine too slow for its size):
+  the runs' configs say so, the setting's name and REPORT.md mark the runs reduced, and the
+  rows get real verdicts (unlike --toy)."""
+  import io
+
+  from jaxlp.training import Claim, Row, Setting, reproduce
+
+  mine = Claim("mine", "me", "E5M2 gradients match fp32.", (Setting(
+      "MLP, 2 workers", {"model": "mlp", "nodes": 2, "width": 2, "epochs": 30},
+      (Row("E5M2", {"grad_format": "E5M2"}),)),))
+  s = reproduce(mine, seeds=(0,), out=str(tmp_path), plots=False, stream=io.StringIO(),
+                epochs=1, max_steps=2)
+  assert s["reduced"] == {"epochs": 1, "max_steps_per_epoch": 2} and not s["toy"]
+  setting = s["settings"][0]
+  assert setting["name"] == "MLP, 2 workers [reduced: 1 epoch of at most 2 steps]"
+  assert setting["rows"][1]["verdict"] != "toy run: no verdict"
+  cfg = json.loads((tmp_path / "mine" / "s0" / "E5M2" / "seed0" / "config.json").read_text())
+  assert (cfg["epochs"], cfg["max_steps_per_epoch"], cfg["width"]) == (1, 2, 2)
+  assert "Reduced runs" in (tmp_path / "mine" / "REPORT.md").read_text()
+  with pytest.raises(ValueError, match="max_steps"):
+    reproduce(mine, out=str(tmp_path), max_steps=0)
 
 
 def test_list(capsys):
@@ -72,6 +108,29 @@ def test_verdicts(tmp_path):
   table = report_table({"claim": "x", "settings": [{"name": "n", "rows": rows}]})
   assert "| x | n | fp32 | 0.9000 | 0.9000 (0.9000) | +0.0 | 1.0 | baseline |" in table
   assert not os.listdir(tmp_path)
+
+
+def test_perplexity_verdicts_compare_each_seed_with_fp32():
+  """A perplexity claim judges the mean over seeds of 100 * (ppl / fp32's ppl of that seed
+  - 1) against its margin in percent (lower is better), and a NaN/inf run fails."""
+  from jaxlp.training import CLAIMS, report_table
+  from jaxlp.training._reproduce import _judge
+
+  claim = CLAIMS["hbfp-lstm"]
+  assert (claim.metric, claim.margin) == ("perplexity", 2.0)
+  row = lambda label, ppls: {"label": label, "claim": label != "fp32", "wire_mb": 0.0,
+                             "final_perplexity": ppls, "mean": sum(ppls) / len(ppls)}
+  rows = [row("fp32", [8.0, 7.4, 8.2]), row("a", [8.1, 7.5, 8.3]),  # +1.3% per seed
+          row("b", [8.6, 7.4, 8.2]), row("c", [8.0, float("nan"), 8.2])]
+  _judge(rows, claim, toy=False)
+  assert [r["verdict"] for r in rows] == ["baseline", "holds", "does not hold (+2.5%)",
+                                          "does not hold (+nan%)"]
+  assert rows[1]["delta_percent"] == pytest.approx(100 / 3 * (0.1 / 8 + 0.1 / 7.4 + 0.1 / 8.2))
+  table = report_table({"claim": "hbfp-lstm", "metric": "perplexity",
+                        "settings": [{"name": "n", "rows": rows}]})
+  assert table.splitlines()[0].startswith("| claim | setting | row | fp32 ppl | jaxlp ppl")
+  assert "| hbfp-lstm | n | a | 7.8667 | 7.9667 (8.1000, 7.5000, 8.3000) | +1.3 | 0.0 | holds |" \
+      in table
 
 
 def test_data_dir_runs_the_full_scale_settings(tmp_path, capsys):

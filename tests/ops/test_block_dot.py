@@ -162,7 +162,7 @@ def test_policy_validation():
   with pytest.raises(ValueError, match="fp8 twin.*slot 'lhs' is BlockFormat"):
     jaxlp.hbfp_policy(7, 24, "tiled", block_dot="fp8")
   with pytest.raises(ValueError, match="integer significands"):
-    jaxlp.mx_policy(F.E4M3FN, block_dot="exact")
+    jaxlp.float_policy(F.E4M3, F.E5M2, block_dot="exact")
   p = jaxlp.mx_policy("int8", block_dot="exact")
   assert p.block_dot == "exact" and hash(p)
   # the GPU implementation is a field of the policy (no module state): checked, hashed

@@ -8,6 +8,7 @@ re-point the kernel platform to "cpu" and run the kernel in interpret mode.
 """
 
 import functools
+import importlib
 import os
 import sys
 
@@ -22,10 +23,10 @@ from jaxlp import formats as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "pallas"))
 import cuda_lowering as CL  # noqa: E402
 
-OQ = sys.modules["jaxlp.ops._quantize"]
-OM = sys.modules["jaxlp.ops._matmul"]
-PQ = sys.modules["jaxlp.pallas._quantize"]
-PM = sys.modules["jaxlp.pallas._matmul"]
+OQ = importlib.import_module("jaxlp.ops._quantize")
+OM = importlib.import_module("jaxlp.ops._matmul")
+PQ = importlib.import_module("jaxlp.pallas._quantize")
+PM = importlib.import_module("jaxlp.pallas._matmul")
 KEY = jax.random.key(5)
 
 #: One format of every kernel family (jaxlp.pallas._quantize.family).
@@ -34,6 +35,7 @@ FAMILY_FORMATS = {
     "axis_blocks": F.BlockFormat(7, axis=-1, block_size=16),
     "tiles": F.hbfp(8, 24),
     "mx": F.mx(F.E2M1FN, 32),
+    "scaled_blocks": F.nvfp4(),
 }
 
 

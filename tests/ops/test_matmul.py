@@ -1,7 +1,7 @@
 """`jaxlp.ops.matmul` (the reference) against independent numpy loops."""
 
 import functools
-import sys
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -398,8 +398,8 @@ def test_grad_batch_broadcast_dimension_numbers_and_half_dtypes():
 def test_grad_through_the_kernel_dispatch(monkeypatch):
   """The GPU route of ``jaxlp.matmul`` (kernel branch of ``lax.platform_dependent``, here
   re-pointed to the CPU and interpreted) has the reference's gradients, bit for bit."""
-  OM = sys.modules["jaxlp.ops._matmul"]
-  PM = sys.modules["jaxlp.pallas._matmul"]
+  OM = importlib.import_module("jaxlp.ops._matmul")
+  PM = importlib.import_module("jaxlp.pallas._matmul")
   monkeypatch.setattr(PM, "KERNEL_IS_FASTER", dict.fromkeys(PM.KERNEL_IS_FASTER, True))
   monkeypatch.setattr(PM, "MIN_PALLAS_MACS", 1)
   monkeypatch.setattr(OM, "_KERNEL_PLATFORMS", ("cpu",))

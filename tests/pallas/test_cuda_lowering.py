@@ -23,6 +23,7 @@ from jaxlp import formats as F
 from jaxlp.formats._quantize import FORMAT_TYPES
 from jaxlp.pallas import _gemm as G
 from jaxlp.pallas._block_gemm import block_gemm, fp8_block_gemm
+from jaxlp.pallas._limb_gemm import limb_gemm
 from jaxlp.pallas._matmul import matmul as kernel_matmul
 from jaxlp.pallas._quantize import quantize as kernel_quantize
 from jaxlp.pallas._quantize import supports
@@ -51,6 +52,10 @@ EXTRA_FORMATS = {
     "bfp_axis_whole": jaxlp.BlockFormat(12, axis=1),
     "mx_e4m3": F.mx(F.E4M3FN, 32), "mx_e5m2": F.mx(F.E5M2, 32), "mx_e2m1": F.mx(F.E2M1FN, 32),
     "mx_e3m2": F.mx(F.E3M2FN, 32), "mx_int8": F.mx("int8", 32),
+    "mx_e2m1_rceil": F.mx(F.E2M1FN, 32, scale_rule="rceil"),
+    "mx_e4m3_even": F.mx(F.E4M3FN, 32, scale_rule="even"),
+    "nvfp4": F.nvfp4(), "nvfp4_2d": F.nvfp4(tile=16),
+    "scaled_e8m0": F.ScaledBlockFormat(F.E2M1FN, 32, scale_fmt="e8m0", tensor_scale=False),
     "qpt_block(8,0)": F.qpytorch_block(8, 0),  # no kernel: always the spec
 }
 ALL_FORMATS = {**PRESETS, **EXTRA_FORMATS}
@@ -230,6 +235,9 @@ def test_every_pallas_call_site_is_lowered():
         jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
   lowered |= set(kernel_names(lower_for_cuda(
       fp8_block_gemm, *_fp8_operands(64, 64, 2, 32, jnp.float8_e4m3fn))[1]))
+  lowered |= set(kernel_names(lower_for_cuda(  # MXFP8 limbs (tests/pallas/test_block_gemm_limbs)
+      lambda a, b: limb_gemm(a, b, 32, 18, 18, prec=(4, 4)), x,
+      jax.ShapeDtypeStruct(SHAPE[::-1], jnp.float32))[1]))
   assert sites
   for site in sites:
     pattern = re.escape(site).replace(r"\{", "{").replace(r"\}", "}")

@@ -141,7 +141,7 @@ def test_stochastic_block_programs_hold_at_most_4096_elements():
   real = PQ.pl.pallas_call
 
   def spy(kernel, **kw):
-    calls.append((kw["grid"], kw["in_specs"][1].block_shape))
+    calls.append((kw["grid"], kw["in_specs"][-1].block_shape))
     return real(kernel, **kw)
 
   x = _awkward((64, 80), seed=11)
@@ -151,6 +151,41 @@ def test_stochastic_block_programs_hold_at_most_4096_elements():
   assert calls == [((2,), (16, 256)), ((1,), (32, 256))]
   for r, out in got.items():
     _same_bits(out, F.quantize(x, F.hbfp(4, 16), r, key=KEY))
+
+
+@pytest.mark.parametrize("fmt,shape,roundings", [
+    (F.nvfp4(), (5, 70), ("nearest", "stochastic")),
+    (F.nvfp4(tensor_scale=False), (3, 2, 33), ("nearest",)),
+    (F.nvfp4(tile=16), (40, 35), ("stochastic",)), (F.nvfp4(tile=(4, 8)), (2, 8, 19),
+                                                     ("stochastic",)),
+    (F.nvfp4(tile=4), (9,), ("nearest",)),
+    (F.ScaledBlockFormat(F.E2M3FN, block_size=8, scale_fmt="e8m0", tensor_scale=False),
+     (6, 20), ("nearest",)),
+    (F.ScaledBlockFormat(F.E4M3FN, block_size=4, scale_fmt="fp32", tensor_scale=False),
+     (3, 9), ("toward_zero",)),
+], ids=repr)
+def test_scaled_block_formats(fmt, shape, roundings):
+  """The two-level kernel (tensor scale computed before it, block scales in it) == the spec
+  (finite inputs: a two-level tensor holding inf or NaN is all NaN, checked below)."""
+  x = _awkward(shape, seed=12)
+  _check(jnp.where(jnp.isfinite(x), x, 0.5), fmt, roundings, block_size=2)
+
+
+def test_scaled_block_kernel_special_tensors():
+  """Non-finite input, and tensors whose scale chain underflows (amax 1e-38, subnormal) or
+  is zero; all of shape (4, 32): one compiled program per format. ``"up"`` turns any
+  non-zero scaled element into a non-zero result."""
+  x = _awkward((4, 32), seed=13)
+  for v in (x, jnp.zeros((4, 32)), jnp.where(jnp.isfinite(x), x, 0.0) * 1e-38,
+            jnp.full((4, 32), 1e-40).at[0, 0].set(-3e-39)):
+    for fmt in (F.nvfp4(), F.nvfp4(tensor_scale=False)):
+      _check(v, fmt, ("up",), block_size=2)
+
+
+@pytest.mark.parametrize("rule", F.SCALE_RULES)
+def test_mx_scale_rules(rule):
+  _check(_awkward((9, 40), seed=14), F.mx(F.E2M1FN, 8, scale_rule=rule),
+         ("nearest", "stochastic"), block_size=2)
 
 
 @pytest.mark.parametrize("fmt", [F.mx(F.E4M3FN, 8), F.hbfp(6, 4)], ids=repr)
@@ -166,6 +201,11 @@ def test_block_awkward_shapes(shape):
 def test_unsupported_and_errors():
   x = jnp.ones((4, 8))
   assert not supports(F.mx(F.E4M3FN, axis=0), x.shape)
+  assert not supports(F.nvfp4(axis=0), x.shape)
+  assert not supports(F.nvfp4(tile=3), (2, 4, 8))  # tiles would straddle two leading indices
+  assert supports(F.nvfp4(tile=2), (2, 4, 8)) and supports(F.nvfp4(tile=16), (4, 8))
+  with pytest.raises(ValueError, match="out of range"):
+    pq(x, F.nvfp4(axis=3), interpret=True)
   assert not supports(F.BlockFormat(4), x.shape)  # whole-tensor block
   assert not supports(F.qpytorch_block(8), x.shape)
   with pytest.raises(ValueError, match="no kernel"):

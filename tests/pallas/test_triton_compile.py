@@ -60,6 +60,12 @@ KERNELS = [
      4, 3),
     ("quantize-mx(E2M1FN,32)-stochastic",
      lambda x: PQ.quantize(x, F.mx(F.E2M1FN, 32), "stochastic", key=KEY), (BLOCKY,), 4, 3),
+    ("quantize-mx(E2M1FN,32,rceil)",
+     lambda x: PQ.quantize(x, F.mx(F.E2M1FN, 32, scale_rule="rceil")), (BLOCKY,), 4, 3),
+    # two-level blocks: integer IEEE multiply/divide in the kernel (no float division)
+    ("quantize-nvfp4", lambda x: PQ.quantize(x, F.nvfp4()), (BLOCKY,), 4, 3),
+    ("quantize-nvfp4(tile=16)-stochastic",
+     lambda x: PQ.quantize(x, F.nvfp4(tile=16), "stochastic", key=KEY), (BLOCKY,), 4, 3),
     ("matmul-naive-accBF16",
      lambda a, b: PM.matmul(a, b, acc=F.BF16, algorithm="naive"), (SQUARE, SQUARE), 4, 1),
     ("matmul-kahan-cpd_float(5,2)",

@@ -18,7 +18,7 @@ _ref_sr = jax.jit(lambda x, k, fmt, r: F.quantize(x, fmt, r, key=k), static_argn
 FORMATS = [getattr(F, n) for n in ("FP32", "TF32", "BF16", "FP16", "E5M2", "E4M3", "E4M3FN",
                                    "E4M3FNUZ", "E5M2FNUZ", "E3M4", "E3M2FN", "E2M3FN", "E2M1FN")]
 FORMATS += [F.cpd_float(4, 3), F.qpytorch_float(5, 2), F.qpytorch_block(6, 0),
-            F.qpytorch_block(8, -1), F.hbfp(7, 8), F.mx(F.E4M3, 32), F.FixedPoint(8, 4)]
+            F.qpytorch_block(8, -1), F.hbfp(7, 8), F.mx(F.E4M3FN, 32), F.FixedPoint(8, 4)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=repr)

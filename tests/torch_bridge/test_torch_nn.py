@@ -1,5 +1,7 @@
 """jaxlp.torch.nn layers and CPD's quant_gemm / Quant_Linear / Quant_Conv."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxlp  # noqa: E402
-from jaxlp.formats import E4M3, E5M2, cpd_float  # noqa: E402
+from jaxlp.formats import E4M3, E4M3FN, E5M2, cpd_float  # noqa: E402
 from jaxlp.torch import cpd  # noqa: E402
 from jaxlp.torch import nn as jnn  # noqa: E402
 from tests.torch_bridge._torch_testutil import assert_same_bits, jax_device_of  # noqa: E402
@@ -21,7 +23,7 @@ from tests.torch_bridge._torch_testutil import assert_same_bits, jax_device_of  
 POLICIES = {
     "hbfp_tiled": jaxlp.hbfp_policy(5, tile=4, activations="tiled"),
     "hbfp_per_sample": jaxlp.hbfp_policy(7, weight_man_bits=5, tile=8),
-    "mx": jaxlp.mx_policy(E4M3, block_size=8, grad_fmt=E5M2),
+    "mx": jaxlp.mx_policy(E4M3FN, block_size=8, grad_fmt=E5M2),
     "float": jaxlp.float_policy(E4M3, E5M2),
 }
 
@@ -171,6 +173,26 @@ def test_quantize_model_swaps_layers_and_keeps_parameters():
   assert isinstance(m2, jnn.Linear)
   with pytest.raises(TypeError, match="policy"):
     jnn.Linear(2, 2, policy="hbfp")
+
+
+def test_quantize_model_refuses_patterns_that_match_no_layer():
+  # issue 49: exclude="fc_l" (typo for "fc1") used to be accepted and every layer quantized
+  def net():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+  policy = POLICIES["float"]
+  for kw, bad in ((dict(exclude="l"), "exclude='l'"), (dict(include=["0", "1"]), "include='1'"),
+                  (dict(exclude=["2", "3*"]), "exclude='3*'")):
+    model = net()
+    with pytest.raises(ValueError, match=f"pattern {re.escape(bad)} matches no nn.Linear"):
+      jnn.quantize_model(model, policy, **kw)
+    assert all(type(m) is not jnn.Linear for m in model), "nothing swapped before the error"
+  with pytest.raises(TypeError, match="exclude"):
+    jnn.quantize_model(net(), policy, exclude=[2])
+  model = jnn.quantize_model(net(), policy, exclude="2")  # a str is one pattern
+  assert isinstance(model[0], jnn.Linear) and type(model[2]) is torch.nn.Linear
+  # patterns may name layers that were swapped before
+  assert jnn.quantize_model(model, policy, include=["0"]) is model
 
 
 def _kahan_gemm_ref(a, b, fmt, device):

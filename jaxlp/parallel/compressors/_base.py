@@ -234,6 +234,47 @@ def _opaque_zero(anchor):
   return lax.optimization_barrier((fmix32(a) == fmix32(a ^ jnp.uint32(1))).astype(jnp.uint32))
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+#: ``2**-100``: scales float32 values so that their squares and sums cannot overflow
+#: (``|x| * 2**-100 <= 2**28``); values below ``2**-26`` then lose bits, which cannot matter
+#: next to the values beyond ``2**64`` that make a sum of squares overflow.
+DOWN = float(2.0 ** -100)
+
+
+def redo_where(pred, fn, value):
+  """``where(pred, fn(), value)`` that runs ``fn`` only when some ``pred`` holds: for rare
+  fallbacks (a range, norm or sum that overflowed float32) that must cost nothing otherwise.
+
+  A while loop of at most one step: none when ``pred`` is False everywhere; under ``vmap``
+  one step for the whole batch when any element needs it (a ``lax.cond`` there becomes a
+  select that computes both branches). ``fn`` takes no argument and returns an array of
+  ``value``'s shape and dtype; ``pred`` (bool) broadcasts to it.
+  """
+  def body(c):
+    p, v = c
+    return jnp.zeros_like(p), jnp.where(p, fn(), v)
+  return lax.while_loop(lambda c: jnp.any(c[0]), body, (jnp.asarray(pred), value))[1]
+
+
+def safe_mean(v, count, total=None):
+  """``exact_div(det_sum(v), count)`` (float32, ``v`` flat), also where the sum overflows
+  float32 although the mean is finite: then from the sum of ``v * 2**-32`` (``count <
+  2**31``), the mean rescaled and kept within ``±F32_MAX``. The same bits wherever the sum
+  does not overflow; a non-finite element still gives a non-finite mean."""
+  if total is None:
+    total = det_sum(v)
+  mean = exact_div(total, count)
+
+  def scaled():
+    small = det_sum(v * jnp.float32(2.0 ** -32))  # finite unless an element is not
+    m = exact_div(small, count) * jnp.float32(2.0 ** 32)
+    return jnp.where(jnp.isfinite(small), jnp.clip(m, -F32_MAX, F32_MAX), m)
+
+  # a signed sum can overflow to inf - inf = NaN: redo every non-finite sum (a non-finite
+  # element then costs the redo, and gives a non-finite mean again)
+  return redo_where(~jnp.isfinite(total), scaled, mean)
+
+
 def materialize(x):
   """``x`` (float32 or a 32-bit integer type) unchanged, bit for bit, but computed once into
   a buffer of its own instead of being fused into (and recomputed by) every consumer.

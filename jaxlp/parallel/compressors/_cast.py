@@ -1,5 +1,6 @@
 """Cast compression (PyTorch ``fp16_compress_hook`` / ``bf16_compress_hook``, generalised to
-every ml_dtypes type and to any jaxlp :class:`~jaxlp.formats.FloatFormat`)."""
+every ml_dtypes type, to any jaxlp :class:`~jaxlp.formats.FloatFormat` and to block-scaled
+formats such as NVFP4, :class:`~jaxlp.formats.ScaledBlockFormat`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jaxlp._util import cdiv
+from jaxlp.formats import _bits as B
 from jaxlp.formats._codes import from_codes, to_codes
 from jaxlp.formats._float_format import FloatFormat
-from jaxlp.formats._presets import ML_DTYPES_NAMES, PRESETS
+from jaxlp.formats._nvfp4 import ScaledBlockFormat
+from jaxlp.formats._presets import E4M3FN, ML_DTYPES_NAMES, PRESETS
 from jaxlp.formats._quantize import quantize as spec_quantize
 from jaxlp.parallel._aggregate import CASTS
 from jaxlp.parallel.compressors._base import numel, pack_bits, packed_nbytes, unpack_bits
@@ -45,7 +49,8 @@ def _resolve(fmt) -> tuple[np.dtype | None, FloatFormat]:
   try:
     dt = np.dtype(fmt)
   except TypeError:
-    raise ValueError(f"cast: {fmt=} is not a FloatFormat, preset name or float dtype") from None
+    raise ValueError(f"cast: {fmt=} is not a FloatFormat, ScaledBlockFormat (nvfp4), preset "
+                     "name or float dtype") from None
   return _resolve(dt.name)
 
 
@@ -146,8 +151,122 @@ class Cast:
     return n * nb + packed_nbytes(n, r)
 
 
-def cast(fmt="bf16") -> Cast:
-  """A :class:`Cast` compressor to ``fmt`` (dtype name, preset name or FloatFormat).
+@dataclasses.dataclass(frozen=True)
+class ScaledCast:
+  """Cast the gradient to a block-scaled format (NVFP4 and the other
+  :class:`~jaxlp.formats.ScaledBlockFormat`), divide by W and sum (as :class:`Cast`: the
+  decoded values of every worker are summed in float32 in rank order, then divided by W).
+
+  The compressor sees the flattened (C order) leaf or fused bucket, so its blocks are
+  ``fmt.block_size`` consecutive elements of that flat vector (the format's ``axis`` plays no
+  role; 2-D ``tile`` formats are refused), and a two-level format has one tensor scale per
+  leaf or bucket (per piece with ``plan`` partitions). ``decode(encode(x))`` equals
+  ``jaxlp.formats.quantize(x, fmt)`` of the flat vector bit for bit.
+
+  Wire format (``fmt.encode``'s three parts, each in its storage format):
+
+  * ``"elements"``: the element codes (:func:`jaxlp.formats.to_codes` of ``fmt.elem``),
+    ``elem.bits // 8`` byte planes and the remaining ``elem.bits % 8`` bits bit-packed LSB
+    first, as :class:`Cast` sends a FloatFormat (NVFP4: 4 bits, two elements per byte);
+  * ``"scales"``: one block scale per block, uint8 for ``"ue4m3"`` (the E4M3FN code, sign bit
+    0) and ``"e8m0"`` (the biased exponent ``log2(sb) + 127``), float32 for ``"fp32"``; a
+    block holding inf or NaN (``tensor_scale=False``) is sent as the scale format's NaN code
+    (0x7F, 0xFF, NaN) and decodes to NaN;
+  * ``"tensor_scale"`` (two-level formats only): the float32 ``g`` (NaN for a tensor holding
+    inf or NaN, which then decodes to all NaN).
+
+  So ``wire_bytes((n,)) = n*(b//8) + ceil(n*(b%8)/8) + nblocks*(1 or 4) + (4 if
+  tensor_scale)`` with ``b = elem.bits`` and ``nblocks = ceil(n / block_size)``: NVFP4 sends
+  4.5 bits per element plus 4 bytes.
+  """
+  fmt: ScaledBlockFormat
+  kind = "cast"
+  aggregation = CASTS
+  elementwise_state = True
+  native_dtype = None
+  dtype = None
+
+  def __post_init__(self):
+    if not isinstance(self.fmt, ScaledBlockFormat):
+      raise ValueError(f"cast: ScaledCast needs a ScaledBlockFormat, got {self.fmt!r}")
+    if self.fmt.tile is not None:
+      raise ValueError(
+          f"cast: {self.fmt!r} has 2-D tiles, but a compressor sees the flattened gradient "
+          f"(or bucket): use 1-D blocks, e.g. nvfp4() instead of nvfp4(tile=...)")
+
+  @property
+  def format(self) -> ScaledBlockFormat:
+    """The format of the flat vectors the compressor encodes (blocks along axis -1)."""
+    return dataclasses.replace(self.fmt, axis=-1)
+
+  @property
+  def bits(self) -> int:
+    """Bits per element code (the block and tensor scales come on top, :meth:`wire_bytes`)."""
+    return self.fmt.elem.bits
+
+  def init(self, shape, dtype=jnp.float32, key=None):
+    return ()
+
+  def round(self, x):
+    """float32 ``x`` quantized to the format as a flat vector (what ``decode(encode(x))``
+    gives), in x's shape."""
+    x = jnp.asarray(x, jnp.float32)
+    return spec_quantize(jnp.ravel(x), self.format).reshape(x.shape)
+
+  def _scale_codes(self, s, bad):
+    kind = self.fmt.scale_fmt
+    if kind == "fp32":
+      return jnp.where(bad, jnp.float32(jnp.nan), s)
+    if kind == "ue4m3":
+      code = to_codes(s, E4M3FN)
+      return jnp.where(bad, jnp.uint32(0x7F), code).astype(jnp.uint8)
+    e = B.floor_log2(B.to_bits(s)) + 127  # e8m0: s = 2**(code - 127), code in 0..254
+    return jnp.where(bad, 0xFF, e).astype(jnp.uint8)
+
+  def _scale_values(self, c):
+    kind = self.fmt.scale_fmt
+    if kind == "fp32":
+      return c
+    if kind == "ue4m3":
+      return from_codes(c.astype(jnp.uint32), E4M3FN)
+    e = c.astype(jnp.int32)
+    return jnp.where(e == 0xFF, jnp.float32(jnp.nan), B.from_bits(B.pow2_bits(e - 127)))
+
+  def encode(self, g, state, key=None):
+    fmt = self.format
+    x = jnp.ravel(g).astype(jnp.float32)
+    q, s, t = fmt.encode(x)
+    bad = jnp.isnan(fmt.to_blocks(q, x.shape)).any(axis=-1)  # blocks holding inf or NaN
+    elem = Cast(fmt.elem)
+    payload = dict(elem.encode(jnp.where(jnp.isnan(q), 0.0, q), ())[0])
+    payload = {"elements": payload, "scales": self._scale_codes(s, bad)}
+    if fmt.tensor_scale:
+      payload["tensor_scale"] = jnp.reshape(t, (1,))
+    return payload, state
+
+  def decode(self, payload, shape):
+    fmt = self.format
+    n = numel(shape)
+    q = Cast(fmt.elem).decode(payload["elements"], (n,))
+    s = self._scale_values(payload["scales"])
+    bad = jnp.isnan(s)
+    qb = jnp.where(bad[:, None], jnp.float32(jnp.nan), fmt.to_blocks(q, (n,)))
+    q = fmt.from_blocks(qb, (n,))
+    t = payload["tensor_scale"][0] if fmt.tensor_scale else jnp.float32(1.0)
+    return fmt.decode(q, jnp.where(bad, jnp.float32(1.0), s), t).reshape(shape)
+
+  def wire_bytes(self, shape, dtype=jnp.float32):
+    n = numel(shape)
+    nblocks = cdiv(n, self.fmt.block_size) if n else 0
+    per_scale = 4 if self.fmt.scale_fmt == "fp32" else 1
+    return (Cast(self.fmt.elem).wire_bytes((n,)) + nblocks * per_scale
+            + (4 if self.fmt.tensor_scale else 0))
+
+
+def cast(fmt="bf16") -> Cast | ScaledCast:
+  """A :class:`Cast` compressor to ``fmt`` (dtype name, preset name or FloatFormat), or a
+  :class:`ScaledCast` one to a block-scaled ``fmt`` (``jaxlp.formats.nvfp4()``, any
+  1-D :class:`~jaxlp.formats.ScaledBlockFormat`).
 
   PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook`` generalised: round to nearest
   even, divide by W, sum (the full specification is the docstring of the returned object's
@@ -162,7 +281,8 @@ def cast(fmt="bf16") -> Cast:
     or :func:`jaxlp.parallel.compressed_allreduce`).
 
   Raises:
-    ValueError: ``fmt`` is not a FloatFormat, a known preset name or a float dtype.
+    ValueError: ``fmt`` is not a FloatFormat, a ScaledBlockFormat with 1-D blocks, a known
+      preset name or a float dtype.
 
   Example:
     >>> import jax.numpy as jnp
@@ -174,5 +294,10 @@ def cast(fmt="bf16") -> Cast:
     Array([1.      , 1.      , 3.140625], dtype=float32)
     >>> c.wire_bytes((1000,)), compressors.cast(F.FloatFormat(3, 3)).wire_bytes((1000,))
     (2000, 875)
+    >>> # NVFP4: 500 bytes of E2M1 codes, 63 UE4M3 block scales, one float32 tensor scale
+    >>> compressors.cast(F.nvfp4()).wire_bytes((1000,))
+    567
   """
+  if isinstance(fmt, ScaledBlockFormat):
+    return ScaledCast(fmt)
   return Cast(fmt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxlp.parallel._arith import sqrt_f32
-from jaxlp.parallel.compressors._base import det_sum, exact_div, materialize, no_fma
+from jaxlp.parallel.compressors._base import DOWN, det_sum, exact_div, materialize, no_fma
 
 
 def thin_matmul(a, b):
@@ -65,7 +65,11 @@ def orthogonalize(x):
   """Orthonormal columns spanning ``x`` (..., n, r): modified Gram-Schmidt, as PyTorch's
   ``_orthogonalize_gram_schmidt`` (``col /= ||col||``; then every later column minus its
   projection), with the dot products as fixed pairwise sums (the same bits in every execution
-  mode). PyTorch (eps = 0) turns an all-zero column into NaN; here it stays zero.
+  mode). PyTorch (eps = 0) turns an all-zero column into NaN; here it stays zero. A column
+  with a NaN or inf gives NaN (never a zero column that would hide it). A finite column whose
+  sum of squares overflows float32 (entries beyond about ``2**64 / sqrt(n)``) is scaled by
+  ``2**-100`` first: Gram-Schmidt's result does not depend on a column's positive scale, and
+  the other columns keep their bits.
 
   Args:
     x: float32 array of shape ``(..., n, r)`` (leading axes are a batch).
@@ -91,12 +95,20 @@ def orthogonalize(x):
   # divisions into each consumer. The values are unchanged. 2-core CPU, 2026-11-28:
   # 4096 x 4 compile 2.3 s -> 0.7 s, run 5.0 -> 0.51 ms; 512 x 2 run 0.26 -> 0.085 ms.
   # (Materializing the dot products and updated columns too was slower on ResNet-18's leaves.)
-  cols = [x[..., :, i] for i in range(x.shape[-1])]
+  # A finite column whose sum of squares overflows is scaled by 2**-100 (exact but for entries
+  # far below the column's largest, which cannot matter next to it); times 1 elsewhere: the
+  # same bits. Its projections then cannot overflow either.
+  cols = []
+  for i in range(x.shape[-1]):
+    c = x[..., :, i]
+    big = jnp.isinf(det_sum(no_fma(c * c), axis=-1)) & jnp.all(jnp.isfinite(c), axis=-1)
+    cols.append(c * jnp.where(big, jnp.float32(DOWN), jnp.float32(1.0))[..., None])
   for i in range(len(cols)):
     c = cols[i]
     nrm = materialize(sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None])
-    cols[i] = c = materialize(jnp.where(nrm > 0, exact_div(c, jnp.where(nrm > 0, nrm, 1.0)),
-                                        0.0))
+    # a zero column stays zero; a NaN norm (a NaN or inf in the column) gives NaN
+    cols[i] = c = materialize(jnp.where(nrm == 0, 0.0,
+                                        exact_div(c, jnp.where(nrm == 0, 1.0, nrm))))
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
       cols[j] = cols[j] - no_fma(d * c)

@@ -87,7 +87,9 @@ class Aggregation(Protocol):
     families that keep state per bucket (batched PowerSGD); None otherwise.
   * ``reduce(comp, xs, states, bucket_state, bucket, ctx) -> (outs, states, bucket_state)``:
     ``xs`` are this worker's float32 leaves of ``bucket``; ``outs`` the reduced leaves (the
-    same bits on every worker).
+    same bits on every worker). Non-finite values need no care here: the engine makes the
+    bucket NaN and keeps its old states when any worker's ``xs`` or the ``outs`` are not
+    finite (:func:`jaxlp.parallel.compressed_allreduce`).
   * ``wire_bytes(comp, bucket, w, algorithm) -> int``: the bytes one worker sends through
     the collectives of ``reduce`` for that bucket (what ``reduce`` puts into
     ``all_gather``/``all_to_all``/``ppermute``, counting an all-gather of P bytes as (W-1)*P

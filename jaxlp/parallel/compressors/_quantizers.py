@@ -13,6 +13,8 @@ from jaxlp._util import cdiv, check_bool, check_int, check_number
 from jaxlp.parallel._aggregate import DENSE_QUANTIZERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
+  DOWN,
+  F32_MAX,
   apart,
   det_sum,
   exact_div,
@@ -24,6 +26,8 @@ from jaxlp.parallel.compressors._base import (
   pack_bits_vectorized,
   packed_nbytes,
   per_element,
+  redo_where,
+  safe_mean,
   uniform01,
   unpack_bits,
 )
@@ -41,7 +45,32 @@ def _cgx_levels_exact(d, unit, r, top):
   return jnp.where(unit < _CGX_EPS, 0.0, jnp.clip(lev, 0.0, top))
 
 
-def _cgx_levels(x, mn, unit, r, top):
+def _range_unit(mx, mn, top):
+  """``(unit, ovf)``: ``unit = (mx - mn) / top`` correctly rounded (per bucket, or a scalar),
+  and where ``mx - mn`` overflows float32 (finite ``mx``, ``mn``: the range reaches
+  ``2 * F32_MAX``) ``ovf`` and the unit from the halved range (exact): ``2 * ((mx/2 -
+  mn/2) / top)``, kept within ``F32_MAX`` (only ``top == 1`` can exceed it)."""
+  d = mx - mn
+  ovf = jnp.isinf(d) & jnp.isfinite(mx) & jnp.isfinite(mn)
+  half = exact_div(mx * jnp.float32(0.5) - mn * jnp.float32(0.5), top)
+  return jnp.where(ovf, jnp.minimum(half * jnp.float32(2.0), F32_MAX), exact_div(d, top)), ovf
+
+
+def _halve_where(big):
+  """``(s, 1/s)``: ``(0.5, 2.0)`` where ``big``, else ``(1.0, 1.0)`` (exact scalings)."""
+  return (jnp.where(big, jnp.float32(0.5), jnp.float32(1.0)),
+          jnp.where(big, jnp.float32(2.0), jnp.float32(1.0)))
+
+
+def _hipress_scale(mn, mx):
+  """``(s, 1/s)`` of TernGrad's HiPress variant: ``2**-4`` where ``mx - mn >= 2**126`` (or
+  overflows) for finite ``mn``, ``mx``: the gap's reciprocal stays normal; else 1."""
+  big = ~(mx - mn < jnp.float32(2.0 ** 126)) & jnp.isfinite(mx) & jnp.isfinite(mn)
+  return (jnp.where(big, jnp.float32(2.0 ** -4), jnp.float32(1.0)),
+          jnp.where(big, jnp.float32(2.0 ** 4), jnp.float32(1.0)))
+
+
+def _cgx_levels(x, mn, unit, r, top, ovf=None):
   """CGX levels ``floor(div_f32(x - min, unit) + r)`` (clipped; 0 where ``unit < 1e-10``) of
   the flat buckets ``x`` (``nb * B`` elements; per-bucket ``mn``, ``unit`` of shape ``(nb,)``;
   ``r`` a scalar or flat like ``x``), float32 ``(nb*B,)``, with the bits of the correctly
@@ -56,7 +85,10 @@ def _cgx_levels(x, mn, unit, r, top):
   (``2**-24 (q + r)`` each), with ``r < 1``; an FMA-contracted ``q + r`` only shrinks the
   error. The ambiguous buckets are gathered and redone ``nb // 16 + 16`` at a time until none
   is left (inputs lying on the level grid make every bucket ambiguous: then about 16 rounds
-  redo the whole leaf). A NaN level (an inf/NaN bucket) also marks its bucket.
+  redo the whole leaf). A NaN level (an inf/NaN bucket) also marks its bucket, and so do a
+  unit of at least ``2**126`` (its reciprocal is subnormal, which XLA:CPU flushes to zero)
+  and ``ovf`` (per bucket: ``max - min`` overflows float32), whose levels are redone from the
+  halved values: ``(x/2 - min/2) / (unit/2)``, the same quotient without the overflow.
 
   The elementwise pass runs on the flat vector with the per-bucket values repeated
   (:func:`per_element`): over a conv kernel's 4-D gradient, XLA:CPU emits a
@@ -80,6 +112,10 @@ def _cgx_levels(x, mn, unit, r, top):
   # materialised mask and a reduce-window chain on XLA:CPU).
   lev = jnp.where((near & ~bad_e) | jnp.isnan(lev), -1.0, lev)
   amb = jnp.min(lev.reshape(nb, bsz), axis=1) < 0
+  if ovf is not None:
+    # also every bucket whose 1/unit is subnormal (unit >= 2**126, bits <= 2): XLA:CPU flushes
+    # it to zero in the estimate
+    amb = amb | ovf | (unit >= jnp.float32(2.0 ** 126))
   xb = x.reshape(nb, bsz)
   rb = jnp.reshape(r, (nb, bsz)) if jnp.ndim(r) else r
 
@@ -89,8 +125,13 @@ def _cgx_levels(x, mn, unit, r, top):
     lv, todo = carry
     rows = jnp.nonzero(todo, size=cap, fill_value=nb)[0]
     rc = jnp.minimum(rows, nb - 1)
-    fixed = _cgx_levels_exact(xb[rc] - mn[rc, None], unit[rc, None],
-                              rb[rc] if jnp.ndim(r) else r, top)
+    if ovf is None:
+      fixed = _cgx_levels_exact(xb[rc] - mn[rc, None], unit[rc, None],
+                                rb[rc] if jnp.ndim(r) else r, top)
+    else:  # halved where the range overflows (exact; times 1 elsewhere: the same bits)
+      s = _halve_where(ovf[rc])[0][:, None]
+      fixed = _cgx_levels_exact(xb[rc] * s - mn[rc, None] * s, unit[rc, None] * s,
+                                rb[rc] if jnp.ndim(r) else r, top)
     return lv.at[rows].set(fixed, mode="drop"), todo.at[rows].set(False, mode="drop")
 
   # a loop, not a switch between "redo a few" and "redo all": under vmap (SRA encodes the W
@@ -115,6 +156,11 @@ class CGX:
   ``meta = [unit_0, min_0, unit_1, min_1, ...]`` (float32) + levels packed LSB-first
   (``ceil(n*bits/8)`` bytes, no alignment padding) + with ``skip_incomplete`` the raw
   ``n mod bucket_size`` tail in fp32. A partial last bucket otherwise has its own min/max.
+  A bucket whose ``max - min`` overflows float32 (finite values near ``±F32_MAX``) gets
+  ``unit = 2 * ((max/2 - min/2)/(2^bits - 1))`` (at most ``F32_MAX``) and levels from the
+  halved values; decode halves ``min`` and ``unit`` where ``min + unit*(2^bits - 1)``
+  overflows and doubles the result: the same arithmetic without the overflow (and the same
+  bits as before everywhere else).
 
   References:
     Markov et al., "CGX: Adaptive System Support for Communication-Efficient Deep Learning",
@@ -162,8 +208,9 @@ class CGX:
     xb = x.reshape(rows, -1)
     mx = jnp.max(xb, axis=1)
     mn = materialize(jnp.min(xb, axis=1))
-    unit = materialize(exact_div(mx - mn, top))
-    lev = _cgx_levels(x, mn, unit, r, top)
+    unit, ovf = _range_unit(mx, mn, top)
+    unit = materialize(unit)
+    lev = _cgx_levels(x, mn, unit, r, top, ovf)
     return lev.astype(jnp.uint32), jnp.stack([unit, mn], axis=1)
 
   def encode(self, g, state, key=None):
@@ -226,7 +273,13 @@ class CGX:
           lev = every[lo:lo + rows * cols]
         lev = lev.astype(jnp.float32).reshape(rows, cols)
         m = meta[i * full:i * full + rows]
-        outs.append((m[:, 1:2] + no_fma(m[:, 0:1] * lev, anchor=payload["meta"])).reshape(-1))
+        unit, mn = m[:, 0:1], m[:, 1:2]
+        # a bucket whose top level overflows float32 (a range near or beyond F32_MAX) is
+        # decoded from the halved min and unit and doubled (exact); elsewhere times 1
+        top = no_fma(unit * jnp.float32(2 ** self.bits - 1), anchor=payload["meta"])
+        s, inv = _halve_where(jnp.isinf(mn + top) & jnp.isfinite(mn) & jnp.isfinite(unit))
+        outs.append(((mn * s + no_fma((unit * s) * lev, anchor=payload["meta"])) * inv)
+                    .reshape(-1))
     if self.skip_incomplete:
       outs.append(payload["tail"])
     if not outs:
@@ -269,6 +322,15 @@ def cgx(bits=4, bucket_size=512, stochastic=False, skip_incomplete=False) -> CGX
   return CGX(bits, bucket_size, stochastic, skip_incomplete)
 
 
+def _big_norm(xb, anchor):
+  """Row norms of ``xb`` whose squares overflow float32: from ``xb * 2**-100``, rescaled; a
+  norm beyond float32 is replaced by the row's ``max |x|`` (inf or NaN rows stay so)."""
+  xs = xb * jnp.float32(DOWN)
+  ns = sqrt_f32(det_sum(no_fma(xs * xs, anchor=anchor)))
+  big = ns * jnp.float32(1.0 / DOWN)
+  return jnp.where(jnp.isfinite(ns) & jnp.isinf(big), jnp.max(jnp.abs(xb), axis=1), big)
+
+
 def _recip_split(levels: int):
   """``1/levels`` as float32 ``hi + lo``: ``hi`` keeps 16 significant bits (so ``l * hi`` is
   exact for any ``l < 2**8``), ``lo`` is the float32 rounding of the rest."""
@@ -285,7 +347,12 @@ class QSGD:
   level 0); ``level = floor((|x| * r) * levels + u)`` (each product rounded to float32, no
   FMA), ``u ~ U[0,1)`` (unbiased; ``u`` of element ``i`` is element ``i`` of
   ``uniform01(key, (n,))``); decode ``norm*sign*(level/levels)``. Codes = sign bit + level, packed
-  (``1 + ceil(log2(levels+1))`` bits); float32 norm per bucket.
+  (``1 + ceil(log2(levels+1))`` bits); float32 norm per bucket. Where the sum of squares
+  overflows float32, the norm is computed from ``x * 2**-100`` and rescaled; a norm beyond
+  float32 is replaced by the bucket's ``max |x|`` (the infinity norm: still ``>= |x|``, so the
+  levels stay unbiased, and no decoded value exceeds ``max |x|``); where the
+  norm is at least ``2**126`` (``1/norm`` subnormal, flushed to zero on CPU) the levels use
+  ``(|x| * 2**-64) * (1/(norm * 2**-64))``.
 
   References:
     Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -326,23 +393,32 @@ class QSGD:
     # pack_bits fills a partial byte with; the noise of element i does not depend on m.
     xp = jnp.pad(x, (0, m - n)) if m != n else x
     xb = xp.reshape(nb, -1)
-    norm = materialize(sqrt_f32(det_sum(no_fma(xb * xb, anchor=x))))
+    ssq = det_sum(no_fma(xb * xb, anchor=x))
+    # where the sum of squares overflows (|x| beyond about 2**64 / sqrt(bucket_size)): the
+    # norm of x * 2**-100, rescaled; a norm beyond float32 becomes max |x| (still >= every
+    # |x|: the levels stay unbiased and no decoded value exceeds max |x|)
+    norm = materialize(redo_where(jnp.isinf(ssq), lambda: _big_norm(xb, x), sqrt_f32(ssq)))
     # 1/norm once per bucket (correctly rounded); the elementwise work is done on the flat
     # vector: XLA:CPU emits a (buckets, bucket_size)-shaped loop over a conv kernel's 4-D
     # gradient with per-element index arithmetic (measured 6x slower on (512, 512, 3, 3))
-    inv = materialize(jnp.where(norm > 0, exact_div(jnp.float32(1.0), norm), 0.0))
+    # a norm of at least 2**126 has a subnormal reciprocal (flushed to zero on CPU): there
+    # |x| * 2**-64 times 1/(norm * 2**-64), the same quotient; elsewhere times 1 (same bits)
+    down = materialize(jnp.where(norm >= jnp.float32(2.0 ** 126), jnp.float32(2.0 ** -64),
+                                 jnp.float32(1.0)))
+    inv = materialize(jnp.where(norm > 0, exact_div(jnp.float32(1.0), norm * down), 0.0))
 
-    def codes(x, inv, norm, key):
+    def codes(x, inv, down, norm, key):
       inv_e = per_element(inv, self.bucket_size, m)
+      ax = jnp.abs(x) * per_element(down, self.bucket_size, m)
       u = uniform01(key, (m,))
-      lev = jnp.floor(no_fma(no_fma(jnp.abs(x) * inv_e, anchor=norm) * jnp.float32(self.levels),
+      lev = jnp.floor(no_fma(no_fma(ax * inv_e, anchor=norm) * jnp.float32(self.levels),
                              anchor=norm) + u)
       lev = jnp.where(inv_e > 0, jnp.clip(lev, 0, self.levels), 0).astype(jnp.uint32)
       return (lev << 1) | (x < 0).astype(jnp.uint32)
 
     # on large leaves the quantizer (with its noise) runs in a vectorised loop of its own, not
     # inside the packing reduce (see apart for the threshold)
-    code = apart(codes, xp, inv, norm, key, min_size=2 ** 19)
+    code = apart(codes, xp, inv, down, norm, key, min_size=2 ** 19)
     packed = pack_bits(code, self.bits)
     if m != n:
       packed = packed[:packed_nbytes(n, self.bits)]
@@ -406,7 +482,9 @@ class OneBit:
   ``scaling="mean"`` (BytePS onebit): ``scale = mean|x|``, bit = ``x < 0``, decode ``±scale``.
   ``scaling="pos_neg_means"`` (Seide et al. 2014 / GRACE): negatives decode to the mean of the
   negative values, the rest to the mean of the non-negative values. ``x = g + residual``.
-  Payload: float32 scales (1 or 2) + bits packed LSB-first.
+  Payload: float32 scales (1 or 2) + bits packed LSB-first. A mean whose sum overflows
+  float32 is computed from ``x * 2**-32`` and rescaled (the same bits wherever no sum
+  overflows).
 
   References:
     Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
@@ -432,13 +510,14 @@ class OneBit:
     if self.error_feedback:
       x = x + state["residual"]
     neg = x < 0
+    # means of values near F32_MAX: see safe_mean (the same bits where no sum overflows)
     if self.scaling == "mean":
-      scales = exact_div(det_sum(jnp.abs(x)), max(x.shape[0], 1)).reshape(1)
+      scales = safe_mean(jnp.abs(x), max(x.shape[0], 1)).reshape(1)
     else:
       nneg = jnp.sum(neg)
       npos = x.shape[0] - nneg
-      sneg = exact_div(det_sum(jnp.where(neg, x, 0.0)), jnp.maximum(nneg, 1).astype(jnp.float32))
-      spos = exact_div(det_sum(jnp.where(neg, 0.0, x)), jnp.maximum(npos, 1).astype(jnp.float32))
+      sneg = safe_mean(jnp.where(neg, x, 0.0), jnp.maximum(nneg, 1).astype(jnp.float32))
+      spos = safe_mean(jnp.where(neg, 0.0, x), jnp.maximum(npos, 1).astype(jnp.float32))
       scales = jnp.stack([sneg, spos])
     scales = materialize(scales)  # computed once, not in every element's loop (vmap: per chunk)
     payload = {"scale": scales.astype(jnp.float32), "bits": pack_bits(neg, 1)}
@@ -562,8 +641,11 @@ class TernGrad:
   ``trunc((x-mn)/(gap+1e-8) + u)``, ``u = uniform01(key, (n,))`` (the trailing partial byte
   always deterministic, as in
   HiPress; u in [0, 1), so HiPress's u == 1 overflow defect cannot happen); decode
-  ``level*gap + mn``. Message = 10-byte header ``[b:u8][tail:u8][mn:f32 LE][mx:f32 LE]`` +
-  codes packed LSB-first.
+  ``level*gap + mn``. Where ``mx - mn`` is at least ``2**126`` (``1/gap`` subnormal, which
+  XLA:CPU flushes to zero) or overflows float32, encode and decode use the values times
+  ``2**-4`` (``x``, ``mn``, ``mx``: the same levels, exactly) and decode multiplies its result
+  by ``2**4``; elsewhere the bits are HiPress's. Message = 10-byte header
+  ``[b:u8][tail:u8][mn:f32 LE][mx:f32 LE]`` + codes packed LSB-first.
 
   References:
     Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
@@ -597,8 +679,15 @@ class TernGrad:
         raise ValueError("terngrad(variant='paper') needs key")
       if self.clip is not None:
         # scalars, each computed once (materialize: not fused into every element's loop)
-        mu = materialize(exact_div(det_sum(x), x.shape[0]))
-        std = materialize(sqrt_f32(exact_div(det_sum(no_fma(jnp.square(x - mu))), x.shape[0])))
+        n = x.shape[0]
+        mu = materialize(safe_mean(x, n))
+        var = det_sum(no_fma(jnp.square(x - mu)))
+        # where the squares overflow: from x * 2**-100 (std may then be inf: no clipping)
+        std = materialize(redo_where(
+            jnp.isinf(var),
+            lambda: sqrt_f32(exact_div(det_sum(no_fma(jnp.square(
+                x * jnp.float32(DOWN) - mu * jnp.float32(DOWN)))), n)) * jnp.float32(1 / DOWN),
+            sqrt_f32(exact_div(var, n))))
         c = jnp.float32(self.clip) * std
         x = jnp.clip(x, -c, c)
       # max|x| as max(max x, -min x) (+ 0 turns a -0 into +0, as abs does): two reductions
@@ -612,10 +701,13 @@ class TernGrad:
     n = x.shape[0]
     b = self.bits
     mn, mx = jnp.min(x), jnp.max(x)
-    gap = exact_div(mx - mn, 2 ** b - 1)
+    # a range of 2**126 or more (1/gap subnormal, flushed on CPU; or overflowing float32):
+    # everything from the values times 2**-4 (exact), see decode
+    h, _ = _hipress_scale(mn, mx)
+    gap = exact_div(mx * h - mn * h, 2 ** b - 1)
     gap_inv = exact_div(jnp.float32(1.0), gap + jnp.float32(1e-8))
-    mn, gap_inv = materialize(mn), materialize(gap_inv)
-    t = no_fma((x - mn) * gap_inv, anchor=gap_inv)
+    mn_h, gap_inv, h = materialize(mn * h), materialize(gap_inv), materialize(h)
+    t = no_fma((x * h - mn_h) * gap_inv, anchor=gap_inv)
     lev = jnp.round(t)  # round half to even (nearbyint)
     if key is not None:
       per = 8 // b
@@ -636,12 +728,14 @@ class TernGrad:
     if self.variant == "paper":
       code = unpack_bits(payload["codes"], 2, n).astype(jnp.int32)
       return ((code - 1).astype(jnp.float32) * payload["scale"][0]).reshape(shape)
-    h = payload["header"]
-    mn = lax.bitcast_convert_type(h[2:6], jnp.float32)
-    mx = lax.bitcast_convert_type(h[6:10], jnp.float32)
-    gap = materialize(exact_div(mx - mn, 2 ** self.bits - 1))
+    hd = payload["header"]
+    mn = lax.bitcast_convert_type(hd[2:6], jnp.float32)
+    mx = lax.bitcast_convert_type(hd[6:10], jnp.float32)
+    h, inv = _hipress_scale(mn, mx)
+    gap = materialize(exact_div(mx * h - mn * h, 2 ** self.bits - 1))
+    mn_h, inv = materialize(mn * h), materialize(inv)
     lev = unpack_bits(payload["codes"], self.bits, n).astype(jnp.float32)
-    return (no_fma(lev * gap, anchor=mn) + mn).reshape(shape)
+    return ((no_fma(lev * gap, anchor=mn) + mn_h) * inv).reshape(shape)
 
   def wire_bytes(self, shape, dtype=jnp.float32):
     n = numel(shape)

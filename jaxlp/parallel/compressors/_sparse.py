@@ -16,11 +16,13 @@ from jaxlp.parallel._aggregate import SPARSIFIERS
 from jaxlp.parallel._arith import sqrt_f32
 from jaxlp.parallel.compressors._base import (
   _SELECT_IMPLS,
+  DOWN,
   check_impl,
   det_sum,
   no_fma,
   numel,
   per_platform,
+  redo_where,
   sample_threshold,
   select_sparse,
   sparse_capacity,
@@ -62,15 +64,15 @@ class _Sparse:
 class DGC(_Sparse):
   """Deep Gradient Compression (Lin et al. 2018; HiPress ``dgc_new``).
 
-  ``ratio`` = fraction of elements KEPT (0.01 = 99% sparsity). Per step: optional local
-  clipping ``g *= min(1, clip/||g||)``; momentum correction ``u = m*u + g; v = v + u``;
-  threshold from ``ceil(n*sample_rate)`` sampled |v| (HiPress rule; ``sample_rate=None`` =
-  exact top-k); send ``v_i`` for ``|v_i| > thr`` (at most the k largest); momentum factor
-  masking ``u_i = v_i = 0`` on sent entries. Warm-up (``warmup > 0``): the kept fraction is
-  ``max(ratio, 0.25**(1 + step // warmup))`` (75%, 93.75%, 98.4%, ... sparsity, one stage per
-  ``warmup`` steps, rising exponentially to the target; ``step`` is the state's count of
-  encodes). Stage ``s`` keeps ``k_s = ceil(n * keep_s)`` values (float32 arithmetic);
-  :attr:`stages` is the first stage at the target.
+  ``ratio`` = fraction of elements KEPT (0.01 = 99% sparsity). Per step: optional local clipping ``g
+  *= min(1, clip/||g||)`` (where ``||g||^2`` overflows float32: ``(g * 2**-100) * min(2**100,
+  clip/||g * 2**-100||)``, not ``g * 0``); momentum correction ``u = m*u + g; v = v + u``; threshold
+  from ``ceil(n*sample_rate)`` sampled |v| (HiPress rule; ``sample_rate=None`` = exact top-k); send
+  ``v_i`` for ``|v_i| > thr`` (at most the k largest); momentum factor masking ``u_i = v_i = 0`` on
+  sent entries. Warm-up (``warmup > 0``): the kept fraction is ``max(ratio, 0.25**(1 + step //
+  warmup))`` (75%, 93.75%, 98.4%, ... sparsity, one stage per ``warmup`` steps, rising exponentially
+  to the target; ``step`` is the state's count of encodes). Stage ``s`` keeps ``k_s = ceil(n *
+  keep_s)`` values (float32 arithmetic); :attr:`stages` is the first stage at the target.
 
   Payload capacity (JAX shapes are static; ``wire_bytes`` is the capacity, ``count`` says how
   many slots are used): with ``stage=None`` (the factory's default) one capacity serves every
@@ -176,8 +178,17 @@ class DGC(_Sparse):
     x = _flat(g)
     n = x.shape[0]
     if self.clip is not None:
-      norm = sqrt_f32(det_sum(no_fma(x * x)))
-      x = x * jnp.minimum(1.0, jnp.float32(self.clip) / jnp.maximum(norm, 1e-30))
+      ssq = det_sum(no_fma(x * x))
+      clip = jnp.float32(self.clip)
+      ovf = jnp.isinf(ssq)
+
+      def big():  # squares overflow: the factor for x * 2**-100 (not 0 from norm = inf)
+        xs = x * jnp.float32(DOWN)
+        ns = sqrt_f32(det_sum(no_fma(xs * xs)))
+        return jnp.minimum(jnp.float32(1 / DOWN), clip / jnp.maximum(ns, 1e-30))
+
+      f = redo_where(ovf, big, jnp.minimum(1.0, clip / jnp.maximum(sqrt_f32(ssq), 1e-30)))
+      x = (x * jnp.where(ovf, jnp.float32(DOWN), jnp.float32(1.0))) * f
     # m*u rounded before the add (as DGC's reference, mul_ then add_): under jit XLA would
     # contract it into an FMA, one rounding fewer (1 ulp apart)
     u = no_fma(jnp.float32(self.momentum) * state["u"], anchor=x) + x

@@ -269,8 +269,10 @@ def test_powersgd_bucket_fusion_same_bits_fewer_collectives(comp):
                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     return str(jax.make_jaxpr(sm)(one, st1)).count("all_gather[")
   extra = 1 if comp.start_iter else 0  # the plain mean before start_iter
-  assert n_gathers(None) == 3 * (2 + extra) + 1  # 3 matrices; the vector "b" in fp32
-  assert n_gathers(1.0) == 2 + extra + 1
+  # 3 matrices; the vector "b" in fp32; the finite flags of the compressed units (one
+  # all-gather per call, the non-finite policy)
+  assert n_gathers(None) == 3 * (2 + extra) + 1 + 1
+  assert n_gathers(1.0) == 2 + extra + 1 + 1
 
 
 def _np_orth(x):
@@ -375,4 +377,7 @@ def test_narrow_payloads_are_not_widened_on_the_wire(fmt, wire, cpu_devices):
   txt = f.lower(jnp.zeros((2, 64, 32)), st).compile().as_text()
   ops = [ln.split("=", 1)[1].split()[0] for ln in txt.splitlines()
          if "all-gather(" in ln or "collective-permute(" in ln]
+  # the finite flags of the non-finite policy: one all-gather of one byte (one unit)
+  assert ops.count("u8[2,1]{1,0}") == 1, ops
+  ops.remove("u8[2,1]{1,0}")
   assert ops and all(o.startswith(wire + "[") for o in ops), ops

@@ -1,0 +1,67 @@
+"""Smoke test of benchmarks/sequence.py --small: every matmul of the transformer step quantized
+(matmul_report), the exact mode either timed or reported "not supported yet" with its reason,
+the wire-bytes table of the language models; bad --policies / --models refused."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _bench import load_benchmark
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_sequence_benchmark_small(tmp_path):
+  out = tmp_path / "sequence.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sequence.py"),
+                      "--small", "--models", "transformer", "--policies",
+                      "fp32,hbfp8,hbfp8_exact", "--json", str(out)],
+                     capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  data = json.loads(out.read_text())
+  rows = {row["policy"]: row for row in data["steps"]}
+  assert list(rows) == ["fp32", "hbfp8", "hbfp8_exact"]
+  assert rows["fp32"]["step_ms"] > 0 and rows["fp32"]["ratio"] == 1.0
+  assert rows["hbfp8"]["step_ms"] > 0 and rows["hbfp8"]["ratio"] > 0
+  done, total = map(int, rows["hbfp8"]["matmuls"].split("/"))
+  assert done == total > 20  # every matmul of the step, attention and tied logits included
+  exact = rows["hbfp8_exact"]
+  assert exact["status"] == "ok" or exact["status"].startswith("not supported yet: "), exact
+  assert (exact["step_ms"] is not None) == (exact["status"] == "ok")
+  assert "| hbfp8 | " in r.stdout and "GPU rows: not measured" in r.stdout
+  wire = data["wire"]
+  cases = {(w["model"], w["vocab"]) for w in wire}
+  assert cases == {(m, v) for m in ("lstm", "transformer", "bert") for v in (257, 10001)}
+  for case in cases:
+    mine = {w["config"]: w for w in wire if (w["model"], w["vocab"]) == case}
+    assert mine["fp32 all-reduce (ring)"]["vs_fp32"] == 1.0
+    assert 0 < mine["CGX 4-bit, bucket 1024"]["wire_bytes"] < mine["fp32 all-reduce (ring)"][
+        "wire_bytes"]
+    if case[1] == 10001:  # with words, the embedding is the largest leaf
+      assert mine["onebit"]["largest_leaf"] == 10001 * 128
+
+
+def test_sequence_benchmark_gradient_check(capsys):
+  """--grads: each 8-bit policy's gradient of one LSTM loss against fp32, leaf by leaf (HBFP8
+  keeps every direction; MXFP8's floor-rule scales clip block maxima, so its gradients are
+  shorter)."""
+  mod = load_benchmark("sequence")
+  rows = {r["policy"]: r for r in mod.main(["--grads", "--small", "--models", "lstm"])}
+  assert list(rows) == ["hbfp8", "mxfp8", "e4m3", "e5m2"]
+  assert rows["hbfp8"]["min_cos"] > 0.98 and rows["hbfp8"]["leaves"] == 26
+  assert rows["hbfp8"]["cos_all"] >= rows["hbfp8"]["min_cos"] - 1e-9
+  assert rows["mxfp8"]["median_norm_ratio"] < 0.95
+  assert "| lstm | mxfp8 | 26 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, needle", [(["--policies", "fp32,hbfp9"], "--policies"),
+                                          (["--models", "gru"], "--models"),
+                                          (["--steps", "0"], "--steps")])
+def test_sequence_benchmark_refuses_bad_arguments(args, needle, capsys):
+  mod = load_benchmark("sequence")
+  with pytest.raises(SystemExit) as e:
+    mod.main(["--small", *args])
+  assert e.value.code == 2 and needle in capsys.readouterr().err
