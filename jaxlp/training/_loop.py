@@ -764,10 +764,15 @@ class Trainer:
     if stage not in self._wire_bytes and self._shard is not None:
       self._wire_bytes[stage] = self._shard.wire_bytes(self._compressor_at(step))
     if stage not in self._wire_bytes:
-      self._wire_bytes[stage] = wire_bytes_per_step(
-          self.cfg, self._compressor_at(step), self.params,
-          min_size=self.reduce_opts.get("min_size", 1024))
+      self._wire_bytes[stage] = self._allreduce_wire_bytes(self._compressor_at(step),
+                                                           self.params)
     return self._wire_bytes[stage]
+
+  def _allreduce_wire_bytes(self, comp, params) -> int:
+    """Bytes each worker sends to all-reduce the gradients of ``params`` with ``comp`` (None:
+    the configured sum): :func:`wire_bytes_per_step`."""
+    return wire_bytes_per_step(self.cfg, comp, params,
+                               min_size=self.reduce_opts.get("min_size", 1024))
 
   @property
   def wire_per_step(self) -> int:

@@ -199,11 +199,10 @@ class ShardedRun:
       self.per_device = _nbytes(params) + self.nn * opt_bytes
     self.replicated_per_device = self.replicated_per_worker
     if self.zero1:
-      from jaxlp.training._loop import wire_bytes_per_step
       self._rs_bytes = None
       self._ag_bytes = wire["all_gather"]
-      self._wire_fn = lambda c: (wire_bytes_per_step(  # noqa: E731
-          cfg, c, params, min_size=t.reduce_opts.get("min_size", 1024)) + self._ag_bytes)
+      # the replicated run's all-reduce of the full gradients, then the all-gather
+      self._wire_fn = lambda c: t._allreduce_wire_bytes(c, params) + self._ag_bytes  # noqa: E731
     else:
       total = wire["reduce_scatter"] + wire["all_gather"]
       self._wire_fn = lambda c: total  # noqa: E731
