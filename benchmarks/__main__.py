@@ -36,6 +36,7 @@ BENCHMARKS = {
     "reduce": ("CPU", ("--small",)),
     "compressors": ("CPU, GPU", ("--small",)),
     "loopback": ("CPU", ("--smoke",)),
+    "sharded": ("CPU", ("--smoke",)),
     "torch_quantize": ("CPU, GPU", ("--small",)),
     "ddp_hooks": ("CPU", ("--small",)),
     "engine_compile": ("CPU, GPU", ("--model", "tiny")),

@@ -34,6 +34,8 @@ DEFAULT_COMPARE = [
 
 
 _SEED_WHY = " (JAX's PRNG seeds are 32-bit: a larger seed would repeat a smaller one)"
+#: what a --shard run reports about its memory (metrics.jsonl; compare's summary.json)
+_MEMORY_KEYS = ("state_bytes_per_device", "replicated_state_bytes_per_device")
 #: files ``jaxlp compare`` writes into --out beside the run folders
 _COMPARE_FILES = ("summary.json", "accuracy_vs_epoch.png", "accuracy_vs_wire_bytes.png",
                   "perplexity_vs_epoch.png", "perplexity_vs_wire_bytes.png")
@@ -131,6 +133,19 @@ def _add_train_args(p: argparse.ArgumentParser, *, with_out=True):
                       "the default --momentum 0.9): unless --lr, --momentum or --lars is "
                       "given, onebit runs plain SGD at lr/(1-momentum) = 0.5, momentum 0 "
                       "(0.93 against 0.92; 0.88 against 0.90 over 6 seeds)")
+  g.add_argument("--shard", choices=("zero1", "zero2", "fsdp"), default=None,
+                 help="shard the optimizer state over the workers (zero1: gradients "
+                      "all-reduced; zero2: gradients reduce-scattered; fsdp: parameters "
+                      "sharded too, all-gathered each step); with an fp32 or --grad-format "
+                      "reduction the run has the replicated run's bits")
+  g.add_argument("--grad-wire", default=None, metavar="WIRE",
+                 help="--shard zero2/fsdp: gradient reduce-scatter rounded once to WIRE, "
+                      "all-to-all, float32 sum (ZeRO++ qgZ): int8-block[:B], int4-block[:B] "
+                      "(B=64 per power-of-two scale), mxfp8, mxfp6, mxfp4, mxint8, bf16, "
+                      "fp16, e4m3, ...")
+  g.add_argument("--param-wire", default=None, metavar="WIRE",
+                 help="--shard fsdp: parameter all-gather rounded once to WIRE (ZeRO++ qwZ; "
+                      "the float32 shards stay the master copy); names as --grad-wire")
   g = p.add_argument_group("forward/backward quantization")
   g.add_argument("--hbfp", type=_int(1), default=None, metavar="MANT",
                  help="HBFP mantissa bits (activations, weights and gradients in tiles)")
@@ -233,7 +248,28 @@ def _cmd_train(args) -> int:
   from jaxlp.training import train
 
   cfg = _config_from_args(args)
-  train(cfg)
+  mp = (args.coordinator, args.num_processes, args.process_id)
+  if all(v is None for v in mp):
+    train(cfg)
+    return 0
+  if any(v is None for v in mp):
+    raise ValueError("--coordinator, --num-processes and --process-id go together")
+  if args.process_id >= args.num_processes:
+    raise ValueError(f"--process-id {args.process_id} must be below --num-processes "
+                     f"{args.num_processes}")
+  if cfg.shard is None:
+    raise ValueError("a multi-process run (--coordinator) is implemented for sharded "
+                     "training: add --shard zero1, zero2 or fsdp")
+  if cfg.out is not None:
+    raise ValueError("--out is not implemented for a multi-process run (the run folder "
+                     "would need the gathered state); run without --out")
+  from jaxlp.parallel import initialize, shutdown
+
+  initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+  try:
+    train(cfg)
+  finally:
+    shutdown()
   return 0
 
 
@@ -318,7 +354,9 @@ def _cmd_compare(args) -> int:
     print()
     print(compare_table([(n, h) for n, _, h in results]))
     with open(os.path.join(out, "summary.json"), "w") as f:
-      json.dump([{"config": n, "dir": d, **_scores(h)} for n, d, h in results], f, indent=2)
+      json.dump([{"config": n, "dir": d, **_scores(h)}
+                 | {k: h[-1][k] for k in _MEMORY_KEYS if k in h[-1]}  # --shard runs
+                 for n, d, h in results], f, indent=2)
     if not args.no_plot:
       paths = plot_runs([d for _, d, _ in results], out, labels=[n for n, _, _ in results])
       print("\nplots: " + ", ".join(paths))
@@ -494,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
                       description="Data-parallel training with N emulated workers whose "
                                   "gradients are reduced in low precision or compressed.")
   _add_train_args(pt)
+  g = pt.add_argument_group("multi-process (jax.distributed; one command per process)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="address of process 0 (e.g. 127.0.0.1:1234); every process runs the "
+                      "same command with its own --process-id; needs --shard")
+  g.add_argument("--num-processes", type=_int(1), default=None, help="number of processes")
+  g.add_argument("--process-id", type=_int(0), default=None, help="this process (0-based)")
   pt.set_defaults(func=_cmd_train)
 
   pc = sub.add_parser("compare", help="train several configurations; table + plots",

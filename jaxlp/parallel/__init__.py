@@ -14,6 +14,9 @@ from jaxlp.parallel._compressed import ordered_psum as ordered_psum
 from jaxlp.parallel._distributed import initialize as initialize
 from jaxlp.parallel._distributed import shutdown as shutdown
 from jaxlp.parallel._emulate import emulate as emulate
+from jaxlp.parallel._fsdp import ShardedOptimizer as ShardedOptimizer
+from jaxlp.parallel._fsdp import ShardedOptState as ShardedOptState
+from jaxlp.parallel._fsdp import sharded_optimizer as sharded_optimizer
 from jaxlp.parallel._psum import ORDERS as ORDERS
 from jaxlp.parallel._psum import payload_bytes as payload_bytes
 from jaxlp.parallel._psum import psum as psum
@@ -42,13 +45,14 @@ from jaxlp.parallel._two_level import psum_two_level as psum_two_level
 
 __all__ = [
     "HIPRESS_COSTS", "ORDERS", "REDUCE_SCATTER_ORDERS", "CompressionState", "LinearCost",
-    "PlanEntry", "ReduceGradientsState", "SeCoPaCosts", "ShardedState", "all_gather",
+    "PlanEntry", "ReduceGradientsState", "SeCoPaCosts", "ShardedOptState", "ShardedOptimizer",
+    "ShardedState", "all_gather",
     "compressed_allreduce", "compressed_optimizer", "compressed_reduce_scatter",
     "compressed_wire_bytes",
     "compressors", "emulate",
     "format_emax", "hipress_costs", "init_compression_state", "init_sharded_state",
     "initialize", "measure_costs", "ordered_psum", "payload_bytes", "psum", "psum_two_level",
-    "reduce_gradients", "reduce_scatter", "secopa_plan", "sharded_support",
+    "reduce_gradients", "reduce_scatter", "secopa_plan", "sharded_optimizer", "sharded_support",
     "sharded_wire_bytes", "shutdown", "wire_payload_bytes",
 ]
 

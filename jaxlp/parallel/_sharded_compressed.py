@@ -16,14 +16,26 @@ re-quantization of partial sums and no second collective).
   :func:`~jaxlp.parallel.reduce_scatter`'s ``order="all_to_all"`` (the same noise words, with
   the step key ``fold_in(state.key, state.count)``), so without error feedback and ``mean``
   the result equals ``reduce_scatter(x, axis, fmt=wire, order="all_to_all", key=step key)``
-  bit for bit. With error feedback the residual is ``e = x' - Q(x')`` (IEEE float32), where
-  ``x' = x (/ W) + e_prev`` is what was rounded.
+  bit for bit for finite gradients (non-finite ones: below). With error feedback the
+  residual is ``e = x' - Q(x')`` (IEEE float32), where ``x' = x (/ W) + e_prev`` is what was
+  rounded.
 * a compressor of :mod:`jaxlp.parallel.compressors` whose encoding of one slab does not need
   the others: the dense quantizers (``cgx``, ``qsgd``, ``onebit``, ``tbq``, ``terngrad``) and
   ``cast``. Each slab is encoded with ``compressor.encode`` (its own state, e.g. 1-bit's
   error feedback, on the slab's part of the flat state; per-slab keys
   ``split(fold_in(fold_in(step key, worker), leaf), W)``). Sparsifiers and PowerSGD are
   refused (:func:`sharded_support`): their selection / factorisation needs the whole leaf.
+
+Non-finite values follow :func:`jaxlp.parallel.psum`'s policy (with the leaf as the unit,
+for format wires and compressors alike): if any worker's gradient holds a NaN or ±inf in a
+leaf, or any worker's reduced slab of it is not finite (an overflowing sum), the leaf is NaN
+in every slab on every worker, and its state (error-feedback residual, a compressor's state)
+is kept from the previous step, so the next finite step gives what it would have given
+without the bad one (``count`` still advances). A worker whose new state alone is not finite
+keeps its previous one. One int32 flag per leaf is max-reduced over the workers (as in
+:func:`jaxlp.parallel.reduce_scatter` with elementwise formats; not counted by
+:func:`sharded_wire_bytes`). Unlike :func:`~jaxlp.parallel.reduce_scatter` with a block
+format, which NaNs only the non-finite blocks, here a block wire NaNs the whole leaf.
 
 The parameter all-gather (qwZ) is :func:`jaxlp.parallel.all_gather` with ``fmt=`` a block
 format. :func:`sharded_wire_bytes` counts the bytes of both collectives with the all-reduce
@@ -226,6 +238,8 @@ def compressed_reduce_scatter(tree, state: ShardedState, axis_name, wire, *,
   Returns:
     ``(slabs, new_state)``: ``slabs`` as :func:`jaxlp.parallel.reduce_scatter` returns them
     (each leaf's dtype), ``new_state`` with ``count + 1`` and the new residuals / states.
+    A leaf with a NaN or ±inf on any worker (or a non-finite sum) is NaN in every slab and
+    keeps its previous state (module docstring).
 
   Raises:
     TypeError: ``wire`` is not a format or compressor; a leaf that is not
@@ -285,15 +299,46 @@ def compressed_reduce_scatter(tree, state: ShardedState, axis_name, wire, *,
       x = exact_div(x, w)
     if x.size == 0:
       res, new = x, st
-    elif is_fmt:
-      res, new = _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack,
-                              axis_name)
     else:
-      res, new = _compressor_leaf(x, st, shape, d, w, me, wire, step_key, l, axis_name)
+      if is_fmt:
+        res, new = _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack,
+                                axis_name)
+      else:
+        res, new = _compressor_leaf(x, st, shape, d, w, me, wire, step_key, l, axis_name)
+      res, new = _nonfinite_policy(x, res, st, new, axis_name)
     out.append(_slab_shape(res, shape, d, w, tiled).astype(leaf.dtype))
     news.append(new)
   return (jax.tree_util.tree_unflatten(treedef, out),
           state._replace(count=state.count + 1, leaves=tuple(news)))
+
+
+def _nonfinite_policy(x, res, old, new, axis_name):
+  """psum's non-finite policy for one leaf: if any worker's gradient ``x`` holds a NaN or
+  ±inf, or any worker's reduced slab ``res`` is not finite, the leaf is NaN in every slab and
+  its state stays ``old`` on every worker (one int32 flag max-reduced over the workers, as
+  :func:`jaxlp.parallel.reduce_scatter`'s elementwise formats do). A worker whose new state
+  alone is not finite (an overflowing residual) keeps its old one."""
+  bad = jnp.any(~jnp.isfinite(x)) | jnp.any(~jnp.isfinite(res))
+  bad = _axes.pmax(bad.astype(jnp.int32), axis_name) > 0
+  res = jnp.where(bad, jnp.float32(jnp.nan), res)
+  renew = ~bad & _all_finite(new)
+  return res, jax.tree_util.tree_map(lambda a, b: _where(renew, a, b), new, old)
+
+
+def _all_finite(tree):
+  ok = jnp.bool_(True)
+  for a in jax.tree_util.tree_leaves(tree):
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact) and jnp.size(a):
+      ok = ok & jnp.all(jnp.isfinite(a))
+  return ok
+
+
+def _where(pred, a, b):
+  if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(a)
+    return jax.random.wrap_key_data(
+        jnp.where(pred, jax.random.key_data(a), jax.random.key_data(b)), impl=impl)
+  return jnp.where(pred, a, b)
 
 
 def _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack, axis_name):

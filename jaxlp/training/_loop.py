@@ -47,10 +47,12 @@ class TrainConfig:
   ``data_dir``, ``width``; for the language models also ``tokens``, ``seq_len``, ``layers``,
   ``dropout``); workers and gradient reduction (``nodes``, ``devices``,
   ``grad_exp``/``grad_man`` or ``grad_format``, ``order``, ``aps``, ``kahan``, ``lars``,
-  ``compress``); forward/backward quantization (``hbfp``, ``tile``, ``weight_man``,
-  ``policy``, ``exact_blocks``); optimisation (``optimizer``, ``epochs``, ``batch_size``,
-  ``lr``, ``schedule``, ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output
-  (``out``, ``resume``, ``overwrite``, ``migrate_pickle``, ``quiet``).
+  ``compress``); sharded training (``shard``: ``"zero1"``, ``"zero2"`` or ``"fsdp"``;
+  ``grad_wire``, ``param_wire``: see :mod:`jaxlp.training._sharded`); forward/backward
+  quantization (``hbfp``, ``tile``, ``weight_man``, ``policy``, ``exact_blocks``);
+  optimisation (``optimizer``, ``epochs``, ``batch_size``, ``lr``, ``schedule``,
+  ``warmup_epochs``, ``momentum``, ``weight_decay``, ``seed``); output (``out``, ``resume``,
+  ``overwrite``, ``migrate_pickle``, ``quiet``).
   ``max_steps_per_epoch`` caps an epoch (for quick tests).
 
   ``width`` scales every model (MLP hidden units ``8 * width``, CNN channels ``2 * width``
@@ -99,6 +101,9 @@ class TrainConfig:
   kahan: bool = False
   lars: bool = False
   compress: str | None = None
+  shard: str | None = None
+  grad_wire: str | None = None
+  param_wire: str | None = None
   hbfp: int | None = None
   tile: int | None = None
   weight_man: int | None = None
@@ -278,7 +283,7 @@ _FLOAT_FIELDS = {"lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}  # finite, >= 
 _BOOL_FIELDS = ("aps", "kahan", "lars", "exact_blocks", "resume", "overwrite", "migrate_pickle",
                 "quiet")
 _STR_FIELDS = ("model", "data", "data_dir", "tokens", "grad_format", "order", "compress",
-               "policy", "optimizer", "schedule", "out")
+               "policy", "optimizer", "schedule", "out", "shard", "grad_wire", "param_wire")
 
 
 def _flag(name):
@@ -447,7 +452,8 @@ def check_flags(cfg: TrainConfig) -> dict:
   naming the flag): field types and ranges, devices, gradient format, compressor, policy.
 
   Returns the resolved pieces: ``ndev``, ``fmt``, ``compressor``, ``reduce_opts``,
-  ``policy``. ``jaxlp compare`` calls it for every configuration before the first run."""
+  ``grad_wire``, ``param_wire``, ``policy``. ``jaxlp compare`` calls it for every
+  configuration before the first run."""
   check_config(cfg)
   if cfg.devices > 0:
     ndev = cfg.devices
@@ -470,8 +476,9 @@ def check_flags(cfg: TrainConfig) -> dict:
         f"--order {cfg.order} applies only to a low-precision gradient sum (--grad-exp/"
         "--grad-man or --grad-format): fp32 runs reduce with lax.psum and --compress runs "
         "with the compressor's aggregation (choose it with --compress NAME:algorithm=...)")
-  return {"ndev": ndev, "fmt": fmt, "compressor": compressor, "reduce_opts": reduce_opts,
-          "policy": _policy(cfg)}
+  flags = {"ndev": ndev, "fmt": fmt, "compressor": compressor, "reduce_opts": reduce_opts}
+  from jaxlp.training import _sharded
+  return flags | _sharded.check(cfg, flags) | {"policy": _policy(cfg)}
 
 
 def _device_bytes(dev) -> tuple[int | None, str]:
@@ -607,6 +614,10 @@ class Trainer:
     self.epoch = 0
     self.step = 0
     self._build_step()
+    self._shard = None
+    if cfg.shard is not None:  # parameters / optimizer state sharded over the workers
+      from jaxlp.training._sharded import ShardedRun
+      self._shard = ShardedRun(self, flags)
     if self.lm:
       self._check_lm_step()
 
@@ -643,7 +654,8 @@ class Trainer:
     # specified bits (jaxlp.training._portable), so the run is the same on every backend
     self.portable = bool(cfg.exact_blocks and cfg.model in ("mlp", "cnn") and not cfg.lars
                          and cfg.optimizer == "sgd" and cfg.weight_man is None
-                         and self.compressor is None and self.fmt is None)
+                         and self.compressor is None and self.fmt is None
+                         and cfg.shard is None)
     self.model = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width),
                          portable=self.portable, **kw)
     self.apply_model = self.model.apply
@@ -749,11 +761,18 @@ class Trainer:
     """Bytes each worker sends at step ``step`` (:func:`wire_bytes_per_step` of that step's
     compressor: DGC's warm-up stages send less as the sparsity rises)."""
     stage = self._stage(step)
+    if stage not in self._wire_bytes and self._shard is not None:
+      self._wire_bytes[stage] = self._shard.wire_bytes(self._compressor_at(step))
     if stage not in self._wire_bytes:
-      self._wire_bytes[stage] = wire_bytes_per_step(
-          self.cfg, self._compressor_at(step), self.params,
-          min_size=self.reduce_opts.get("min_size", 1024))
+      self._wire_bytes[stage] = self._allreduce_wire_bytes(self._compressor_at(step),
+                                                           self.params)
     return self._wire_bytes[stage]
+
+  def _allreduce_wire_bytes(self, comp, params) -> int:
+    """Bytes each worker sends to all-reduce the gradients of ``params`` with ``comp`` (None:
+    the configured sum): :func:`wire_bytes_per_step`."""
+    return wire_bytes_per_step(self.cfg, comp, params,
+                               min_size=self.reduce_opts.get("min_size", 1024))
 
   @property
   def wire_per_step(self) -> int:
@@ -832,16 +851,21 @@ class Trainer:
     loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
     return loss / self.cfg.nodes, batch_stats
 
+  def _node_loss(self):
+    """One worker's loss function ``(params, batch_stats, x, y, key) -> (loss pre-scaled by
+    1/W, new batch statistics)`` (:meth:`_lm_loss` or :meth:`_classifier_loss`); the step of
+    the replicated run and that of ``--shard`` (:mod:`jaxlp.training._sharded`) share it."""
+    if self.lm:
+      return self._lm_loss
+    return functools.partial(self._classifier_loss,
+                             bool(jax.tree_util.tree_leaves(self.batch_stats)))
+
   def _build_step(self):
     import optax
 
     W = self.cfg.nodes
     has_bn = bool(jax.tree_util.tree_leaves(self.batch_stats))
-
-    if self.lm:
-      node_loss = self._lm_loss
-    else:
-      node_loss = functools.partial(self._classifier_loss, has_bn)
+    node_loss = self._node_loss()
 
     mesh = None
     if self.ndev > 1:
@@ -941,7 +965,7 @@ class Trainer:
     try:
       jax.eval_shape(step, self.params, self.batch_stats, self.opt_state, self.comp_state, x, x,
                      self.step_key)
-      jax.eval_shape(self._eval_sums, self.params, xe, ye, we)
+      jax.eval_shape(self._eval_sums, self._full_params(), xe, ye, we)
     except NotImplementedError as e:
       flags = " ".join(f for f in (
           f"--hbfp {cfg.hbfp}" if cfg.hbfp is not None else "",
@@ -963,11 +987,16 @@ class Trainer:
       correct += int(np.sum(np.asarray(pred) == ds.y_test[i:i + bs]))
     return correct / len(ds.x_test)
 
+  def _full_params(self):
+    """This process's copy of the full parameters (a ``--shard fsdp`` run keeps only the
+    workers' shards between steps: gathered here)."""
+    return self.params if self._shard is None else self._shard.local_full_params(self.params)
+
   def evaluate_text(self) -> dict:
     """A language model's mean token cross-entropy (BERT: of its masked tokens) on the
     valid and test text: ``valid_loss``, ``valid_perplexity``, ``test_loss``,
     ``perplexity`` (of the test text; ``exp`` of its loss)."""
-    ce, n = jax.device_get(self._eval_sums(self.params, *self.eval_windows))
+    ce, n = jax.device_get(self._eval_sums(self._full_params(), *self.eval_windows))
     ce, n = np.asarray(ce, np.float64), np.asarray(n, np.float64)
     out = {}
     for split, part in (("valid", slice(0, self.eval_split)),
@@ -1018,9 +1047,10 @@ class Trainer:
     with _device_memory(cfg, "evaluating"):
       scores = self.evaluate_text() if self.lm else {"test_accuracy": self.evaluate()}
     self.epoch += 1
+    mem = {} if self._shard is None else self._shard.memory()
     return {"epoch": self.epoch, "train_loss": float(np.mean(losses)), **scores,
             "wire_bytes": int(wire), "steps": steps,
-            "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0}
+            "nonfinite_steps": nonfinite, "seconds": time.perf_counter() - t0} | mem
 
   # -- checkpoints -----------------------------------------------------------------------
   def state_dict(self):
@@ -1045,6 +1075,8 @@ class Trainer:
     """Put the state where the compiled step leaves it (replicated over the mesh; the workers'
     compression state split over it), so that the first step and the later ones share one
     executable instead of compiling twice. A no-op on one device or for placed arrays."""
+    if self._shard is not None:
+      return self._shard.place()
     if self._mesh is None:
       return
     rep = jax.sharding.NamedSharding(self._mesh, P())
@@ -1220,6 +1252,8 @@ class _Run:
       _runs.atomic_write(metrics_path, b"")
     rec = _runs.recorded_config(cfg) | {"n_params": trainer.n_params,
                                         "wire_bytes_per_step": trainer.wire_per_step}
+    if trainer._shard is not None:
+      rec |= trainer._shard.memory()
     _runs.atomic_write(os.path.join(cfg.out, _runs.CONFIG),
                        (json.dumps(rec, indent=2) + "\n").encode())
     self._header(notes)
@@ -1229,7 +1263,7 @@ class _Run:
     cfg, trainer, stream = self.cfg, self.trainer, self.stream
     if cfg.quiet:
       return
-    fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or "fp32")
+    fmt = trainer.fmt if trainer.fmt is not None else (cfg.compress or cfg.grad_wire or "fp32")
     if trainer.lm:
       sizes = f"{trainer.ds.name}, {trainer.ds.sizes()}, windows of {cfg.seq_len}"
     else:
@@ -1239,6 +1273,8 @@ class _Run:
                  f"device(s), gradients {fmt}"
                  f"{' +APS' if cfg.aps else ''}{' +Kahan' if cfg.kahan else ''}, order "
                  f"{cfg.order}, {trainer.n_params} params\n")
+    if trainer._shard is not None:
+      stream.write(trainer._shard.header() + "\n")
     for note in notes:
       stream.write(f"jaxlp train: {note}\n")
     stream.flush()

@@ -47,8 +47,8 @@ from jaxlp.formats import _bits as B
 from jaxlp.parallel import _axes
 
 _f32 = np.float32
-_NAN = B.u32(B.QNAN_BITS)
-_SIGN = B.u32(B.SIGN_MASK)
+_NAN = np.uint32(B.QNAN_BITS)  # numpy: no device array (backend start-up) at import
+_SIGN = np.uint32(B.SIGN_MASK)
 
 
 def _bits(x):

@@ -38,6 +38,12 @@ BAD = {
     "--kahan": (["--kahan=yes"], "--kahan"),
     "--lars": (["--lars=1"], "--lars"),
     "--compress": (["--compress", "cgx:bits=4.5"], "--compress"),
+    "--shard": (["--shard", "zero4"], "--shard"),
+    "--grad-wire": (["--grad-wire", "int4-block"], "--grad-wire"),  # needs --shard
+    "--param-wire": (["--shard", "fsdp", "--param-wire", "int5-block"], "--param-wire"),
+    "--coordinator": (["--coordinator", "127.0.0.1:1"], "--coordinator"),  # alone
+    "--num-processes": (["--num-processes", "0"], "--num-processes"),
+    "--process-id": (["--process-id", "-1"], "--process-id"),
     "--hbfp": (["--hbfp", "0"], "--hbfp"),
     "--tile": (["--tile", "-1"], "--tile"),
     "--weight-man": (["--weight-man", "16"], "--weight-man"),

@@ -403,6 +403,33 @@ def test_block_wire_roundtrip_with_special_values(fmt):
   assert nbytes == jp.wire_payload_bytes(fmt, x.size)
 
 
+@pytest.mark.parametrize("fmt", [F.BlockFormat(3, axis=-1, block_size=64), F.mx(F.E2M1FN),
+                                 F.mx(F.E3M2FN), F.BlockFormat(7, axis=-1, block_size=64)],
+                         ids=str)
+def test_block_wire_bytes_are_pack_bits_stream(fmt):
+  """The wire packs its codes with pack_bits_vectorized: the bytes of pack_bits (the stream
+  the wire is specified by), also for a row that ends in a partial word."""
+  import dataclasses
+
+  from jaxlp.parallel._sharded import _BlockWire, _wire
+  from jaxlp.parallel.compressors import pack_bits
+
+  @dataclasses.dataclass(frozen=True)
+  class Reference(_BlockWire):
+    def _pack(self, codes):
+      return pack_bits(codes, self.bits)
+
+  wire = _wire(fmt, True)
+  ref = Reference(wire.fmt, wire.block_size)
+  x = np.random.default_rng(3).normal(size=64 * 9 + 13).astype(np.float32)
+  x[5], x[70] = np.nan, -0.0
+  q = F.quantize(jnp.asarray(x), fmt)
+  got = jax.jit(wire.encode)(q, jnp.asarray(x))
+  want = jax.jit(ref.encode)(q, jnp.asarray(x))
+  for k in ("codes", "scales"):
+    assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+
+
 # ---------------------------------------------------------------------------------------------
 # bytes on the wire: the accounting == what the traced collectives carry
 

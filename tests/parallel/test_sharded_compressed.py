@@ -264,3 +264,45 @@ def test_wire_bytes_equal_the_traced_collectives(wire):
     want = jp.sharded_wire_bytes(jax.ShapeDtypeStruct(shape, jnp.float32), W, fmt=wire,
                                  order="all_to_all", scatter_dimension=d)
     assert got == want, (k, got, want)
+
+
+@pytest.mark.parametrize("wire, ef", [(F.BlockFormat(3, axis=-1, block_size=3), True),
+                                      (C.onebit(), False)], ids=["int4-blocks-ef", "onebit"])
+def test_nonfinite_gradients_nan_the_leaf_and_keep_the_state(wire, ef, cpu_devices):
+  """psum's non-finite policy: a NaN or ±inf in any worker's leaf makes the whole leaf NaN in
+  every slab at that step (an unrelated leaf is unchanged) and leaves its state (error-feedback
+  residual, 1-bit's residual) as before the step, so the next step equals the run without the
+  bad step (numpy oracle); vmap and shard_map give the same bits."""
+  nsteps = 3
+  data = multi_step_data(4, nsteps)
+  data["w"][1, 1, 2, 0] = np.inf  # worker 1, step 1, leaf "w"
+  data["w"][3, 1, 5, 2] = -np.inf if isinstance(wire, F.BlockFormat) else np.nan
+  got = steps(wire, nsteps, data, error_feedback=ef, mean=True)
+  finite = {k: v.copy() for k, v in data.items()}
+  finite["w"][:, 1] = 0.0
+  skipped = {k: np.delete(v, 1, axis=1) for k, v in data.items()}  # "w" without step 1
+  if hasattr(wire, "aggregation"):
+    want_v, st_v = compressor_oracle(wire, finite, nsteps, mean=True)
+    want_w, st_w = compressor_oracle(wire, skipped, nsteps - 1, mean=True)
+  else:
+    want_v, st_v = format_oracle(wire, finite, nsteps, error_feedback=ef, mean=True)
+    want_w, st_w = format_oracle(wire, skipped, nsteps - 1, error_feedback=ef, mean=True)
+  outs = got[0]
+  for s in range(nsteps):
+    assert_same_bits(np.asarray(outs[s]["v"]).reshape(W, -1), want_v[s]["v"], f"v step {s}")
+  assert np.all(np.isnan(np.asarray(outs[1]["w"])))
+  for s, s_ref in ((0, 0), (2, 1)):
+    assert_same_bits(np.asarray(outs[s]["w"]).reshape(W, -1), want_w[s_ref]["w"], f"w step {s}")
+  for k, st in (("v", st_v), ("w", st_w)):
+    mine = got[1][KEYS.index(k)]
+    if ef:
+      assert_same_bits(mine["residual"], st[k], f"residual {k}")
+    elif hasattr(wire, "aggregation"):
+      for r in range(W):
+        for a, b in zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(st[k][r]),
+                        strict=True):
+          assert_same_bits(np.asarray(a)[r], b, f"state {k} worker {r}")
+  sm = steps(wire, nsteps, data, error_feedback=ef, mean=True, runner=run_shard_map)
+  for a, b in zip(jax.tree_util.tree_leaves(sm[:2]), jax.tree_util.tree_leaves(got[:2]),
+                  strict=True):
+    assert_same_bits(np.asarray(a), np.asarray(b), "shard_map vs vmap")
