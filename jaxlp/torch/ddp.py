@@ -167,11 +167,12 @@ def chain_sum(stack, fmt, kahan: bool = False):
 
 
 def _gather(t, group):
-  """``(W, *t.shape)`` stack of every rank's ``t`` in rank order (``dist.all_gather``)."""
+  """``(W, *t.shape)`` stack of every rank's ``t`` in rank order (``dist.all_gather`` into the
+  rows of one tensor: no stacking copy)."""
   w = dist.get_world_size(group)
-  out = [torch.empty_like(t) for _ in range(w)]
-  dist.all_gather(out, t.contiguous(), group=group)
-  return torch.stack(out)
+  out = torch.empty((w,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+  dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+  return out
 
 
 def _aps_exponents(pieces, w):
@@ -356,11 +357,103 @@ def _gather_bits(t, group):
   return _gather(t.reshape(-1).view(torch.uint8), group).view(t.dtype)
 
 
-def _cast_mean(comp, flat, group, w):
-  """PyTorch's cast hook on ``flat`` (any float dtype): the float32 mean, on the cast grid."""
+_TORCH_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@functools.cache
+def _subnormal_probe():
+  return torch.tensor([2.0 ** -149], dtype=torch.float32)
+
+
+def _torch_keeps_subnormals() -> bool:
+  """Whether torch's float32 arithmetic on this thread is IEEE's gradual underflow (not
+  ``torch.set_flush_denormal(True)``): ``1.5 * 2**-149`` rounds to ``2**-148``."""
+  return (_subnormal_probe() * 1.5).item() == 2.0 ** -148
+
+
+def _cast_share_torch(flat, dtype, w: int):
+  """:func:`~jaxlp.parallel._aggregate.cast_share` for ``fp16`` / ``bf16`` in torch's
+  arithmetic (PyTorch's ``buffer.to(dtype).div_(W)``), the same bits.
+
+  Why the bits are the engine's: ``to(dtype)`` rounds float32 to nearest even with gradual
+  underflow and overflow to inf (the format's rounding ``comp.round``); the division of a
+  16-bit value by an integer ``w`` is evaluated in float32 (IEEE, gradual underflow) and
+  rounded to the 16-bit type: float32 has at least ``2p + 2`` significand bits of either
+  format (``p`` = 11, 8), so this double rounding equals the correctly rounded quotient
+  (Figueroa), and in bfloat16's subnormal range (the same fixed grid step as float32's times
+  ``2**16``) a quotient cannot fall within ``2**-150`` of a midpoint it is not on for
+  ``w < 2**16``. Tested bit for bit against the engine over every 16-bit value
+  (``tests/torch_bridge/test_ddp_torch_casts.py``). Needs IEEE subnormals in torch (see
+  :func:`_torch_keeps_subnormals`) and ``w < 2**16``; NaN payloads are torch's.
+
+  Args:
+    flat: a float32, float16 or bfloat16 tensor (not modified).
+    dtype: ``torch.float16`` or ``torch.bfloat16``.
+    w: the number of ranks.
+
+  Returns:
+    The addend, a new ``dtype`` tensor.
+  """
+  return torch.div(flat.to(dtype), w)
+
+
+def _cast_gathered_sum_torch(stack):
+  """:func:`~jaxlp.parallel._aggregate.cast_gathered_sum` in torch's arithmetic: the rows of
+  the 16-bit ``(W, n)`` stack summed in psum's ring order (the vector cut into W chunks,
+  chunk c accumulated from rank c's chunk on, ``acc = Q(acc + c_r)`` for r = c+1, c+2, ...
+  mod W), each add a torch add in the 16-bit dtype: evaluated in float32 (exact or correctly
+  rounded, gradual underflow) and rounded once to the 16-bit type, which equals the correctly
+  rounded 16-bit sum ``Q(a + b)`` (float32 has ``>= 2p + 2`` bits). For two ranks the one
+  add ``c_0 + c_1``. NaN payloads are torch's (:func:`_cast_mean` makes them the
+  engine's).
+
+  Args:
+    stack: ``(W, n)`` float16 or bfloat16 tensor, one row per rank in rank order.
+
+  Returns:
+    The ``(n,)`` sums, in the stack's dtype.
+  """
+  w, n = stack.shape
+  if w == 1:
+    return stack[0].clone()
+  if w == 2:
+    return stack[0] + stack[1]
+  size = -(-n // w)
+  xs = torch.nn.functional.pad(stack, (0, w * size - n)).reshape(w, w, size)
+  chunks = torch.arange(w)
+  acc = xs[chunks, chunks]
+  for k in range(1, w):
+    acc = acc + xs[(chunks + k) % w, chunks]
+  return acc.reshape(-1)[:n]
+
+
+def _cast_mean(comp, flat, group, w, out=None):
+  """PyTorch's cast hook on ``flat`` (any float dtype): the mean, on the cast grid, written
+  into ``out`` (any float dtype, ``flat``'s shape; None: a new float32 tensor) and returned.
+
+  fp16 / bf16 run in torch's arithmetic (:func:`_cast_share_torch`,
+  :func:`_cast_gathered_sum_torch`: the engine's bits, tested against it) when torch keeps
+  subnormals; otherwise, and for other formats, the engine's jitted ``cast_share`` /
+  ``cast_gathered_sum``. Either way ``out`` gets the same bits, NaNs included (the engine's
+  positive quiet NaN, as torch writes it into ``out``'s dtype)."""
+  if out is None:
+    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+  nd = comp.native_dtype
+  dtype = _TORCH_HALF.get(np.dtype(nd).name) if nd is not None else None
+  if dtype is not None and w < 2 ** 16 and _torch_keeps_subnormals():
+    total = _cast_gathered_sum_torch(_gather_bits(_cast_share_torch(flat, dtype, w), group))
+    out.copy_(total.view_as(out))
+    if not math.isfinite(out.sum(dtype=torch.float32).item()):  # one pass: any NaN there?
+      # as the jitted path: a float32 result with the engine's NaN, copied into ``out``
+      # (torch's 16-bit-to-float32 copy does not give that NaN, nor does its float32-to-bf16
+      # copy give the NaN of a scalar write)
+      total = total.float()
+      total[total.isnan()] = math.nan
+      out.copy_(total.view_as(out))
+    return out
   share, total = _cast_fns(comp, w)
   mine = to_torch(share(to_jax(flat.contiguous())))
-  return to_torch(total(to_jax(_gather_bits(mine, group).contiguous())))
+  return out.copy_(to_torch(total(to_jax(_gather_bits(mine, group).contiguous()))).view_as(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,8 +920,7 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
   buf = _check_bucket("allreduce_hook", bucket)
   group = _world(process_group)
   if buf.dtype in _HALF:
-    buf.copy_(_cast_mean(cast(_HALF[buf.dtype]), buf.reshape(-1), group, group.size())
-              .view_as(buf))
+    _cast_mean(cast(_HALF[buf.dtype]), buf.reshape(-1), group, group.size(), out=buf)
     return _done(buf)
   x = to_torch(_div_fn(group.size())(to_jax(buf.reshape(-1).contiguous()))).clone()
   dist.all_reduce(x, group=group)
@@ -844,7 +936,7 @@ def _div_fn(w):
 def _compress_hook(name, dtype, process_group, bucket):
   buf = _check_bucket(name, bucket)
   group = _world(process_group)
-  buf.copy_(_cast_mean(cast(dtype), buf.reshape(-1), group, group.size()).view_as(buf))
+  _cast_mean(cast(dtype), buf.reshape(-1), group, group.size(), out=buf)
   return _done(buf)
 
 
