@@ -557,9 +557,38 @@ def _cat(arrays, dtype=jnp.float32):
   return jnp.concatenate([jnp.ravel(a) for a in arrays]) if arrays else jnp.zeros((0,), dtype)
 
 
+def _segments(plan):
+  """(start, stop) of the pieces :func:`_powersgd_stages`' ``finish_pieces`` returns, in
+  bucket order: the uncompressed tensors and the matrices (the batched hook: one piece)."""
+  if plan.square:
+    return ((0, plan.numel),)
+  return tuple(sorted(list(plan.unc) + [(s, s + n * m) for s, n, m, _ in plan.mats]))
+
+
+@functools.cache
+def _stage_fns(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """The stages of one bucket (Python functions, see :func:`_powersgd_stages`)."""
+  return _define_stages(plan, comp, w, half_fmt, error_feedback)
+
+
 @functools.cache
 def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
-  """The three jitted stages of one bucket: the JAX engine's ``powersgd_start`` /
+  """Jitted ``(start, middle, finish)`` of :func:`_define_stages`."""
+  f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
+  return jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish"])
+
+
+@functools.cache
+def _powersgd_hook_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """Jitted ``(start, middle, finish_pieces, errors)`` of :func:`_define_stages`: what the
+  hooks run."""
+  f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
+  return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
+          jax.jit(f["errors"]))
+
+
+def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """The stages of one bucket: the JAX engine's ``powersgd_start`` /
   ``powersgd_middle`` / ``powersgd_finish`` (``comp``: without error feedback, warm start:
   the Q given is orthogonalized), with PyTorch's bucket-level error feedback around them.
   ``half_fmt``: None for a float32 bucket, else its 16-bit format (the fp16/bf16 wrappers):
@@ -572,12 +601,19 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   ``finish(xe, p, q_sum, unc_sum) -> (out, err, q)``: the bucket (``unc_sum / W`` for the
   uncompressed tensors, ``P (sum Q / W)^T`` for the others), ``err = xe - out`` (None
   without error feedback) and the new Q memory ``sum Q / W``.
+  ``finish_pieces(xe, p, q_sum, unc_sum) -> (outs, q)`` and ``errors(xe, outs) -> errs``:
+  the same values with ``out`` and ``err`` as lists of the pieces of :func:`_segments` (the
+  batched hook: one piece each, ``s*s`` long, the bucket is the first ``numel``), which the
+  hook writes into the bucket with torch: XLA:CPU assembling the whole bucket from them took
+  most of the stage's time, and computing ``err`` in the same program recomputed every
+  product ``P Q^T`` (2-core CPU, 2026-11-29). ``finish`` assembles the same pieces in JAX.
   """
   rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
   out_dt = jnp.float32 if half_fmt is None else (
       jnp.float16 if half_fmt == FP16 else jnp.bfloat16)
   q_shapes = [(m, r) for _, _, m, r in plan.mats]
   p_shapes = [(n, r) for _, n, _, r in plan.mats]
+  segments = _segments(plan)
 
   def matrices(xe):
     if plan.square:
@@ -599,27 +635,41 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
     ps, qs = powersgd_middle(comp, matrices(xe), _split(p_sum.astype(jnp.float32), p_shapes))
     return rnd(_cat(ps)), _cat(qs).astype(out_dt)
 
-  def finish(xe, p, q_sum, unc_sum):
+  def finish_pieces(xe, p, q_sum, unc_sum):
     qs = _split(q_sum.astype(jnp.float32), q_shapes)
     sts = [{"q": qi, "iter": jnp.zeros((), jnp.int32)} for qi in qs]
     approx, news = powersgd_finish(comp, matrices(xe), _split(p, p_shapes), qs, sts, w,
                                    mean=True)
-    if plan.square:
-      full = rnd(approx[0].reshape(-1))
-      out = full[:plan.numel]
-    else:
-      out = jnp.zeros((plan.numel,), jnp.float32)
-      sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
-      for (a, b), v in zip(plan.unc, sums, strict=True):
-        out = out.at[a:b].set(v)
-      for (s, n, m, _), v in zip(plan.mats, approx, strict=True):
-        out = out.at[s:s + n * m].set(v.reshape(-1))
-      full = out = rnd(out)
-    err = rnd(xe - full).astype(out_dt) if error_feedback else None
     q_new = rnd(_cat([st["q"] for st in news])).astype(out_dt)
-    return out.astype(out_dt), err, q_new
+    if plan.square:
+      return [rnd(approx[0].reshape(-1)).astype(out_dt)], q_new
+    sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
+    piece = dict(zip(plan.unc, sums, strict=True))  # (start, stop) -> values
+    piece.update(((s, s + n * m), v.reshape(-1)) for (s, n, m, _), v in zip(plan.mats, approx,
+                                                                             strict=True))
+    return [rnd(piece[ab]).astype(out_dt) for ab in segments], q_new
 
-  return jax.jit(start), jax.jit(middle), jax.jit(finish)
+  def errors(xe, outs):
+    if plan.square:
+      return [rnd(xe - outs[0].astype(jnp.float32)).astype(out_dt)]
+    return [rnd(xe[a:b] - v.astype(jnp.float32)).astype(out_dt)
+            for (a, b), v in zip(segments, outs, strict=True)]
+
+  def finish(xe, p, q_sum, unc_sum):
+    outs, q_new = finish_pieces(xe, p, q_sum, unc_sum)
+    errs = errors(xe, outs) if error_feedback else None
+    if plan.square:
+      return outs[0][:plan.numel], None if errs is None else errs[0], q_new
+    out = jnp.zeros((plan.numel,), out_dt)
+    err = None if errs is None else jnp.zeros((plan.numel,), out_dt)
+    for i, (a, b) in enumerate(segments):
+      out = out.at[a:b].set(outs[i])
+      if errs is not None:
+        err = err.at[a:b].set(errs[i])
+    return out, err, q_new
+
+  return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
+          "errors": errors}
 
 
 def _hook_comp(rank, min_rate, eps, half, method="auto"):
@@ -632,18 +682,21 @@ def _hook_comp(rank, min_rate, eps, half, method="auto"):
                   orthogonalization_epsilon=float(eps))
 
 
-def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback):
+def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, out=None):
   """One PowerSGD step of a bucket: the three stages and the three sums over ranks.
 
   ``flat``: the bucket (float32, float16 or bfloat16). ``error``: the bucket's error (its
   dtype, ``plan``'s length; ignored without error feedback). ``q``: the Q memory (flat, in
   ``plan``'s order; orthogonalized here, as PyTorch does for a warm or a fresh Q).
-  ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). Returns ``(out, err, p, q)``
-  as torch tensors of the bucket's dtype (``err`` None without error feedback).
+  ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). ``out``: where to write the
+  result (``flat``'s length and dtype; may be the bucket itself); None: a new tensor.
+  Returns ``(out, err, p, q)`` as torch tensors of the bucket's dtype (``err`` None without
+  error feedback).
   """
   dt = flat.dtype
   half_fmt = {torch.float16: FP16, torch.bfloat16: BF16}.get(dt)
-  start, middle, finish = _powersgd_stages(plan, comp, w, half_fmt, bool(error_feedback))
+  start, middle, finish, errors = _powersgd_hook_stages(plan, comp, w, half_fmt,
+                                                        bool(error_feedback))
   x = to_jax(flat.contiguous())
   e = to_jax(error.contiguous()) if error_feedback else jnp.zeros((0,), jnp.float32)
   xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
@@ -651,9 +704,26 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback):
   p_sum = sum_fn(to_torch(p_loc).clone())
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
   q_sum = sum_fn(to_torch(q_loc).clone())
-  out, err, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
-  return (to_torch(out), None if err is None else to_torch(err),
-          to_torch(p.astype(out.dtype)), to_torch(q_new))
+  outs, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
+  errs = errors(xe, outs) if error_feedback else None
+  # to_torch waits for each result: every read of ``xe`` (which may alias ``flat``) is done
+  # before ``out`` (which may be ``flat``) is written
+  outs = [to_torch(v) for v in outs]
+  err = None
+  if errs is not None:
+    errs = [to_torch(v) for v in errs]
+    err = errs[0] if plan.square else torch.empty(plan.numel, dtype=dt, device=flat.device)
+  if out is None:
+    out = torch.empty(plan.numel, dtype=dt, device=flat.device)
+  if plan.square:
+    out.copy_(outs[0][:plan.numel])
+  else:
+    for i, (a, b) in enumerate(_segments(plan)):
+      out[a:b].copy_(outs[i])
+      if errs is not None:
+        err[a:b].copy_(errs[i])
+  return out, err, to_torch(p if p.dtype == q_new.dtype else p.astype(q_new.dtype)), \
+      to_torch(q_new)
 
 
 def _allreduce_sum(group):
@@ -793,9 +863,11 @@ def _powersgd_hook(state, bucket, square):
     _check_memory(state, "q_memory_dict", idx, q, _q_size(plan))
   comp = _hook_comp(rank, state.min_compression_rate, state.orthogonalization_epsilon,
                     buf.dtype != torch.float32)
+  in_place = buf.is_contiguous()  # then ``flat`` is a view of the bucket: written in place
   out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,
                                     sum_fn=_allreduce_sum(group),
-                                    error_feedback=state.use_error_feedback)
+                                    error_feedback=state.use_error_feedback,
+                                    out=flat if in_place else None)
   if state.use_error_feedback:
     state.error_dict[idx] = err
   if square:  # PyTorch's layout: P and Q of the batched hook are (s, r) matrices
@@ -806,7 +878,8 @@ def _powersgd_hook(state, bucket, square):
   if not state.warm_start:
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
-  buf.copy_(out.view_as(buf))
+  if not in_place:
+    buf.copy_(out.view_as(buf))
   state.maybe_increase_iter(bucket)
   return _done(buf)
 
@@ -1005,8 +1078,7 @@ def _compress_wrapper(name, dtype, fmt, hook):
     if buf.dtype != torch.float32:
       raise TypeError(f"jaxlp.torch.ddp.{name}: bucket dtype must be float32, got "
                       f"dtype={buf.dtype}")
-    narrow = to_torch(_round_fn(fmt, dtype)(to_jax(buf.reshape(-1).contiguous())))
-    bucket.set_buffer(narrow.clone().view_as(buf))
+    bucket.set_buffer(_round_to_half(buf.reshape(-1), fmt, dtype).view_as(buf))
     fut = hook(hook_state, bucket)
 
     def decompress(f):
@@ -1024,6 +1096,18 @@ def _compress_wrapper(name, dtype, fmt, hook):
 @functools.cache
 def _round_fn(fmt, dtype):
   return jax.jit(lambda x: lax.convert_element_type(spec_quantize(x, fmt), dtype))
+
+
+def _round_to_half(flat, fmt, dtype):
+  """A new 16-bit tensor: float32 ``flat`` rounded to ``fmt`` (FP16 / BF16, ``dtype`` its JAX
+  dtype) as :func:`jaxlp.formats.quantize` rounds, bits included. torch's ``to(dtype)``
+  (nearest even, gradual underflow, overflow to inf: tested against it in
+  ``tests/torch_bridge/test_ddp_torch_casts.py``) when every element is finite and torch
+  keeps subnormals; else the jitted spec (which also gives its own NaN)."""
+  tdt = _TORCH_HALF[np.dtype(dtype).name]
+  if _torch_keeps_subnormals() and math.isfinite(flat.sum().item()):
+    return flat.to(tdt)
+  return to_torch(_round_fn(fmt, dtype)(to_jax(flat.contiguous()))).clone()
 
 
 def fp16_compress_wrapper(hook):

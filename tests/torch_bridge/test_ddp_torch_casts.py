@@ -154,3 +154,32 @@ def test_hook_mean_is_the_engines(name, monkeypatch):
     check()
   finally:
     torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_wrapper_rounding_is_the_specs(name, monkeypatch):
+  """``fp16_compress_wrapper`` / ``bf16_compress_wrapper`` round the bucket with torch's
+  ``to(dtype)`` (finite buckets) or the jitted spec (a bucket with inf or NaN): the spec's
+  bits either way, at every rounding boundary of the 16-bit grid (the largest values one at
+  a time, so that the finiteness check's sum does not overflow)."""
+  from jaxlp.formats import BF16, FP16  # noqa: PLC0415
+  fmt, jdt = {"fp16": (FP16, jnp.float16), "bf16": (BF16, jnp.bfloat16)}[name]
+  tdt, _ = DTYPES[name]
+  x = _boundaries(_all_values(tdt).numpy())
+  spec = ddp._round_fn(fmt, jdt)
+
+  def want(flat):
+    return ddp.to_torch(spec(ddp.to_jax(flat))).view(torch.int16).numpy()
+
+  got = ddp._round_to_half(x, fmt, jdt)  # inf and NaN inside: the spec
+  assert got.dtype == tdt
+  np.testing.assert_array_equal(got.view(torch.int16).numpy(), want(x))
+  small = x[torch.isfinite(x) & (x.abs() < 1e30)]
+  huge = x[torch.isfinite(x) & (x.abs() >= 1e30)]
+  assert len(huge) >= 3
+  want_small, want_huge = want(small), want(huge)
+  monkeypatch.setattr(ddp, "_round_fn", None)  # torch's path only from here on
+  got = ddp._round_to_half(small, fmt, jdt)
+  np.testing.assert_array_equal(got.view(torch.int16).numpy(), want_small)
+  got = torch.cat([ddp._round_to_half(v, fmt, jdt) for v in huge.reshape(-1, 1)])
+  np.testing.assert_array_equal(got.view(torch.int16).numpy(), want_huge)
