@@ -80,7 +80,7 @@ from jaxlp.parallel._aggregate import (
 from jaxlp.parallel._aps import format_emax
 from jaxlp.parallel._psum import _check, _Rounder
 from jaxlp.parallel._psum import chain_sum as _psum_chain
-from jaxlp.parallel.compressors._base import exact_div
+from jaxlp.parallel.compressors._base import exact_div, materialize
 from jaxlp.parallel.compressors._cast import cast
 from jaxlp.parallel.compressors._powersgd import PowerSGD
 from jaxlp.torch._dlpack import to_jax, to_torch
@@ -557,6 +557,17 @@ def _cat(arrays, dtype=jnp.float32):
   return jnp.concatenate([jnp.ravel(a) for a in arrays]) if arrays else jnp.zeros((0,), dtype)
 
 
+def _narrow(v, dtype):
+  """float32 ``v`` rounded to the 16-bit ``dtype`` (float16 or bfloat16) by XLA's conversion:
+  the bits of ``jaxlp.formats.quantize(v, FP16 / BF16).astype(dtype)`` (nearest even, overflow
+  to inf, NaN as the spec's positive quiet NaN), tested in
+  ``tests/torch_bridge/test_ddp_powersgd_pieces.py``; without the spec's integer rounding,
+  which fused into the products of ``P Q^T`` cost 6x the stage (2-core CPU, 2026-11-29). Only
+  for values that leave the program in ``dtype`` (a float32 -> 16-bit -> float32 conversion
+  pair may be removed by XLA as excess precision)."""
+  return jnp.where(jnp.isnan(v), jnp.float32(jnp.nan), v).astype(dtype)
+
+
 def _segments(plan):
   """(start, stop) of the pieces :func:`_powersgd_stages`' ``finish_pieces`` returns, in
   bucket order: the uncompressed tensors and the matrices (the batched hook: one piece)."""
@@ -601,12 +612,13 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   ``finish(xe, p, q_sum, unc_sum) -> (out, err, q)``: the bucket (``unc_sum / W`` for the
   uncompressed tensors, ``P (sum Q / W)^T`` for the others), ``err = xe - out`` (None
   without error feedback) and the new Q memory ``sum Q / W``.
-  ``finish_pieces(xe, p, q_sum, unc_sum) -> (outs, q)`` and ``errors(xe, outs) -> errs``:
-  the same values with ``out`` and ``err`` as lists of the pieces of :func:`_segments` (the
-  batched hook: one piece each, ``s*s`` long, the bucket is the first ``numel``), which the
-  hook writes into the bucket with torch: XLA:CPU assembling the whole bucket from them took
-  most of the stage's time, and computing ``err`` in the same program recomputed every
-  product ``P Q^T`` (2-core CPU, 2026-11-29). ``finish`` assembles the same pieces in JAX.
+  ``finish_pieces(xe, p, q_sum, unc_sum) -> (outs, q)``: the same values with ``out`` as
+  the list of the pieces of :func:`_segments` (the batched hook: one piece, ``s*s`` long, the
+  bucket is its first ``numel``), which the hook writes into the bucket with torch;
+  ``errors(xe, out) -> err`` from the assembled bucket (the batched hook: from the ``s*s``
+  piece). XLA:CPU assembling the whole bucket from the pieces took most of the stage's time,
+  and computing ``err`` in the same program recomputed every product ``P Q^T`` (2-core CPU,
+  2026-11-29). ``finish`` assembles the same pieces in JAX.
   """
   rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
   out_dt = jnp.float32 if half_fmt is None else (
@@ -626,6 +638,8 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
     if error_feedback:
       xe = rnd(xe + e.astype(jnp.float32))
+      if half_fmt is not None:  # computed once, not inside every product (the same bits)
+        xe = materialize(xe)
     unc = _cat([xe[a:b] for a, b in plan.unc])
     qs = _split(q.astype(jnp.float32), q_shapes)
     _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
@@ -635,38 +649,37 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
     ps, qs = powersgd_middle(comp, matrices(xe), _split(p_sum.astype(jnp.float32), p_shapes))
     return rnd(_cat(ps)), _cat(qs).astype(out_dt)
 
+  def narrow(v):  # rnd(v).astype(out_dt), the same bits (see _narrow)
+    return v if half_fmt is None else _narrow(v, out_dt)
+
   def finish_pieces(xe, p, q_sum, unc_sum):
     qs = _split(q_sum.astype(jnp.float32), q_shapes)
     sts = [{"q": qi, "iter": jnp.zeros((), jnp.int32)} for qi in qs]
     approx, news = powersgd_finish(comp, matrices(xe), _split(p, p_shapes), qs, sts, w,
                                    mean=True)
-    q_new = rnd(_cat([st["q"] for st in news])).astype(out_dt)
+    q_new = narrow(_cat([st["q"] for st in news]))
     if plan.square:
-      return [rnd(approx[0].reshape(-1)).astype(out_dt)], q_new
+      return [narrow(approx[0].reshape(-1))], q_new
     sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
     piece = dict(zip(plan.unc, sums, strict=True))  # (start, stop) -> values
     piece.update(((s, s + n * m), v.reshape(-1)) for (s, n, m, _), v in zip(plan.mats, approx,
                                                                              strict=True))
-    return [rnd(piece[ab]).astype(out_dt) for ab in segments], q_new
+    return [narrow(piece[ab]) for ab in segments], q_new
 
-  def errors(xe, outs):
-    if plan.square:
-      return [rnd(xe - outs[0].astype(jnp.float32)).astype(out_dt)]
-    return [rnd(xe[a:b] - v.astype(jnp.float32)).astype(out_dt)
-            for (a, b), v in zip(segments, outs, strict=True)]
+  def errors(xe, out):
+    """``xe - out`` in the bucket's dtype; ``out``: the assembled bucket (float32 or the
+    bucket's dtype), or for the batched hook the ``s*s`` piece of ``finish_pieces``."""
+    return narrow(xe - out.astype(jnp.float32))
 
   def finish(xe, p, q_sum, unc_sum):
     outs, q_new = finish_pieces(xe, p, q_sum, unc_sum)
-    errs = errors(xe, outs) if error_feedback else None
     if plan.square:
-      return outs[0][:plan.numel], None if errs is None else errs[0], q_new
+      err = errors(xe, outs[0]) if error_feedback else None
+      return outs[0][:plan.numel], err, q_new
     out = jnp.zeros((plan.numel,), out_dt)
-    err = None if errs is None else jnp.zeros((plan.numel,), out_dt)
     for i, (a, b) in enumerate(segments):
       out = out.at[a:b].set(outs[i])
-      if errs is not None:
-        err = err.at[a:b].set(errs[i])
-    return out, err, q_new
+    return out, errors(xe, out) if error_feedback else None, q_new
 
   return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
           "errors": errors}
@@ -705,23 +718,19 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
   q_sum = sum_fn(to_torch(q_loc).clone())
   outs, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
-  errs = errors(xe, outs) if error_feedback else None
-  # to_torch waits for each result: every read of ``xe`` (which may alias ``flat``) is done
+  # to_torch waits for the stage: every read of ``xe`` (which may alias ``flat``) is done
   # before ``out`` (which may be ``flat``) is written
-  outs = [to_torch(v) for v in outs]
-  err = None
-  if errs is not None:
-    errs = [to_torch(v) for v in errs]
-    err = errs[0] if plan.square else torch.empty(plan.numel, dtype=dt, device=flat.device)
+  pieces = [to_torch(v) for v in outs]
   if out is None:
     out = torch.empty(plan.numel, dtype=dt, device=flat.device)
   if plan.square:
-    out.copy_(outs[0][:plan.numel])
+    out.copy_(pieces[0][:plan.numel])
   else:
-    for i, (a, b) in enumerate(_segments(plan)):
-      out[a:b].copy_(outs[i])
-      if errs is not None:
-        err[a:b].copy_(errs[i])
+    for (a, b), v in zip(_segments(plan), pieces, strict=True):
+      out[a:b].copy_(v)
+  err = None
+  if error_feedback:
+    err = to_torch(errors(xe, outs[0] if plan.square else to_jax(out)))
   return out, err, to_torch(p if p.dtype == q_new.dtype else p.astype(q_new.dtype)), \
       to_torch(q_new)
 
