@@ -7,11 +7,12 @@
   :func:`batched_powerSGD_hook`. Migrating is one import:
   ``from jaxlp.torch.ddp import PowerSGDState, powerSGD_hook``. They compute PyTorch's
   results where PyTorch is right (the fp16/bf16 hooks bit for bit with two ranks, PowerSGD
-  with PyTorch's initial Q's to float32 rounding) on the JAX engine's arithmetic (the cast
-  family's rounding and ring sum, the low-rank family's stages), and keep PyTorch's state
-  layout. Where they differ is said in each docstring (an all-zero gradient gives 0 where
-  PyTorch's PowerSGD gives NaN; PyTorch 2.13's ``batched_powerSGD_hook`` fails, jaxlp's runs
-  its definition).
+  with PyTorch's initial Q's to float32 rounding) with the JAX engine's arithmetic (the cast
+  family's rounding and ring sum, the low-rank family's stages; the casts and the 16-bit
+  rounding of the compress wrappers run as torch ops where those give the engine's bits,
+  tested bit for bit against it), and keep PyTorch's state layout. Where they differ is said
+  in each docstring (an all-zero gradient gives 0 where PyTorch's PowerSGD gives NaN;
+  PyTorch 2.13's ``batched_powerSGD_hook`` fails, jaxlp's runs its definition).
 
 * :class:`CommState` + :func:`comm_hook`: ``ddp.register_comm_hook(CommState(...), comm_hook)``
   reduces each gradient bucket to the MEAN over ranks with either
@@ -330,7 +331,8 @@ def _codec(comp, n: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp16 / bf16 casts: the JAX engine's arithmetic (jaxlp.parallel._aggregate.CASTS)
+# fp16 / bf16 casts: the JAX engine's arithmetic (jaxlp.parallel._aggregate.CASTS), in torch
+# where torch gives its bits
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -1027,15 +1029,17 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tens
 
   Each rank rounds its bucket to float16 and divides by W in float16 (PyTorch's
   ``buffer.to(torch.float16).div_(W)``); the float16 addends are all-gathered (2 bytes per
-  element) and summed in float16 by :func:`jaxlp.parallel.psum`'s ring (each partial sum
-  rounded to float16): the JAX engine's own arithmetic for ``compressors.cast("fp16")``
+  element) and summed in float16 by :func:`jaxlp.parallel.psum`'s ring (each partial sum rounded
+  to float16): the JAX engine's own arithmetic for ``compressors.cast("fp16")``
   (``jaxlp.parallel._aggregate.cast_share`` / ``cast_ring_sum``), so the bridge and
-  ``reduce_gradients`` agree. With two ranks that is the one correctly rounded float16 add
-  of PyTorch's float16 all-reduce: the same bits as PyTorch's hook (a 3e-8 gradient becomes
-  0 in both). With more ranks PyTorch sums in the backend's order (gloo's or NCCL's ring),
-  jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may differ in
-  their last float16 bit. The result is identical on every rank. An element that overflows
-  float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
+  ``reduce_gradients`` agree. It runs as torch ops (the rounding, division and adds in float16
+  give the engine's bits, tested over every float16 value) unless torch flushes subnormals
+  (``torch.set_flush_denormal``): then as the engine's jitted code. With two ranks that is the one
+  correctly rounded float16 add of PyTorch's float16 all-reduce: the same bits as PyTorch's hook
+  (a 3e-8 gradient becomes 0 in both). With more ranks PyTorch sums in the backend's order (gloo's
+  or NCCL's ring), jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may
+  differ in their last float16 bit. The result is identical on every rank. An element that
+  overflows float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
   non-finite policy (a whole leaf NaN) is not applied in the hooks.
 
   Args:
