@@ -422,7 +422,7 @@ def _cast_gathered_sum_torch(stack):
     return stack[0] + stack[1]
   size = -(-n // w)
   xs = torch.nn.functional.pad(stack, (0, w * size - n)).reshape(w, w, size)
-  chunks = torch.arange(w)
+  chunks = torch.arange(w, device=stack.device)
   acc = xs[chunks, chunks]
   for k in range(1, w):
     acc = acc + xs[(chunks + k) % w, chunks]
