@@ -373,6 +373,8 @@ _SLOW = (
     "tests/torch_bridge/test_cpu_path.py::test_large_tensors_take_the_bucketed_jax_route",
     "tests/torch_bridge/test_ddp_engine.py::test_chain_sum_is_psums_chain",
     "tests/torch_bridge/test_ddp_engine.py::test_powersgd_stages_give_the_engines_result",
+    "tests/torch_bridge/test_ddp_powersgd_pieces.py::test_hook_pieces_are_finish",
+    "tests/torch_bridge/test_ddp_torch_casts.py::test_sum_is_cast_gathered_sum",
     "tests/torch_bridge/test_torch_bridge.py::test_same_bits_as_jax",
     "tests/torch_bridge/test_torch_ddp.py::test_cgx_bucket_is_decode_sum_of_rank_encodings",
     "tests/torch_bridge/test_torch_ddp.py::test_fp32_hook_equals_full_batch_training",
@@ -458,6 +460,8 @@ _FAST_CASES = (
     "tests/torch_bridge/test_cpu_path.py::test_crafted_and_a_million_random_patterns[cpd_float]",
     "tests/torch_bridge/test_cpu_path.py::test_every_branch_of_the_fast_paths[qpytorch_float]",
     "tests/torch_bridge/test_torch_nn.py::test_linear_matches_jax_dot_general[hbfp_per_sample]",
+    "tests/torch_bridge/test_ddp_powersgd_pieces.py::test_hook_pieces_are_finish[False-dtype0-True]",
+    "tests/torch_bridge/test_ddp_torch_casts.py::test_sum_is_cast_gathered_sum[bf16]",
 )
 
 

@@ -7,11 +7,12 @@
   :func:`batched_powerSGD_hook`. Migrating is one import:
   ``from jaxlp.torch.ddp import PowerSGDState, powerSGD_hook``. They compute PyTorch's
   results where PyTorch is right (the fp16/bf16 hooks bit for bit with two ranks, PowerSGD
-  with PyTorch's initial Q's to float32 rounding) on the JAX engine's arithmetic (the cast
-  family's rounding and ring sum, the low-rank family's stages), and keep PyTorch's state
-  layout. Where they differ is said in each docstring (an all-zero gradient gives 0 where
-  PyTorch's PowerSGD gives NaN; PyTorch 2.13's ``batched_powerSGD_hook`` fails, jaxlp's runs
-  its definition).
+  with PyTorch's initial Q's to float32 rounding) with the JAX engine's arithmetic (the cast
+  family's rounding and ring sum, the low-rank family's stages; the casts and the 16-bit
+  rounding of the compress wrappers run as torch ops where those give the engine's bits,
+  tested bit for bit against it), and keep PyTorch's state layout. Where they differ is said
+  in each docstring (an all-zero gradient gives 0 where PyTorch's PowerSGD gives NaN;
+  PyTorch 2.13's ``batched_powerSGD_hook`` fails, jaxlp's runs its definition).
 
 * :class:`CommState` + :func:`comm_hook`: ``ddp.register_comm_hook(CommState(...), comm_hook)``
   reduces each gradient bucket to the MEAN over ranks with either
@@ -80,7 +81,7 @@ from jaxlp.parallel._aggregate import (
 from jaxlp.parallel._aps import format_emax
 from jaxlp.parallel._psum import _check, _Rounder
 from jaxlp.parallel._psum import chain_sum as _psum_chain
-from jaxlp.parallel.compressors._base import exact_div
+from jaxlp.parallel.compressors._base import exact_div, materialize
 from jaxlp.parallel.compressors._cast import cast
 from jaxlp.parallel.compressors._powersgd import PowerSGD
 from jaxlp.torch._dlpack import to_jax, to_torch
@@ -167,11 +168,12 @@ def chain_sum(stack, fmt, kahan: bool = False):
 
 
 def _gather(t, group):
-  """``(W, *t.shape)`` stack of every rank's ``t`` in rank order (``dist.all_gather``)."""
+  """``(W, *t.shape)`` stack of every rank's ``t`` in rank order (``dist.all_gather`` into the
+  rows of one tensor: no stacking copy)."""
   w = dist.get_world_size(group)
-  out = [torch.empty_like(t) for _ in range(w)]
-  dist.all_gather(out, t.contiguous(), group=group)
-  return torch.stack(out)
+  out = torch.empty((w,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+  dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+  return out
 
 
 def _aps_exponents(pieces, w):
@@ -329,7 +331,8 @@ def _codec(comp, n: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp16 / bf16 casts: the JAX engine's arithmetic (jaxlp.parallel._aggregate.CASTS)
+# fp16 / bf16 casts: the JAX engine's arithmetic (jaxlp.parallel._aggregate.CASTS), in torch
+# where torch gives its bits
 
 _HALF = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -356,11 +359,103 @@ def _gather_bits(t, group):
   return _gather(t.reshape(-1).view(torch.uint8), group).view(t.dtype)
 
 
-def _cast_mean(comp, flat, group, w):
-  """PyTorch's cast hook on ``flat`` (any float dtype): the float32 mean, on the cast grid."""
+_TORCH_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@functools.cache
+def _subnormal_probe():
+  return torch.tensor([2.0 ** -149], dtype=torch.float32)
+
+
+def _torch_keeps_subnormals() -> bool:
+  """Whether torch's float32 arithmetic on this thread is IEEE's gradual underflow (not
+  ``torch.set_flush_denormal(True)``): ``1.5 * 2**-149`` rounds to ``2**-148``."""
+  return (_subnormal_probe() * 1.5).item() == 2.0 ** -148
+
+
+def _cast_share_torch(flat, dtype, w: int):
+  """:func:`~jaxlp.parallel._aggregate.cast_share` for ``fp16`` / ``bf16`` in torch's
+  arithmetic (PyTorch's ``buffer.to(dtype).div_(W)``), the same bits.
+
+  Why the bits are the engine's: ``to(dtype)`` rounds float32 to nearest even with gradual
+  underflow and overflow to inf (the format's rounding ``comp.round``); the division of a
+  16-bit value by an integer ``w`` is evaluated in float32 (IEEE, gradual underflow) and
+  rounded to the 16-bit type: float32 has at least ``2p + 2`` significand bits of either
+  format (``p`` = 11, 8), so this double rounding equals the correctly rounded quotient
+  (Figueroa), and in bfloat16's subnormal range (the same fixed grid step as float32's times
+  ``2**16``) a quotient cannot fall within ``2**-150`` of a midpoint it is not on for
+  ``w < 2**16``. Tested bit for bit against the engine over every 16-bit value
+  (``tests/torch_bridge/test_ddp_torch_casts.py``). Needs IEEE subnormals in torch (see
+  :func:`_torch_keeps_subnormals`) and ``w < 2**16``; NaN payloads are torch's.
+
+  Args:
+    flat: a float32, float16 or bfloat16 tensor (not modified).
+    dtype: ``torch.float16`` or ``torch.bfloat16``.
+    w: the number of ranks.
+
+  Returns:
+    The addend, a new ``dtype`` tensor.
+  """
+  return torch.div(flat.to(dtype), w)
+
+
+def _cast_gathered_sum_torch(stack):
+  """:func:`~jaxlp.parallel._aggregate.cast_gathered_sum` in torch's arithmetic: the rows of
+  the 16-bit ``(W, n)`` stack summed in psum's ring order (the vector cut into W chunks,
+  chunk c accumulated from rank c's chunk on, ``acc = Q(acc + c_r)`` for r = c+1, c+2, ...
+  mod W), each add a torch add in the 16-bit dtype: evaluated in float32 (exact or correctly
+  rounded, gradual underflow) and rounded once to the 16-bit type, which equals the correctly
+  rounded 16-bit sum ``Q(a + b)`` (float32 has ``>= 2p + 2`` bits). For two ranks the one
+  add ``c_0 + c_1``. NaN payloads are torch's (:func:`_cast_mean` makes them the
+  engine's).
+
+  Args:
+    stack: ``(W, n)`` float16 or bfloat16 tensor, one row per rank in rank order.
+
+  Returns:
+    The ``(n,)`` sums, in the stack's dtype.
+  """
+  w, n = stack.shape
+  if w == 1:
+    return stack[0].clone()
+  if w == 2:
+    return stack[0] + stack[1]
+  size = -(-n // w)
+  xs = torch.nn.functional.pad(stack, (0, w * size - n)).reshape(w, w, size)
+  chunks = torch.arange(w, device=stack.device)
+  acc = xs[chunks, chunks]
+  for k in range(1, w):
+    acc = acc + xs[(chunks + k) % w, chunks]
+  return acc.reshape(-1)[:n]
+
+
+def _cast_mean(comp, flat, group, w, out=None):
+  """PyTorch's cast hook on ``flat`` (any float dtype): the mean, on the cast grid, written
+  into ``out`` (any float dtype, ``flat``'s shape; None: a new float32 tensor) and returned.
+
+  fp16 / bf16 run in torch's arithmetic (:func:`_cast_share_torch`,
+  :func:`_cast_gathered_sum_torch`: the engine's bits, tested against it) when torch keeps
+  subnormals; otherwise, and for other formats, the engine's jitted ``cast_share`` /
+  ``cast_gathered_sum``. Either way ``out`` gets the same bits, NaNs included (the engine's
+  positive quiet NaN, as torch writes it into ``out``'s dtype)."""
+  if out is None:
+    out = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+  nd = comp.native_dtype
+  dtype = _TORCH_HALF.get(np.dtype(nd).name) if nd is not None else None
+  if dtype is not None and w < 2 ** 16 and _torch_keeps_subnormals():
+    total = _cast_gathered_sum_torch(_gather_bits(_cast_share_torch(flat, dtype, w), group))
+    out.copy_(total.view_as(out))
+    if not math.isfinite(out.sum(dtype=torch.float32).item()):  # one pass: any NaN there?
+      # as the jitted path: a float32 result with the engine's NaN, copied into ``out``
+      # (torch's 16-bit-to-float32 copy does not give that NaN, nor does its float32-to-bf16
+      # copy give the NaN of a scalar write)
+      total = total.float()
+      total[total.isnan()] = math.nan
+      out.copy_(total.view_as(out))
+    return out
   share, total = _cast_fns(comp, w)
   mine = to_torch(share(to_jax(flat.contiguous())))
-  return to_torch(total(to_jax(_gather_bits(mine, group).contiguous())))
+  return out.copy_(to_torch(total(to_jax(_gather_bits(mine, group).contiguous()))).view_as(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,9 +559,49 @@ def _cat(arrays, dtype=jnp.float32):
   return jnp.concatenate([jnp.ravel(a) for a in arrays]) if arrays else jnp.zeros((0,), dtype)
 
 
+def _narrow(v, dtype):
+  """float32 ``v`` rounded to the 16-bit ``dtype`` (float16 or bfloat16) by XLA's conversion:
+  the bits of ``jaxlp.formats.quantize(v, FP16 / BF16).astype(dtype)`` (nearest even, overflow
+  to inf, NaN as the spec's positive quiet NaN), tested in
+  ``tests/torch_bridge/test_ddp_powersgd_pieces.py``; without the spec's integer rounding,
+  which fused into the products of ``P Q^T`` cost 6x the stage (2-core CPU, 2026-11-29). Only
+  for values that leave the program in ``dtype`` (a float32 -> 16-bit -> float32 conversion
+  pair may be removed by XLA as excess precision)."""
+  return jnp.where(jnp.isnan(v), jnp.float32(jnp.nan), v).astype(dtype)
+
+
+def _segments(plan):
+  """(start, stop) of the pieces :func:`_powersgd_stages`' ``finish_pieces`` returns, in
+  bucket order: the uncompressed tensors and the matrices (the batched hook: one piece)."""
+  if plan.square:
+    return ((0, plan.numel),)
+  return tuple(sorted(list(plan.unc) + [(s, s + n * m) for s, n, m, _ in plan.mats]))
+
+
+@functools.cache
+def _stage_fns(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """The stages of one bucket (Python functions, see :func:`_powersgd_stages`)."""
+  return _define_stages(plan, comp, w, half_fmt, error_feedback)
+
+
 @functools.cache
 def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
-  """The three jitted stages of one bucket: the JAX engine's ``powersgd_start`` /
+  """Jitted ``(start, middle, finish)`` of :func:`_define_stages`."""
+  f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
+  return jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish"])
+
+
+@functools.cache
+def _powersgd_hook_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """Jitted ``(start, middle, finish_pieces, errors)`` of :func:`_define_stages`: what the
+  hooks run."""
+  f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
+  return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
+          jax.jit(f["errors"]))
+
+
+def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
+  """The stages of one bucket: the JAX engine's ``powersgd_start`` /
   ``powersgd_middle`` / ``powersgd_finish`` (``comp``: without error feedback, warm start:
   the Q given is orthogonalized), with PyTorch's bucket-level error feedback around them.
   ``half_fmt``: None for a float32 bucket, else its 16-bit format (the fp16/bf16 wrappers):
@@ -479,12 +614,20 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   ``finish(xe, p, q_sum, unc_sum) -> (out, err, q)``: the bucket (``unc_sum / W`` for the
   uncompressed tensors, ``P (sum Q / W)^T`` for the others), ``err = xe - out`` (None
   without error feedback) and the new Q memory ``sum Q / W``.
+  ``finish_pieces(xe, p, q_sum, unc_sum) -> (outs, q)``: the same values with ``out`` as
+  the list of the pieces of :func:`_segments` (the batched hook: one piece, ``s*s`` long, the
+  bucket is its first ``numel``), which the hook writes into the bucket with torch;
+  ``errors(xe, out) -> err`` from the assembled bucket (the batched hook: from the ``s*s``
+  piece). XLA:CPU assembling the whole bucket from the pieces took most of the stage's time,
+  and computing ``err`` in the same program recomputed every product ``P Q^T`` (2-core CPU,
+  2026-11-29). ``finish`` assembles the same pieces in JAX.
   """
   rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
   out_dt = jnp.float32 if half_fmt is None else (
       jnp.float16 if half_fmt == FP16 else jnp.bfloat16)
   q_shapes = [(m, r) for _, _, m, r in plan.mats]
   p_shapes = [(n, r) for _, n, _, r in plan.mats]
+  segments = _segments(plan)
 
   def matrices(xe):
     if plan.square:
@@ -497,6 +640,8 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
     if error_feedback:
       xe = rnd(xe + e.astype(jnp.float32))
+      if half_fmt is not None:  # computed once, not inside every product (the same bits)
+        xe = materialize(xe)
     unc = _cat([xe[a:b] for a, b in plan.unc])
     qs = _split(q.astype(jnp.float32), q_shapes)
     _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
@@ -506,27 +651,40 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
     ps, qs = powersgd_middle(comp, matrices(xe), _split(p_sum.astype(jnp.float32), p_shapes))
     return rnd(_cat(ps)), _cat(qs).astype(out_dt)
 
-  def finish(xe, p, q_sum, unc_sum):
+  def narrow(v):  # rnd(v).astype(out_dt), the same bits (see _narrow)
+    return v if half_fmt is None else _narrow(v, out_dt)
+
+  def finish_pieces(xe, p, q_sum, unc_sum):
     qs = _split(q_sum.astype(jnp.float32), q_shapes)
     sts = [{"q": qi, "iter": jnp.zeros((), jnp.int32)} for qi in qs]
     approx, news = powersgd_finish(comp, matrices(xe), _split(p, p_shapes), qs, sts, w,
                                    mean=True)
+    q_new = narrow(_cat([st["q"] for st in news]))
     if plan.square:
-      full = rnd(approx[0].reshape(-1))
-      out = full[:plan.numel]
-    else:
-      out = jnp.zeros((plan.numel,), jnp.float32)
-      sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
-      for (a, b), v in zip(plan.unc, sums, strict=True):
-        out = out.at[a:b].set(v)
-      for (s, n, m, _), v in zip(plan.mats, approx, strict=True):
-        out = out.at[s:s + n * m].set(v.reshape(-1))
-      full = out = rnd(out)
-    err = rnd(xe - full).astype(out_dt) if error_feedback else None
-    q_new = rnd(_cat([st["q"] for st in news])).astype(out_dt)
-    return out.astype(out_dt), err, q_new
+      return [narrow(approx[0].reshape(-1))], q_new
+    sums = _split(exact_div(unc_sum.astype(jnp.float32), w), [(b - a,) for a, b in plan.unc])
+    piece = dict(zip(plan.unc, sums, strict=True))  # (start, stop) -> values
+    piece.update(((s, s + n * m), v.reshape(-1)) for (s, n, m, _), v in zip(plan.mats, approx,
+                                                                             strict=True))
+    return [narrow(piece[ab]) for ab in segments], q_new
 
-  return jax.jit(start), jax.jit(middle), jax.jit(finish)
+  def errors(xe, out):
+    """``xe - out`` in the bucket's dtype; ``out``: the assembled bucket (float32 or the
+    bucket's dtype), or for the batched hook the ``s*s`` piece of ``finish_pieces``."""
+    return narrow(xe - out.astype(jnp.float32))
+
+  def finish(xe, p, q_sum, unc_sum):
+    outs, q_new = finish_pieces(xe, p, q_sum, unc_sum)
+    if plan.square:
+      err = errors(xe, outs[0]) if error_feedback else None
+      return outs[0][:plan.numel], err, q_new
+    out = jnp.zeros((plan.numel,), out_dt)
+    for i, (a, b) in enumerate(segments):
+      out = out.at[a:b].set(outs[i])
+    return out, errors(xe, out) if error_feedback else None, q_new
+
+  return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
+          "errors": errors}
 
 
 def _hook_comp(rank, min_rate, eps, half, method="auto"):
@@ -539,18 +697,21 @@ def _hook_comp(rank, min_rate, eps, half, method="auto"):
                   orthogonalization_epsilon=float(eps))
 
 
-def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback):
+def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, out=None):
   """One PowerSGD step of a bucket: the three stages and the three sums over ranks.
 
   ``flat``: the bucket (float32, float16 or bfloat16). ``error``: the bucket's error (its
   dtype, ``plan``'s length; ignored without error feedback). ``q``: the Q memory (flat, in
   ``plan``'s order; orthogonalized here, as PyTorch does for a warm or a fresh Q).
-  ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). Returns ``(out, err, p, q)``
-  as torch tensors of the bucket's dtype (``err`` None without error feedback).
+  ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). ``out``: where to write the
+  result (``flat``'s length and dtype; may be the bucket itself); None: a new tensor.
+  Returns ``(out, err, p, q)`` as torch tensors of the bucket's dtype (``err`` None without
+  error feedback).
   """
   dt = flat.dtype
   half_fmt = {torch.float16: FP16, torch.bfloat16: BF16}.get(dt)
-  start, middle, finish = _powersgd_stages(plan, comp, w, half_fmt, bool(error_feedback))
+  start, middle, finish, errors = _powersgd_hook_stages(plan, comp, w, half_fmt,
+                                                        bool(error_feedback))
   x = to_jax(flat.contiguous())
   e = to_jax(error.contiguous()) if error_feedback else jnp.zeros((0,), jnp.float32)
   xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
@@ -558,9 +719,22 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback):
   p_sum = sum_fn(to_torch(p_loc).clone())
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
   q_sum = sum_fn(to_torch(q_loc).clone())
-  out, err, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
-  return (to_torch(out), None if err is None else to_torch(err),
-          to_torch(p.astype(out.dtype)), to_torch(q_new))
+  outs, q_new = finish(xe, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
+  # to_torch waits for the stage: every read of ``xe`` (which may alias ``flat``) is done
+  # before ``out`` (which may be ``flat``) is written
+  pieces = [to_torch(v) for v in outs]
+  if out is None:
+    out = torch.empty(plan.numel, dtype=dt, device=flat.device)
+  if plan.square:
+    out.copy_(pieces[0][:plan.numel])
+  else:
+    for (a, b), v in zip(_segments(plan), pieces, strict=True):
+      out[a:b].copy_(v)
+  err = None
+  if error_feedback:
+    err = to_torch(errors(xe, outs[0] if plan.square else to_jax(out)))
+  return out, err, to_torch(p if p.dtype == q_new.dtype else p.astype(q_new.dtype)), \
+      to_torch(q_new)
 
 
 def _allreduce_sum(group):
@@ -700,9 +874,11 @@ def _powersgd_hook(state, bucket, square):
     _check_memory(state, "q_memory_dict", idx, q, _q_size(plan))
   comp = _hook_comp(rank, state.min_compression_rate, state.orthogonalization_epsilon,
                     buf.dtype != torch.float32)
+  in_place = buf.is_contiguous()  # then ``flat`` is a view of the bucket: written in place
   out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,
                                     sum_fn=_allreduce_sum(group),
-                                    error_feedback=state.use_error_feedback)
+                                    error_feedback=state.use_error_feedback,
+                                    out=flat if in_place else None)
   if state.use_error_feedback:
     state.error_dict[idx] = err
   if square:  # PyTorch's layout: P and Q of the batched hook are (s, r) matrices
@@ -713,7 +889,8 @@ def _powersgd_hook(state, bucket, square):
   if not state.warm_start:
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
-  buf.copy_(out.view_as(buf))
+  if not in_place:
+    buf.copy_(out.view_as(buf))
   state.maybe_increase_iter(bucket)
   return _done(buf)
 
@@ -827,8 +1004,7 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
   buf = _check_bucket("allreduce_hook", bucket)
   group = _world(process_group)
   if buf.dtype in _HALF:
-    buf.copy_(_cast_mean(cast(_HALF[buf.dtype]), buf.reshape(-1), group, group.size())
-              .view_as(buf))
+    _cast_mean(cast(_HALF[buf.dtype]), buf.reshape(-1), group, group.size(), out=buf)
     return _done(buf)
   x = to_torch(_div_fn(group.size())(to_jax(buf.reshape(-1).contiguous()))).clone()
   dist.all_reduce(x, group=group)
@@ -844,7 +1020,7 @@ def _div_fn(w):
 def _compress_hook(name, dtype, process_group, bucket):
   buf = _check_bucket(name, bucket)
   group = _world(process_group)
-  buf.copy_(_cast_mean(cast(dtype), buf.reshape(-1), group, group.size()).view_as(buf))
+  _cast_mean(cast(dtype), buf.reshape(-1), group, group.size(), out=buf)
   return _done(buf)
 
 
@@ -853,15 +1029,17 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tens
 
   Each rank rounds its bucket to float16 and divides by W in float16 (PyTorch's
   ``buffer.to(torch.float16).div_(W)``); the float16 addends are all-gathered (2 bytes per
-  element) and summed in float16 by :func:`jaxlp.parallel.psum`'s ring (each partial sum
-  rounded to float16): the JAX engine's own arithmetic for ``compressors.cast("fp16")``
+  element) and summed in float16 by :func:`jaxlp.parallel.psum`'s ring (each partial sum rounded
+  to float16): the JAX engine's own arithmetic for ``compressors.cast("fp16")``
   (``jaxlp.parallel._aggregate.cast_share`` / ``cast_ring_sum``), so the bridge and
-  ``reduce_gradients`` agree. With two ranks that is the one correctly rounded float16 add
-  of PyTorch's float16 all-reduce: the same bits as PyTorch's hook (a 3e-8 gradient becomes
-  0 in both). With more ranks PyTorch sums in the backend's order (gloo's or NCCL's ring),
-  jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may differ in
-  their last float16 bit. The result is identical on every rank. An element that overflows
-  float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
+  ``reduce_gradients`` agree. It runs as torch ops (the rounding, division and adds in float16
+  give the engine's bits, tested over every float16 value) unless torch flushes subnormals
+  (``torch.set_flush_denormal``): then as the engine's jitted code. With two ranks that is the one
+  correctly rounded float16 add of PyTorch's float16 all-reduce: the same bits as PyTorch's hook
+  (a 3e-8 gradient becomes 0 in both). With more ranks PyTorch sums in the backend's order (gloo's
+  or NCCL's ring), jaxlp in psum's declared ring order (chunk c starts at rank c), so elements may
+  differ in their last float16 bit. The result is identical on every rank. An element that
+  overflows float16 (its value, its quotient or its sum) is inf alone, as in PyTorch; the engine's
   non-finite policy (a whole leaf NaN) is not applied in the hooks.
 
   Args:
@@ -913,8 +1091,7 @@ def _compress_wrapper(name, dtype, fmt, hook):
     if buf.dtype != torch.float32:
       raise TypeError(f"jaxlp.torch.ddp.{name}: bucket dtype must be float32, got "
                       f"dtype={buf.dtype}")
-    narrow = to_torch(_round_fn(fmt, dtype)(to_jax(buf.reshape(-1).contiguous())))
-    bucket.set_buffer(narrow.clone().view_as(buf))
+    bucket.set_buffer(_round_to_half(buf.reshape(-1), fmt, dtype).view_as(buf))
     fut = hook(hook_state, bucket)
 
     def decompress(f):
@@ -932,6 +1109,18 @@ def _compress_wrapper(name, dtype, fmt, hook):
 @functools.cache
 def _round_fn(fmt, dtype):
   return jax.jit(lambda x: lax.convert_element_type(spec_quantize(x, fmt), dtype))
+
+
+def _round_to_half(flat, fmt, dtype):
+  """A new 16-bit tensor: float32 ``flat`` rounded to ``fmt`` (FP16 / BF16, ``dtype`` its JAX
+  dtype) as :func:`jaxlp.formats.quantize` rounds, bits included. torch's ``to(dtype)``
+  (nearest even, gradual underflow, overflow to inf: tested against it in
+  ``tests/torch_bridge/test_ddp_torch_casts.py``) when every element is finite and torch
+  keeps subnormals; else the jitted spec (which also gives its own NaN)."""
+  tdt = _TORCH_HALF[np.dtype(dtype).name]
+  if _torch_keeps_subnormals() and math.isfinite(flat.sum().item()):
+    return flat.to(tdt)
+  return to_torch(_round_fn(fmt, dtype)(to_jax(flat.contiguous()))).clone()
 
 
 def fp16_compress_wrapper(hook):
