@@ -20,7 +20,10 @@ HBFPEmulator's 24x24 tiles, OCP MXFP8); ``hbfp8_exact`` (the same with
 dots with per-block scales, the fast mode, not bit-exact; off a GPU a dot batched over the
 K-blocks);
 ``acc_bf16`` (``DotPolicy(fwd_acc=Accum(acc=BF16))``: a bfloat16 accumulator emulated in every
-forward GEMM).
+forward GEMM); ``nvfp4`` and ``nvfp4_recipe`` (``jaxlp train --policy nvfp4`` /
+``nvfp4-recipe``: NVFP4 everywhere; the NVFP4 pretraining recipe with 16x16 weight tiles,
+stochastic gradients and the RHT; not in the default set: ``--policies`` names them).
+"compile s" is the time of the first call of each row's step (tracing, compiling, one step).
 
 The wire table (``--no-wire`` skips it; nothing is timed) gives, for the three language models
 of ``jaxlp train`` at their default size (width 16: 128 units, 2 layers), with the byte
@@ -84,10 +87,13 @@ def policies() -> dict:
       "hbfp8_exact": dataclasses.replace(hbfp8, block_dot="exact"),
       "mxfp8_fp8": dataclasses.replace(mxfp8, block_dot="fp8"),
       "acc_bf16": jaxlp.DotPolicy(fwd_acc=jaxlp.Accum(acc=F.BF16)),
+      "nvfp4": _policy(TrainConfig(model="transformer", policy="nvfp4")),
+      "nvfp4_recipe": _policy(TrainConfig(model="transformer", policy="nvfp4-recipe")),
   }
 
 
 DEFAULT_POLICIES = ("fp32", "hbfp8", "mxfp8", "hbfp8_exact", "mxfp8_fp8", "acc_bf16")
+POLICIES = DEFAULT_POLICIES + ("nvfp4", "nvfp4_recipe")
 
 
 def make_case(name: str, small: bool):
@@ -276,7 +282,8 @@ def main(argv=None):
   ap.add_argument("--small", action="store_true", help="CI-sized models (smoke run)")
   ap.add_argument("--models", default=",".join(MODELS), help="transformer,lstm")
   ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                  help=f"comma-separated, from {', '.join(DEFAULT_POLICIES)}")
+                  help=f"comma-separated, from {', '.join(POLICIES)} (default: all but "
+                  "the nvfp4 ones)")
   ap.add_argument("--steps", type=int, default=None, help="timed steps per round (default 5; "
                   "--small 1)")
   ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; "
@@ -292,8 +299,8 @@ def main(argv=None):
     if m not in MODELS:
       ap.error(f"--models: unknown model {m!r} (choose from {', '.join(MODELS)})")
   for p in names:
-    if p not in DEFAULT_POLICIES:
-      ap.error(f"--policies: unknown policy {p!r} (choose from {', '.join(DEFAULT_POLICIES)})")
+    if p not in POLICIES:
+      ap.error(f"--policies: unknown policy {p!r} (choose from {', '.join(POLICIES)})")
   steps = args.steps if args.steps is not None else (1 if args.small else 5)
   rounds = args.rounds if args.rounds is not None else (1 if args.small else 3)
   if steps < 1 or rounds < 1:
@@ -320,12 +327,15 @@ def main(argv=None):
   rows = []
   for m in models:
     rows += run_case(m, args.small, names, steps, rounds)
-  print("\n| model | policy | dot_general eqns quantized | step ms | vs fp32 | status |")
-  print("|---|---|---|---|---|---|")
+  print("\n| model | policy | dot_general eqns quantized | step ms | vs fp32 | compile s | "
+        "status |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
     ms = f"{r['step_ms']:.1f}" if r["step_ms"] else "-"
     ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-    print(f"| {r['what']} | {r['policy']} | {r['matmuls']} | {ms} | {ratio} | {r['status']} |")
+    comp = f"{r['compile_s']:.1f}" if r.get("compile_s") else "-"
+    print(f"| {r['what']} | {r['policy']} | {r['matmuls']} | {ms} | {ratio} | {comp} | "
+          f"{r['status']} |")
   if dev.platform == "cpu":
     print("\nGPU rows: not measured (no GPU in this run)")
   wire = []

@@ -77,6 +77,18 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
   whole extent — or ``axis`` (+ optional ``block_size``, default the whole axis; an axis
   outside ``-ndim..ndim-1`` is a ValueError).
   """
+  mx, expand = block_reduce_max(mag, tile=tile, axis=axis, block_size=block_size)
+  return expand(mx)
+
+
+def block_reduce_max(mag, *, tile=None, axis=None, block_size=None):
+  """``(mx, expand)``: the blocks' max |x| bits, one per block, and the function that spreads
+  a per-block array (of ``mx``'s shape) to the elements of ``mag``'s shape.
+
+  ``mx`` keeps the blocked layout of :func:`block_max_bits` (the reduced axes kept with
+  size 1), so that per-block quantities (a shared exponent, a scale) can be computed once
+  per block before ``expand`` broadcasts them. Arguments as :func:`block_max_bits`.
+  """
   shape = mag.shape
   if axis is not None:
     nd = max(len(shape), 1)
@@ -84,7 +96,8 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
       raise ValueError(f"block axis {axis} is out of range for an array of shape {shape} "
                        f"({len(shape)} dimension(s))")
     if not shape:  # a scalar is one block of one element
-      return block_max_bits(mag.reshape(1), axis=0, block_size=block_size).reshape(())
+      mx, expand = block_reduce_max(mag.reshape(1), axis=0, block_size=block_size)
+      return mx, lambda v: expand(v).reshape(())
     # Blocks cut along the axis where it is (no transpose to the last axis: on XLA:CPU
     # moving a leading axis last and back cost 4x the block max itself on (512, 128)).
     ax = axis % nd
@@ -93,19 +106,46 @@ def block_max_bits(mag, *, tile=None, axis=None, block_size=None):
     nb = cdiv(n, bs) if n else 0
     pad = nb * bs - n
     mp = jnp.pad(mag, [(0, 0)] * ax + [(0, pad)] + [(0, 0)] * (nd - ax - 1)) if pad else mag
-    blk = mp.reshape(shape[:ax] + (nb, bs) + shape[ax + 1:])
-    mx = jnp.max(blk, axis=ax + 1, keepdims=True, initial=B.u32(0))
-    full = jnp.broadcast_to(mx, blk.shape).reshape(mp.shape)
-    return lax.slice_in_dim(full, 0, n, axis=ax) if pad else full
+    bshape = shape[:ax] + (nb, bs) + shape[ax + 1:]
+    mx = jnp.max(mp.reshape(bshape), axis=ax + 1, keepdims=True, initial=B.u32(0))
+
+    def expand(v):
+      full = jnp.broadcast_to(v, bshape).reshape(mp.shape)
+      return lax.slice_in_dim(full, 0, n, axis=ax) if pad else full
+
+    return mx, expand
   rows, cols, tr, tc = _tile_view(shape, tile)
   m2 = mag.reshape(rows, cols)
   R = round_up(rows, tr)
   C = round_up(cols, tc)
   mp = jnp.pad(m2, [(0, R - rows), (0, C - cols)])
-  blk = mp.reshape(R // tr, tr, C // tc, tc)
-  mx = jnp.max(blk, axis=(1, 3), keepdims=True, initial=B.u32(0))
-  full = jnp.broadcast_to(mx, blk.shape).reshape(R, C)[:rows, :cols]
-  return full.reshape(shape)
+  bshape = (R // tr, tr, C // tc, tc)
+  mx = jnp.max(mp.reshape(bshape), axis=(1, 3), keepdims=True, initial=B.u32(0))
+
+  def expand(v):
+    full = jnp.broadcast_to(v, bshape).reshape(R, C)[:rows, :cols]
+    return full.reshape(shape)
+
+  return mx, expand
+
+
+def _fenced_params(params, mx, expand):
+  """Per-block ``params`` computed once per block (:func:`jaxlp.formats._bits.fence`, keyed
+  on a block maximum), then spread to the elements."""
+  if mx.size:
+    params = B.fence(params, mx.reshape(-1)[0])
+  return tuple(expand(p) for p in params)
+
+
+def _bfp_vmax(e, man_bits):
+  """Bits of the largest value ``2^e - 2^(e-m)`` of a block with shared exponent ``e``."""
+  qe = e - man_bits
+  # vmax = 2^e - 2^(e-m): exponent e-1, top m-1 fraction bits set.
+  frac = B.u32(((1 << 23) - 1) & ~((1 << max(24 - man_bits, 0)) - 1)) if man_bits <= 24 else 0
+  vmax_normal = (((jnp.clip(e - 1, -126, 127) + 127).astype(B.U32)) << 23) | frac
+  vmax_sub = B.u32((1 << man_bits) - 1) << jnp.clip(qe + 149, 0, 31).astype(B.U32)
+  return jnp.where(e - 1 >= -126, vmax_normal,
+                   jnp.where(qe >= -149, vmax_sub, B.u32(B.INF_BITS)))
 
 
 def _bfp_round(bits, e, man_bits, rounding, rand, rand_bits):
@@ -113,13 +153,7 @@ def _bfp_round(bits, e, man_bits, rounding, rand, rand_bits):
   sign, mag, _ = B.split(bits)
   qe = e - man_bits
   r = B.round_to_quantum(mag, qe, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
-  # vmax = 2^e - 2^(e-m): exponent e-1, top m-1 fraction bits set.
-  frac = B.u32(((1 << 23) - 1) & ~((1 << max(24 - man_bits, 0)) - 1)) if man_bits <= 24 else 0
-  vmax_normal = (((jnp.clip(e - 1, -126, 127) + 127).astype(B.U32)) << 23) | frac
-  vmax_sub = B.u32((1 << man_bits) - 1) << jnp.clip(qe + 149, 0, 31).astype(B.U32)
-  vmax = jnp.where(e - 1 >= -126, vmax_normal,
-                   jnp.where(qe >= -149, vmax_sub, B.u32(B.INF_BITS)))
-  r = jnp.minimum(r, vmax)
+  r = jnp.minimum(r, _bfp_vmax(e, man_bits))
   return r | jnp.where(sign, B.u32(B.SIGN_MASK), B.u32(0))
 
 
@@ -215,16 +249,37 @@ class BlockFormat:
       return B.ceil_log2(B.to_bits(y))
     return B.floor_log2(mx_bits) + 1
 
+  def _block_params(self, mx):
+    """``(qe, big, vmax, ok)`` of blocks with max magnitude bits ``mx`` (any shape): the
+    quantum exponent ``e - man_bits``, the bits of ``2**qe`` (clipped to float32's range),
+    the largest value ``2**e - 2**qe`` (:func:`_bfp_round`) and whether the block is
+    finite."""
+    e = self.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
+    return (e - self.man_bits, B.pow2_bits(jnp.clip(e - self.man_bits, -149, 128)),
+            _bfp_vmax(e, self.man_bits), B.is_finite_mag(mx))
+
+  def _round_with_params(self, bits, params, rounding, rand, rand_bits):
+    """:func:`_bfp_round` of float32 ``bits`` given their blocks' :meth:`_block_params`
+    (broadcastable): the same bits, with the per-block work separable."""
+    qe, big, vmax, ok = params
+    sign = bits & B.u32(B.SIGN_MASK)
+    mag = bits & B.u32(B.ABS_MASK)
+    d = qe - (jnp.maximum((mag >> 23).astype(B.I32), 1) - 150)
+    r = B.round_dropped_bits(mag, d, rounding, big=big, negative=sign != 0, rand=rand,
+                             rand_bits=rand_bits)
+    out = jnp.minimum(r, vmax) | sign
+    return jnp.where(ok, out, B.u32(B.QNAN_BITS))
+
   def _round_with_block_max(self, bits, mx, rounding, rand, rand_bits):
     """Round float32 ``bits`` given each element's block-max magnitude bits ``mx``."""
-    e = self.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
-    out = _bfp_round(bits, e, self.man_bits, rounding, rand, rand_bits)
-    return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+    return self._round_with_params(bits, self._block_params(mx), rounding, rand, rand_bits)
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
     bits = B.to_bits(x)
-    mx = self._block_max(bits & B.u32(B.ABS_MASK))
-    return B.from_bits(self._round_with_block_max(bits, mx, rounding, rand, rand_bits))
+    mx, expand = block_reduce_max(bits & B.u32(B.ABS_MASK), tile=self.tile, axis=self.axis,
+                                  block_size=self.block_size)
+    params = _fenced_params(self._block_params(mx), mx, expand)
+    return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
 
 
 def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
@@ -512,8 +567,10 @@ class MXFormat:
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
     bits = B.to_bits(x)
-    mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=self.axis, block_size=self.block_size)
-    return B.from_bits(self._round_with_block_max(bits, mx, rounding, rand, rand_bits))
+    mx, expand = block_reduce_max(bits & B.u32(B.ABS_MASK), axis=self.axis,
+                                  block_size=self.block_size)
+    params = _fenced_params(self._block_params(mx), mx, expand)
+    return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
 
   def scale_exponent(self, mx):
     """The unclamped scale exponent ``e`` (int32) of ``scale_rule`` from the block-max
@@ -533,22 +590,72 @@ class MXFormat:
     sm = int(B.f32_bits(self.elem.max_normal) & B.FRAC_MASK) | (1 << 23)
     return ea - self.elem_emax + (sig > B.u32(sm)).astype(jnp.int32)
 
+  def _block_params(self, mx):
+    """Per-block quantities of blocks with max magnitude bits ``mx`` (any shape): for float
+    elements ``(lo, big, vmax, ok)``: the exponent ``emin + s`` below which the scaled grid
+    is uniform (``s`` the clamped scale exponent), the bits of that grid's quantum there,
+    the largest value ``max * 2**s`` (clipped to float32) and whether the block is finite;
+    for ``"int8"`` ``(s, ok)``."""
+    s = jnp.clip(self.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
+    ok = B.is_finite_mag(mx)
+    if self.elem == "int8":
+      return s, ok
+    el = self.elem
+    lo = el.emin + s
+    qlo = lo - el.man_bits if el.subnormals else lo
+    top = B.f32_bits((2.0 - 2.0**-el.man_bits) * 2.0**127)
+    vmax = jnp.minimum(B.ldexp_bits(B.u32(B.f32_bits(el.max_normal)), s), B.u32(top))
+    return lo, B.pow2_bits(jnp.clip(qlo, -149, 128)), vmax, ok
+
+  def _round_with_params(self, bits, params, rounding, rand, rand_bits):
+    """Round float32 ``bits`` given their blocks' :meth:`_block_params` (broadcastable).
+
+    For float elements this is ``elem._round_bits(bits, scale_exp=s, saturate=True)`` with
+    the per-block work taken out: the quantum exponent is ``max(floor_log2|x|, lo) - m``
+    (``lo`` alone without subnormals, below it), and ``2**qe`` is only read where ``x`` is
+    below ``2**lo``, where ``qe`` is the block's; a block holding inf or NaN is all NaN, so
+    the element-level handling of non-finite inputs never shows."""
+    if self.elem == "int8":
+      s, ok = params
+      return self._round_int8(bits, s, ok, rounding, rand, rand_bits)
+    lo, big, vmax, ok = params
+    el = self.elem
+    m = el.man_bits
+    sign = bits & B.u32(B.SIGN_MASK)
+    mag = bits & B.u32(B.ABS_MASK)
+    field = (mag >> 23).astype(B.I32)
+    e = B.floor_log2(mag)
+    if el.subnormals:
+      qe = jnp.maximum(e, lo) - m
+      # d >= 23 - m for normal x; a float32 subnormal x gives d >= lo - m + 149 (lo >= emin -
+      # 127): positive for every OCP element
+      d_range = (min(23 - m, el.emin + 22 - m), None)
+    else:
+      qe = jnp.where(e < lo, lo, e - m)
+      d_range = (None, None)
+    d = qe - (jnp.maximum(field, 1) - 150)
+    r = B.round_dropped_bits(mag, d, rounding, big=big, negative=sign != 0, rand=rand,
+                             rand_bits=rand_bits, d_range=d_range)
+    out = jnp.minimum(r, vmax) | sign  # saturating: beyond vmax -> vmax
+    if not el.has_negative_zero:
+      out = jnp.where(r == 0, B.u32(0), out)
+    return jnp.where(ok, out, B.u32(B.QNAN_BITS))
+
   def _round_with_block_max(self, bits, mx, rounding, rand, rand_bits):
     """Round float32 ``bits`` given each element's block-max magnitude bits ``mx``."""
+    return self._round_with_params(bits, self._block_params(mx), rounding, rand, rand_bits)
+
+  def _round_int8(self, bits, s, ok, rounding, rand, rand_bits):
+    """MXINT8 elements of float32 ``bits`` with scale exponents ``s``, NaN where not ``ok``."""
     mag = bits & B.u32(B.ABS_MASK)
-    s = jnp.clip(self.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
-    if self.elem == "int8":
-      sign = (bits & B.u32(B.SIGN_MASK)) != 0
-      r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand,
-                             rand_bits=rand_bits)
-      lim_pos = B.ldexp_bits(B.u32(B.f32_bits(127.0)), s - 6)
-      # -128 * 2**(s - 6) is -2**128 (not a float32) where s = 127: saturate at -127 there
-      lim_neg = jnp.where(s >= 127, lim_pos, B.ldexp_bits(B.u32(B.f32_bits(128.0)), s - 6))
-      r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
-      out = r | jnp.where(sign & (r != 0), B.u32(B.SIGN_MASK), B.u32(0))  # INT8 has no -0
-    else:
-      out = self.elem._round_bits(bits, rounding, rand, rand_bits, scale_exp=s, saturate=True)
-    return jnp.where(B.is_finite_mag(mx), out, B.u32(B.QNAN_BITS))
+    sign = (bits & B.u32(B.SIGN_MASK)) != 0
+    r = B.round_to_quantum(mag, s - 6, rounding, negative=sign, rand=rand, rand_bits=rand_bits)
+    lim_pos = B.ldexp_bits(B.u32(B.f32_bits(127.0)), s - 6)
+    # -128 * 2**(s - 6) is -2**128 (not a float32) where s = 127: saturate at -127 there
+    lim_neg = jnp.where(s >= 127, lim_pos, B.ldexp_bits(B.u32(B.f32_bits(128.0)), s - 6))
+    r = jnp.minimum(r, jnp.where(sign, lim_neg, lim_pos))
+    out = r | jnp.where(sign & (r != 0), B.u32(B.SIGN_MASK), B.u32(0))  # INT8 has no -0
+    return jnp.where(ok, out, B.u32(B.QNAN_BITS))
 
 
 @renamed_kwargs(elem="fmt")

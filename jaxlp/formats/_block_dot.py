@@ -277,8 +277,8 @@ class TwoLevelValues(ScaledBlockFormat):
   def __repr__(self):
     return f"two_level_values({super().__repr__()})"
 
-  def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits):
-    sb, r, _, ok = self.scale_chain(mxb, tw)
+  def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits, *, fence=None):
+    sb, r, _, ok = self.scale_chain(mxb, tw, fence=fence)
     q = self.round_elements(bits, r, rounding, rand, rand_bits)
     out = self.decode_elements(q, normalize(sb))
     return jnp.where(ok, out, B.u32(B.QNAN_BITS))

@@ -125,15 +125,18 @@ def narrow_bits(v: float) -> int | None:
   return k if k <= 4 else None
 
 
-def div_narrow(a, b, k: int):
+def div_narrow(a, b, k: int, *, fence=None):
   """Bits of ``fl32(a / b)`` for finite non-negative magnitude bits ``a`` and a non-zero
   divisor ``b`` whose significand has at most ``k + 1`` significant bits (``k <= 4``,
   static): an integer division of ``a``'s significand (shifted to give 26-27 quotient bits)
   by ``b``'s ``k + 1``-bit one. ``b`` may be a Python float (a constant divisor, which the
-  compiler turns into a multiplication) or bits (e.g. a UE4M3 or E8M0 scale)."""
+  compiler turns into a multiplication) or bits (e.g. a UE4M3 or E8M0 scale). ``fence``: as
+  in :func:`div_mag`."""
   if not 0 <= k <= 4:
     raise ValueError(f"div_narrow: k must be in 0..4, got {k}")
   sa, ea = normalize(a)
+  if fence is not None:
+    sa, ea = fence((sa, ea))
   if isinstance(b, float):
     bits = B.f32_bits(b)
     d, eb = ((bits & B.FRAC_MASK) | (1 << 23)) >> (23 - k), (bits >> 23) - 127
@@ -148,17 +151,20 @@ def div_narrow(a, b, k: int):
   return jnp.where(a == 0, B.u32(0), out)
 
 
-def div_mag(a, b):
+def div_mag(a, b, *, fence=None):
   """Bits of ``fl32(a / b)`` for finite non-negative float32 magnitude bits, ``b != 0``.
 
   Long division of the 24-bit significands in base 2**8 with integer divisions (each
   numerator ``r * 2**8 < 2**32`` over the 24-bit divisor gives 8 exact quotient bits), to
   ``floor(sa * 2**26 / sb)`` -- 26 or 27 bits -- with the remainder as sticky bit, rounded
   once by :func:`pack_rne`. No float division (Triton's is approximate, and the backend's
-  op allow-list has none).
+  op allow-list has none). ``fence``: applied to the normalized operands (see
+  :func:`jaxlp.formats._bits.fence`; None: nothing).
   """
   sa, ea = normalize(a)
   sb, eb = normalize(b)
+  if fence is not None:
+    sa, ea, sb, eb = fence((sa, ea, sb, eb))
   sb = jnp.maximum(sb, B.u32(1))  # b == 0 is the caller's to exclude; no division by 0
   q = jnp.zeros(jnp.broadcast_shapes(jnp.shape(sa), jnp.shape(sb)), U32)
   r = sa

@@ -11,6 +11,7 @@ subnormals; Triton divides approximately) and in the Pallas kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -44,6 +45,10 @@ UE4M3_MAX = 448.0
 TENSOR_SCALE_MIN = 2.0**-121
 _FLT_MAX_BITS = 0x7F7FFFFF
 _ONE_BITS = 0x3F800000
+
+
+def _same(t):
+  return t
 
 
 def _is_int(v):
@@ -291,22 +296,27 @@ class ScaledBlockFormat:
     return jnp.moveaxis(s[..., 0], -1, self.axis % len(sh)).reshape(self.scales_shape(shape))
 
   # -- the arithmetic (shared by the spec and the Pallas kernel) --------------------------
-  def tensor_words(self, amax):
+  def tensor_words(self, amax, *, fence=None):
     """uint32 ``[g, fl(1/g)]`` bits from the bits of the tensor's ``max |x|`` (step 1);
-    ``g`` is NaN when ``amax`` is not finite."""
+    ``g`` is NaN when ``amax`` is not finite. ``fence``: see :meth:`scale_chain`."""
     one = B.u32(_ONE_BITS)
     if not self.tensor_scale:
       return jnp.stack([one, one])
     g = _div_const(jnp.minimum(amax, B.u32(_FLT_MAX_BITS)), self.elem.max_normal * UE4M3_MAX)
     g = jnp.maximum(g, B.u32(_bits_of(TENSOR_SCALE_MIN)))
-    inv = div_mag(one, g)
+    if fence is not None:
+      g = fence(g)
+    inv = div_mag(one, g, fence=fence)
     g = jnp.where(B.is_finite_mag(amax), g, B.u32(B.QNAN_BITS))
     return jnp.stack([g, inv])
 
-  def block_scale(self, mxb, g):
-    """Bits of the block scale ``sb`` (steps 2-3) from block-max bits ``mxb`` and ``g``."""
+  def block_scale(self, mxb, g, *, fence=None):
+    """Bits of the block scale ``sb`` (steps 2-3) from block-max bits ``mxb`` and ``g``
+    (``fence``: see :meth:`scale_chain`)."""
     bs = _div_const(jnp.minimum(mxb, B.u32(_FLT_MAX_BITS)), self.elem.max_normal)
-    s = div_mag(bs, g) if self.tensor_scale else bs
+    if fence is not None:
+      bs = fence(bs)
+    s = div_mag(bs, g, fence=fence) if self.tensor_scale else bs
     if self.scale_fmt == "ue4m3":
       s = jnp.clip(s, B.u32(_bits_of(UE4M3_MIN)), B.u32(_bits_of(UE4M3_MAX)))
       return E4M3FN._round_bits(s, "nearest", None, None)
@@ -314,21 +324,29 @@ class ScaledBlockFormat:
       return B.pow2_bits(jnp.clip(B.ceil_log2(s), -127, 127))
     return jnp.clip(s, B.u32(_bits_of(2.0**-126)), B.u32(_FLT_MAX_BITS))
 
-  def scale_chain(self, mxb, tw):
+  def scale_chain(self, mxb, tw, *, fence=None):
     """``(sb, r, t, ok)`` of every block (steps 2-5) from its block-max bits ``mxb`` and the
     :meth:`tensor_words` ``tw``: the block scale ``sb`` (uint32 bits), the encode factor
     ``r = fl(fl(1/g) / sb)`` and the decode scale ``t = fl(g * sb)`` (each
     :func:`~jaxlp.formats._fparith.normalize`'d: ``(sig, exp)``), and ``ok`` (False where the
-    block or the tensor holds inf or NaN)."""
+    block or the tensor holds inf or NaN).
+
+    ``fence`` (the spec's XLA path: :func:`jaxlp.formats._bits.fence`; None in kernels) is
+    applied to the intermediate values that several later steps read, so that XLA computes
+    each once per block instead of once per element and per consumer: the same bits, a
+    fraction of the compiled program."""
+    fence = fence or _same
     g = tw[0]
     g_nan = B.is_nan_mag(g)
     g = jnp.where(g_nan, B.u32(_ONE_BITS), g)
-    sb = self.block_scale(mxb, g)
+    sb = fence(self.block_scale(mxb, g, fence=fence))
     # UE4M3 scales have 4 significant bits, E8M0 scales 1: one integer division each
     k = {"ue4m3": E4M3FN.man_bits, "e8m0": 0}.get(self.scale_fmt)
-    r = normalize(div_mag(tw[1], sb) if k is None else div_narrow(tw[1], sb, k))
-    t = normalize(mul_mag(g, sb))
-    return sb, r, t, B.is_finite_mag(mxb) & ~g_nan
+    r = fence(div_mag(tw[1], sb, fence=fence) if k is None else
+              div_narrow(tw[1], sb, k, fence=fence))
+    t = fence(mul_mag(g, sb))
+    r, t = fence((normalize(r), normalize(t)))
+    return sb, r, t, fence(B.is_finite_mag(mxb) & ~g_nan)
 
   def round_elements(self, bits, r, rounding, rand, rand_bits):
     """Bits of the elements ``q`` (step 4) of float32 ``bits`` given the normalized encode
@@ -349,32 +367,40 @@ class ScaledBlockFormat:
     out = jnp.minimum(out, B.u32(_FLT_MAX_BITS))  # no inf from finite input (step 5)
     return out | (q & B.u32(B.SIGN_MASK))
 
-  def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits):
+  def round_blocks(self, bits, mxb, tw, rounding, rand, rand_bits, *, fence=None):
     """Quantize float32 ``bits`` laid out as ``(..., B)`` blocks (steps 2-5).
 
     ``mxb``: ``(..., 1)`` block-max magnitude bits (NaN > inf > finite); ``tw``: the
-    :meth:`tensor_words` of the tensor; ``rand``: noise words (broadcastable to ``bits``).
+    :meth:`tensor_words` of the tensor; ``rand``: noise words (broadcastable to ``bits``);
+    ``fence``: see :meth:`scale_chain`.
     """
-    _, r, t, ok = self.scale_chain(mxb, tw)
+    _, r, t, ok = self.scale_chain(mxb, tw, fence=fence)
     out = self.decode_elements(self.round_elements(bits, r, rounding, rand, rand_bits), t)
     return jnp.where(ok, out, B.u32(B.QNAN_BITS))
 
-  def _blocked(self, x, rand):
-    """``(blocks, block maxima, tensor words, noise)`` of a float32 array (the layout and the
-    tensor-level step shared by :func:`jaxlp.formats.quantize` and :meth:`encode`)."""
+  def _blocked(self, x, rand, *, hoist=False):
+    """``(blocks, block maxima, tensor words, noise, fence)`` of a float32 array (the layout
+    and the tensor-level step shared by :func:`jaxlp.formats.quantize` and :meth:`encode`).
+    The tensor's ``max |x|`` is the largest block maximum (zero padding never raises it).
+    ``fence``: with ``hoist``, the :func:`jaxlp.formats._bits.fence` for :meth:`scale_chain`
+    (else None)."""
     shape = x.shape
     bits = B.to_bits(x)
-    tw = self.tensor_words(jnp.max(bits & B.u32(B.ABS_MASK), initial=B.u32(0)))
     blk = self.to_blocks(bits, shape)
     mxb = jnp.max(blk & B.u32(B.ABS_MASK), axis=-1, keepdims=True, initial=B.u32(0))
+    amax = jnp.max(mxb, initial=B.u32(0))
+    fence = functools.partial(B.fence, word=amax) if hoist else None
+    tw = self.tensor_words(amax, fence=fence)
+    if fence is not None:
+      tw = fence(tw)
     rb = self.to_blocks(jnp.broadcast_to(rand, shape), shape) if jnp.ndim(rand) else rand
-    return blk, mxb, tw, rb
+    return blk, mxb, tw, rb, fence
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
     if x.size == 0:
       return x
-    blk, mxb, tw, rb = self._blocked(x, rand)
-    out = self.round_blocks(blk, mxb, tw, rounding, rb, rand_bits)
+    blk, mxb, tw, rb, fence = self._blocked(x, rand, hoist=True)
+    out = self.round_blocks(blk, mxb, tw, rounding, rb, rand_bits, fence=fence)
     return B.from_bits(self.from_blocks(out, x.shape))
 
   # -- components ---------------------------------------------------------------------------
@@ -451,8 +477,8 @@ Array(0.00074405, dtype=float32))
 def _encode_impl(x, rand, fmt, rounding, rand_bits):
   if x.size == 0:
     return x, jnp.zeros(fmt.scales_shape(x.shape), jnp.float32), jnp.float32(1.0)
-  blk, mxb, tw, rb = fmt._blocked(x, rand)
-  sb, r, _, ok = fmt.scale_chain(mxb, tw)
+  blk, mxb, tw, rb, fence = fmt._blocked(x, rand, hoist=True)
+  sb, r, _, ok = fmt.scale_chain(mxb, tw, fence=fence)
   q = jnp.where(ok, fmt.round_elements(blk, r, rounding, rb, rand_bits), B.u32(B.QNAN_BITS))
   elements = B.from_bits(fmt.from_blocks(q, x.shape))
   return elements, B.from_bits(fmt._blocks_to_scales(sb, x.shape)), B.from_bits(tw[0])
