@@ -64,7 +64,6 @@ from jaxlp.parallel._aggregate import (
   SPARSIFIERS,
   _join_state,
   _split_state,
-  bitwise,
 )
 from jaxlp.parallel._arith import add_f32, sub_f32
 from jaxlp.parallel._codec import codec_for
@@ -78,6 +77,7 @@ from jaxlp.parallel._sharded import (
   _slab_shape,
   _unslab,
   _wire,
+  fused_collective,
   rank_sum,
 )
 from jaxlp.parallel.compressors._base import exact_div, numel
@@ -352,8 +352,7 @@ def _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack, axis_
   wire = _wire(fmt, pack, "compressed_reduce_scatter")
   m = rows.shape[1]
   payload = jax.vmap(wire.encode)(qr, rows)
-  recv = jax.tree_util.tree_map(
-      lambda a: bitwise(lambda b: _axes.all_to_all(b, axis_name), a), payload)
+  recv = fused_collective(lambda b: _axes.all_to_all(b, axis_name), payload, 1)
   res = rank_sum(jax.vmap(lambda p: wire.decode(p, m))(recv))
   new = st
   if ef:
@@ -368,8 +367,7 @@ def _compressor_leaf(x, st, shape, d, w, me, comp, step_key, l, axis_name):
   sts = _split_state(st, w, m, n)
   keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(step_key, me), l), w)
   payload, sts = jax.vmap(comp.encode)(rows, sts, keys)
-  recv = jax.tree_util.tree_map(
-      lambda a: bitwise(lambda b: _axes.all_to_all(b, axis_name), a), payload)
+  recv = fused_collective(lambda b: _axes.all_to_all(b, axis_name), payload, 1)
   dec = jax.vmap(lambda p: comp.decode(p, (m,)))(recv)
   return rank_sum(dec), _join_state(sts, n)
 
