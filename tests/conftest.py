@@ -130,6 +130,9 @@ _SCHEDULE_FIRST = (
     "tests/torch_bridge/test_cpu_path.py::test_block_formats",
     "tests/test_benchmarks_front_door_smoke.py::test_every_listed_name_runs_its_help",
     "tests/cli/test_one_writer.py::test_two_processes_on_one_folder_then_ctrl_c_and_resume",
+    # from the fast tier of main 51154a2 (2026-11-29, load about 6):
+    "tests/torch_bridge/test_ddp_hooks.py::test_cast_hooks_give_pytorchs_bits",
+    "tests/cli/test_text.py::test_every_policy_and_reduction_runs_on_the_language_models",
 )
 
 
@@ -418,6 +421,34 @@ _SLOW = (
     "tests/test_torch_bench_smoke.py::test_torch_bench_cuda_rows_say_not_measured_without_a_gpu",
     "tests/test_torch_bench_smoke.py::test_torch_bench_profile_lists_each_entry_points_host_time",
     "tests/test_torch_bench_smoke.py::test_torch_bench_small",
+    # --- added from the fast tier of main 51154a2 (2026-11-29, ``-n 2``, load about 6):
+    # functions whose cases took 12 s or more together there ---
+    "tests/cli/test_shard.py::test_grad_format_zero2_equals_replicated_bit_for_bit",
+    "tests/cli/test_shard.py::test_lstm_sharded_runs_equal_the_replicated_run_bit_for_bit",
+    "tests/cli/test_shard.py::test_lstm_trains_sharded_from_the_command_line",
+    "tests/cli/test_shard.py::test_two_processes_over_jax_distributed",
+    "tests/cli/test_shard.py::test_wire_flags_change_the_result_and_are_reported",
+    "tests/cli/test_text.py::test_compare_and_plot_show_perplexity",
+    "tests/cli/test_text.py::test_every_policy_and_reduction_runs_on_the_language_models",
+    "tests/cli/test_text.py::test_lstm_train_and_resume_equal_one_run",
+    "tests/flax_integration/test_lm_models.py::test_output_logits_are_tied_to_the_embedding",
+    "tests/ops/test_block_dot_scaled.py::test_mxfp8_policy_gemms",
+    "tests/ops/test_block_dot_scaled.py::test_nvfp4_policy_gemms",
+    "tests/ops/test_block_dot_scaled.py::test_nvfp4_reference_is_the_definition",
+    "tests/ops/test_block_dot_scaled.py::test_nvfp4_weight_tiles_and_nd_operands",
+    "tests/ops/test_recipes.py::test_a_flax_model_trains_under_the_recipe_with_bf16_ends",
+    "tests/ops/test_recipes.py::test_jaxlp_train_runs_the_recipe_with_keys_and_bf16_ends",
+    "tests/ops/test_recipes.py::test_stochastic_rounding_only_on_the_gradient_operands",
+    "tests/ops/test_rht.py::test_recipe_gemm_bits_do_not_depend_on_sharding",
+    "tests/pallas/test_block_gemm_limbs.py::test_interpret_matches_reference",
+    "tests/parallel/compress/test_nonfinite.py::test_nonfinite_policy",
+    "tests/parallel/test_fsdp.py::test_user_shard_map_over_devices_times_vmap_equals_vmap",
+    "tests/parallel/test_sharded_compressed.py::test_nonfinite_gradients_nan_the_leaf_and_keep_the_state",
+    "tests/test_recipe_grads_tool_smoke.py::test_recipe_grads_small",
+    "tests/test_sequence_bench_smoke.py::test_sequence_benchmark_small",
+    "tests/test_sharded_bench_smoke.py",
+    "tests/torch_bridge/test_ddp_engine.py::test_cast_hook_arithmetic_is_the_engines",
+    "tests/torch_bridge/test_ddp_hooks.py",
 )
 
 # Cases of the functions above that stay in the fast tier: a cheap representative of each
@@ -462,6 +493,8 @@ _FAST_CASES = (
     "tests/torch_bridge/test_torch_nn.py::test_linear_matches_jax_dot_general[hbfp_per_sample]",
     "tests/torch_bridge/test_ddp_powersgd_pieces.py::test_hook_pieces_are_finish[False-dtype0-True]",
     "tests/torch_bridge/test_ddp_torch_casts.py::test_sum_is_cast_gathered_sum[bf16]",
+    "tests/parallel/compress/test_nonfinite.py::test_nonfinite_policy[bf16-vmap]",
+    "tests/cli/test_text.py::test_every_policy_and_reduction_runs_on_the_language_models[transformer-flags3]",
 )
 
 
