@@ -284,7 +284,14 @@ def environment(a):
                                     os.path.join(a.env_out, f"worker{i}.json")], env=env,
                             stdout=sys.stderr)  # gloo's chatter stays out of the table
            for i in range(w)]
-  deadline = time.time() + a.timeout
+  return wait_workers(procs, w, a.timeout)
+
+
+def wait_workers(procs, w: int, timeout: float) -> int:
+  """Wait for the W worker processes (at most ``timeout`` s in all): the first non-zero exit
+  status, 124 on a timeout; the workers are killed if this process is interrupted or
+  terminated (SIGTERM) or the time runs out. Shared with benchmarks/sharded.py."""
+  deadline = time.time() + timeout
 
   def _term(signum, frame):
     raise SystemExit(143)
@@ -295,7 +302,7 @@ def environment(a):
       p.wait(timeout=max(1, deadline - time.time()))
       rc = rc or p.returncode
   except subprocess.TimeoutExpired:
-    print(f"!! W={w}: workers timed out after {a.timeout} s", file=sys.stderr)
+    print(f"!! W={w}: workers timed out after {timeout} s", file=sys.stderr)
     rc = 124
   finally:
     for p in procs:

@@ -42,7 +42,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -185,25 +184,7 @@ def environment(a):
   procs = [subprocess.Popen(base + ["--_worker", str(port), str(w), str(i),
                                     os.path.join(a.env_out, f"worker{i}.json")], env=env,
                             stdout=sys.stderr) for i in range(w)]
-  deadline = time.time() + a.timeout
-
-  def _term(signum, frame):
-    raise SystemExit(143)
-  signal.signal(signal.SIGTERM, _term)
-  rc = 0
-  try:
-    for p in procs:
-      p.wait(timeout=max(1, deadline - time.time()))
-      rc = rc or p.returncode
-  except subprocess.TimeoutExpired:
-    print(f"!! W={w}: workers timed out after {a.timeout} s", file=sys.stderr)
-    rc = 124
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  return rc
+  return lb.wait_workers(procs, w, a.timeout)
 
 
 def run_env(rate, w, a, throttle):
