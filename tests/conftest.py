@@ -538,3 +538,30 @@ def pytest_collection_modifyitems(config, items):
   config.stash[FAST_CASES_SEEN] = seen
   rank = {name: i for i, name in enumerate(_SCHEDULE_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))
+
+
+class _XdistGroups:
+  """``--dist loadgroup`` with pytest >= 9.2: pytest-xdist (3.8) names an ``xdist_group``
+  test's group by appending ``@group`` to ``item._nodeid``, which pytest 9.2 no longer reads
+  (``item.nodeid`` comes from ``item._id``), so every group was split over the workers and a
+  module's expensive shared fixture (a multi-process run) was set up on each worker (measured:
+  test_compress_multiprocess's 122 s set-up twice in one run). This appends the suffix where
+  pytest reads it; it runs last, after the ordering above, and does nothing where xdist's own
+  suffix took effect."""
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_collection_modifyitems(self, config, items):
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+      return
+    for item in items:
+      names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                      for m in item.iter_markers("xdist_group")})
+      if not names or "@" in item.nodeid or not hasattr(item, "_id"):
+        continue
+      from _pytest.nodeid import NodeId  # noqa: PLC0415 -- pytest >= 9.2 only
+
+      item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config):
+  config.pluginmanager.register(_XdistGroups(), "jaxlp_xdist_groups")
