@@ -132,12 +132,14 @@ def make_step(model, policy):
   return step, tx, qm
 
 
-def coverage(qm, params, tokens) -> str:
+def coverage(qm, params, tokens, policy=None) -> str:
   """``quantized/total`` matmuls of one training step (``jaxlp.flax.matmul_report``)."""
   if qm is None:
     return "-"
-  report = jf.matmul_report(qm, {"params": params}, tokens[:, :-1], train=True,
-                            rngs={"dropout": jax.random.key(0)},
+  rngs = {"dropout": jax.random.key(0)}
+  if policy is not None and policy.stochastic:  # as the step passes it (make_step)
+    rngs["quantize"] = jax.random.key(1)
+  report = jf.matmul_report(qm, {"params": params}, tokens[:, :-1], train=True, rngs=rngs,
                             loss_fn=lambda logits: jnp.sum(logits))
   return f"{report.count(status='quantized')}/{len(report)}"
 
@@ -152,7 +154,7 @@ def run_case(name, small, names, steps, rounds):
            "matmuls": "-", "status": "ok"}
     try:
       step, tx, qm = make_step(model, pols[pname])
-      row["matmuls"] = coverage(qm, params, tokens)
+      row["matmuls"] = coverage(qm, params, tokens, pols[pname])
       state = (params, tx.init(params))
       t0 = time.perf_counter()
       p, o, loss = step(*state, tokens, jax.random.key(2))

@@ -203,7 +203,8 @@ class LSTMLM(nn.Module):
     drop = lambda h: nn.Dropout(self.dropout, deterministic=not train)(h)
     h = drop(embed(tokens))
     for i in range(self.num_layers):
-      h = drop(nn.RNN(nn.OptimizedLSTMCell(self.features, name=f"lstm_{i}"))(h))
+      h = drop(nn.RNN(nn.OptimizedLSTMCell(self.features, name=f"lstm_{i}"),
+                        split_rngs={"params": False, "quantize": True})(h))
     if not self.tied:
       return nn.Dense(self.vocab_size, name="decoder")(h)
     bias = self.param("decoder_bias", nn.initializers.zeros_init(), (self.vocab_size,))
