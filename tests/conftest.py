@@ -445,6 +445,7 @@ _SLOW = (
     "tests/parallel/test_fsdp.py::test_user_shard_map_over_devices_times_vmap_equals_vmap",
     "tests/parallel/test_sharded_compressed.py::test_nonfinite_gradients_nan_the_leaf_and_keep_the_state",
     "tests/test_recipe_grads_tool_smoke.py::test_recipe_grads_small",
+    "tests/test_sequence_bench_smoke.py::test_sequence_benchmark_nvfp4_rows",
     "tests/test_sequence_bench_smoke.py::test_sequence_benchmark_small",
     "tests/test_sharded_bench_smoke.py",
     "tests/torch_bridge/test_ddp_engine.py::test_cast_hook_arithmetic_is_the_engines",

@@ -44,6 +44,24 @@ def test_sequence_benchmark_small(tmp_path):
       assert mine["onebit"]["largest_leaf"] == 10001 * 128
 
 
+def test_sequence_benchmark_nvfp4_rows(tmp_path):
+  """The opt-in ``nvfp4`` / ``nvfp4_recipe`` rows (``--policies``) run, quantize every matmul
+  of the step and report their compile time (the LSTM: seconds, not the transformer's minute)."""
+  out = tmp_path / "sequence.json"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sequence.py"),
+                      "--small", "--models", "lstm", "--policies", "fp32,nvfp4,nvfp4_recipe",
+                      "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = {row["policy"]: row for row in json.loads(out.read_text())["steps"]}
+  assert list(rows) == ["fp32", "nvfp4", "nvfp4_recipe"]
+  for name in ("nvfp4", "nvfp4_recipe"):
+    row = rows[name]
+    assert row["status"] == "ok" and row["step_ms"] > 0 and row["compile_s"] > 0, row
+    done, total = map(int, row["matmuls"].split("/"))
+    assert done == total > 0, row
+
+
 def test_sequence_benchmark_gradient_check(capsys):
   """--grads: each 8-bit policy's gradient of one LSTM loss against fp32, leaf by leaf (HBFP8
   keeps every direction; MXFP8's floor-rule scales clip block maxima, so its gradients are
