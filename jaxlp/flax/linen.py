@@ -202,7 +202,9 @@ class QuantizedModel:
       return module.make_rng("params")
     raise ValueError(
         f"quantize_model: the policy uses stochastic rounding: pass rngs={{"
-        f"{self.rng_stream!r}: key}} (a fresh key per step) to apply")
+        f"{self.rng_stream!r}: key}} (a fresh key per step) to apply; inside nn.RNN / "
+        f"nn.scan also list the stream: split_rngs={{'params': False, "
+        f"{self.rng_stream!r}: True}} (module {'/'.join(module.path) or 'the model'})")
 
   def _ops(self, module, path, kinds, op="dot"):
     """One TaggedOp per kind; a stochastic call draws one key, folded per kind."""
