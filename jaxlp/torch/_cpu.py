@@ -671,8 +671,7 @@ def _scaled(fl: int, rounding: str, qpytorch: bool = False):
     if rounding == "stochastic":
       y = np.abs(x)
       y *= up
-      n = np.floor(y)
-      y -= n
+      y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
       y *= two32
       n += rand < y.astype(_U)
       n *= down
@@ -875,7 +874,7 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
   add = _k(1 << (drop - 1) if drop else 0)
   keep = _k(0xFFFFFFFF ^ ((1 << drop) - 1))
   cv = _kf(2 ** (wl - 1) - 1)
-  abs0, sign0, two32 = _k(ABS), _k(SIGN), _kf(_TWO32)
+  abs0, two32, zero_f = _k(ABS), _kf(_TWO32), _kf(0.0)
   step_scale = np.float32(2.0 ** (2 - wl))
   inv_scale = np.float32(2.0 ** (wl - 2))
 
@@ -908,14 +907,14 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
     y -= base
     np.abs(y, out=y)
     y *= inv_step
-    n = np.floor(y)
-    thr = ((y - n) * np.float32(4294967296.0)).astype(_U)
-    n += rand.reshape(n.shape) < thr
+    y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
+    y *= two32
+    n += rand.reshape(n.shape) < y.astype(_U)
     np.minimum(n, cv, out=n)
     n *= (e_bits.view(np.float32) * step_scale)  # * 2**(E + 2 - wl)
-    q = n.view(_U).reshape(-1)
-    q |= (q + abs0) & bits & sign0  # the sign where the result is not zero
-    return q
+    np.copysign(n, x, out=n)
+    n += zero_f  # the sign where the result is not zero: -0.0 + 0.0 = +0.0, others exact
+    return n.view(_U).reshape(-1)
 
   def whole(bits, rand, shape):
     # dim = -1: the same operations with the one block's constants as scalars, and (nearest)
@@ -932,15 +931,14 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
       y -= base
       np.abs(y, out=y)
       y *= _kf(2.0 ** (wl - 2 - e))
-      n = np.floor(y)
-      y -= n
+      y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
       y *= two32
       n += rand < y.astype(_U)
       np.minimum(n, cv, out=n)
       n *= _kf(2.0 ** (e + 2 - wl))
-      q = n.view(_U)
-      q |= (q + abs0) & bits & sign0  # the sign where the result is not zero
-      return q
+      np.copysign(n, x, out=n)
+      n += zero_f  # the sign where the result is not zero: -0.0 + 0.0 = +0.0, others exact
+      return n.view(_U)
     v = x + base
     if drop:
       vb = v.view(_U)
@@ -1099,7 +1097,10 @@ def runner(fmt, rounding: str):
     if stochastic:
       if n > MAX_ELEMENTS:
         return None
-      rand = noise(n, *key_words(int(words[0]), int(words[1])))
+      # a draw (a tuple of ints) is new at every call: no cache; a seed's words repeat
+      k0, k1 = (_threefry_words(*words) if type(words) is tuple
+                else key_words(int(words[0]), int(words[1])))
+      rand = noise(n, k0, k1)
     mask = None
     if kind == "elementwise":
       out = fast(bits, rand)

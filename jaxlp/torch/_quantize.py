@@ -50,7 +50,7 @@ def seed_words(seed: int) -> np.ndarray:
   return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
-_DRAW = threading.local()  # a per-thread int64[2] buffer for the draws below
+_DRAW = threading.local()  # a per-thread int64[2] buffer for the draws below, and its numpy view
 
 
 def draw_ints(generator=None) -> tuple[int, int]:
@@ -66,10 +66,12 @@ def draw_ints(generator=None) -> tuple[int, int]:
       w = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator,
                         device=generator.device)
       return tuple(w.tolist())
-  buf = getattr(_DRAW, "buf", None)
-  if buf is None:
-    buf = _DRAW.buf = torch.empty(2, dtype=torch.int64)
-  return tuple(buf.random_(0, 2**32, generator=generator).tolist())
+  bufs = getattr(_DRAW, "bufs", None)
+  if bufs is None:
+    buf = torch.empty(2, dtype=torch.int64)
+    bufs = _DRAW.bufs = (buf, buf.numpy())
+  bufs[0].random_(0, 2**32, generator=generator)
+  return tuple(bufs[1].tolist())
 
 
 def draw_words(generator=None) -> np.ndarray:
