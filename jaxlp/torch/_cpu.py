@@ -183,20 +183,45 @@ _FM1, _FM2 = _k(0x85EBCA6B), _k(0xC2B2AE35)
 _S13, _S16 = _k(13), _k(16)
 
 
+def _mixed_index(n: int) -> np.ndarray:
+  """``g ^ (g >> 16)`` for ``g = arange(n) * 0x9E3779B9`` (uint32): ``hash_bits``'s scaled
+  index after the first xor-shift of its first ``fmix32`` (see :func:`noise`)."""
+  g = np.arange(n, dtype=np.uint32)
+  g *= _GOLDEN
+  g ^= g >> _S16
+  return g
+
+
 @functools.lru_cache(maxsize=32)
-def _scaled_index(n: int) -> np.ndarray:
-  """``arange(n) * 0x9E3779B9`` (uint32, read-only): the first step of ``hash_bits``."""
-  a = np.arange(n, dtype=np.uint32)
-  a *= _GOLDEN
-  a.setflags(write=False)
-  return a
+def _mixed_index_ro(n: int) -> np.ndarray:
+  """:func:`_mixed_index` of a tensor size up to 65536, cached (read-only)."""
+  g = _mixed_index(n)
+  g.setflags(write=False)
+  return g
 
 
-def _fmix32(h, t):
-  """MurmurHash3's finaliser, in place on uint32 ``h`` (``jaxlp.formats._bits.fmix32``);
-  ``t``: scratch of ``h``'s shape."""
-  np.right_shift(h, _S16, out=t)
+def noise(n: int, k0: int, k1: int) -> np.ndarray:
+  """``hash_bits(k0, k1, arange(n))``: the spec's noise word of each flat index, i.e.
+  ``fmix32(fmix32(g ^ k0) ^ k1)`` for ``g = arange(n) * 0x9E3779B9`` (``jaxlp/formats/_bits.py``)
+  in 12 NumPy operations (18 written out), by two exact identities of uint32 xor-shifts
+  (``s(v) = v ^ (v >> 16)`` is linear over XOR, and ``s(s(v)) = v`` since ``v >> 32 = 0``):
+
+  * the first step of the first ``fmix32``: ``s(g ^ k0) = s(g) ^ s(k0)``, where ``s(g)`` is
+    cached per ``n`` (:func:`_mixed_index`);
+  * the last step of the first and the first of the second: with ``p`` the first one's last
+    product, ``s(s(p) ^ k1) = s(s(p)) ^ s(k1) = p ^ s(k1)``: both steps drop out.
+
+  References:
+    Appleby, MurmurHash3 (``fmix32``, public domain).
+  """
+  h = np.bitwise_xor(_mixed_index_ro(n) if n <= 65536 else _mixed_index(n),
+                     np.array(k0 ^ (k0 >> 16), np.uint32))
+  t = np.empty_like(h)
+  h *= _FM1
+  np.right_shift(h, _S13, out=t)
   h ^= t
+  h *= _FM2
+  h ^= np.array(k1 ^ (k1 >> 16), np.uint32)
   h *= _FM1
   np.right_shift(h, _S13, out=t)
   h ^= t
@@ -204,17 +229,6 @@ def _fmix32(h, t):
   np.right_shift(h, _S16, out=t)
   h ^= t
   return h
-
-
-def noise(n: int, k0: int, k1: int) -> np.ndarray:
-  """``hash_bits(k0, k1, arange(n))``: the spec's noise word of each flat index (18 NumPy
-  operations, each in place or into one scratch array)."""
-  base = _scaled_index(n) if n <= 65536 else np.arange(n, dtype=np.uint32) * _GOLDEN
-  h = np.bitwise_xor(base, np.array(k0, np.uint32))
-  t = np.empty_like(h)
-  _fmix32(h, t)
-  h ^= np.array(k1, np.uint32)
-  return _fmix32(h, t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,10 +680,11 @@ def _scaled(fl: int, rounding: str, qpytorch: bool = False):
   half = _kf(0.5)
   two32 = _kf(_TWO32)
 
-  def core(bits, rand):
+  def core(bits, rand, mag=None):
     x = bits.view(np.float32)
     if rounding == "stochastic":
-      y = np.abs(x)
+      # |x| (from the magnitude bits where the caller has them: a new array it hands over)
+      y = np.abs(x) if mag is None else mag.view(np.float32)
       y *= up
       y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
       y *= two32
@@ -717,8 +732,9 @@ def _scaled_fast(fl, rounding, full, bounds, qpytorch=False, with_mask=False):
   def fast(bits, rand):
     if not _ieee_subnormals():
       return full(bits, rand)
-    if _max(bits & abs0) <= inside:
-      q = core(bits, rand)
+    mag = bits & abs0
+    if _max(mag) <= inside:
+      q = core(bits, rand, mag)
       return (q, None) if with_mask else q
     # an overflow of y (inf, or NaN for stochastic rounding's fraction) gives an infinite
     # result, and a NaN input a NaN: both are found in the result's range below

@@ -253,7 +253,9 @@ def _bucketed(t, fmt, rounding, key, with_mask):
   return out[:n].view(t.shape)
 
 
-def _call(t, fmt, rounding, with_mask, key):
+def quantize_raw(t, fmt, rounding, key, with_mask=False):
+  """Quantize tensor ``t`` (no autograd) with an explicit uint32[2] key (or None); with
+  ``with_mask``: ``(q, clamp mask)`` for :class:`QPyTorchFixedPoint`."""
   # the native paths (the spec's bits), where they apply
   if t.is_cpu:
     if t.numel() > NATIVE_MAX and _bucketable(t, fmt, rounding, with_mask):
@@ -279,14 +281,9 @@ def jax_route(t, fmt, rounding, key, with_mask=False):
   return export_fast(out, on_cpu)
 
 
-def quantize_raw(t, fmt, rounding, key):
-  """Quantize tensor ``t`` (no autograd) with an explicit uint32[2] key (or None)."""
-  return _call(t, fmt, rounding, False, key)
-
-
 def quantize_raw_mask(t, fmt, rounding, key):
   """(q, clamp mask) for :class:`QPyTorchFixedPoint` (QPyTorch's ``_mask`` kernels)."""
-  return _call(t, fmt, rounding, True, key)
+  return quantize_raw(t, fmt, rounding, key, True)
 
 
 class _StraightThrough(torch.autograd.Function):
