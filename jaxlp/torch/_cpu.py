@@ -686,7 +686,8 @@ def _scaled(fl: int, rounding: str, qpytorch: bool = False):
       # |x| (from the magnitude bits where the caller has them: a new array it hands over)
       y = np.abs(x) if mag is None else mag.view(np.float32)
       y *= up
-      y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
+      n = np.floor(y)
+      y -= n
       y *= two32
       n += rand < y.astype(_U)
       n *= down
@@ -923,7 +924,8 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
     y -= base
     np.abs(y, out=y)
     y *= inv_step
-    y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
+    n = np.floor(y)
+    y -= n
     y *= two32
     n += rand.reshape(n.shape) < y.astype(_U)
     np.minimum(n, cv, out=n)
@@ -931,6 +933,14 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
     np.copysign(n, x, out=n)
     n += zero_f  # the sign where the result is not zero: -0.0 + 0.0 = +0.0, others exact
     return n.view(_U).reshape(-1)
+
+  @functools.lru_cache(maxsize=256)
+  def whole_consts(e):
+    """(6 * 2**E, 2**-(E + 2 - wl), 2**(E + 2 - wl), (2**(wl-1) - 1) * 2**(E + 2 - wl)): 0-d
+    float32 constants of a block maximum's exponent E."""
+    step = 2.0 ** (e + 2 - wl)
+    return (_kf(6.0 * 2.0**e), _kf(2.0 ** (wl - 2 - e)), _kf(step),
+            _kf((2 ** (wl - 1) - 1) * step))
 
   def whole(bits, rand, shape):
     # dim = -1: the same operations with the one block's constants as scalars, and (nearest)
@@ -941,17 +951,20 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
     if not 2.0**-100 <= m < 2.0**125:
       return full(bits, rand, shape)
     e = math.frexp(m)[1] - 1  # E = floor(log2 m), exact
-    base = _kf(6.0 * 2.0**e)
+    base, inv_step, step, lim = whole_consts(e)
     if rounding != "nearest":
-      y = x + base
+      # |pre| = fl32(|x| + 6 * 2**E) - 6 * 2**E: the pre-rounding (to nearest even onto a grid
+      # that 6 * 2**E lies on) is symmetric, so it may round the magnitude
+      y = mag.view(np.float32)
+      y += base
       y -= base
-      np.abs(y, out=y)
-      y *= _kf(2.0 ** (wl - 2 - e))
-      y, n = np.modf(y, out=(y, np.empty_like(y)))  # y >= 0: frac = y - floor(y), exact
+      y *= inv_step
+      n = np.floor(y)
+      y -= n
       y *= two32
       n += rand < y.astype(_U)
       np.minimum(n, cv, out=n)
-      n *= _kf(2.0 ** (e + 2 - wl))
+      n *= step
       np.copysign(n, x, out=n)
       n += zero_f  # the sign where the result is not zero: -0.0 + 0.0 = +0.0, others exact
       return n.view(_U)
@@ -961,9 +974,7 @@ def _qpytorch_block(fmt: QPyTorchBlock, rounding: str):
       vb += add
       vb &= keep
     v -= base
-    step = 2.0 ** (e + 2 - wl)
-    if m >= 2.0 ** (e + 1) - step:
-      lim = _kf((2 ** (wl - 1) - 1) * step)
+    if m >= 2.0 ** (e + 1) - float(step):
       np.minimum(v, lim, out=v)
       np.maximum(v, -lim, out=v)
     return v.view(_U)
