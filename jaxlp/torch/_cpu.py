@@ -439,7 +439,7 @@ def _float_format(fmt: FloatFormat, rounding: str):
   half = _k(1 << d0 >> 1)
   sd0 = _k(d0)
   s32 = _k(32 - d0)
-  one, abs0, sign0 = _k(1), _k(ABS), _k(SIGN)
+  one, abs0, sign0, h22 = _k(1), _k(ABS), _k(SIGN), _k(1 << 22)
   maxb_i = int(maxb)
 
   def core(bits, rand):
@@ -447,7 +447,7 @@ def _float_format(fmt: FloatFormat, rounding: str):
       out = bits.copy()
     elif rounding == "nearest":
       if d0 == 23:  # m = 0: the kept integer is the hidden bit (odd)
-        out = bits + _k(1 << 22)
+        out = bits + h22
       else:
         out = np.right_shift(bits, sd0)
         out &= one
@@ -605,13 +605,13 @@ def _cpd_float(fmt: CPDFloat, rounding: str):
   # gives CPD's finite 2**(bias + 1)); zeros keep their pattern.
   keep = _k(0xFFFFFFFF ^ ((1 << d0) - 1))
   half1 = _k((1 << d0 >> 1) - 1 if d0 else 0)
-  sd0, one = _k(d0), _k(1)
+  sd0, one, h22 = _k(d0), _k(1), _k(1 << 22)
 
   def core(bits, rand):
     if d0 == 0:
       return bits.copy(), None
     if d0 == 23:  # M = 0: the kept integer is the hidden bit (odd)
-      out = bits + _k(1 << 22)
+      out = bits + h22
     else:
       out = np.right_shift(bits, sd0)
       out &= one
