@@ -9,11 +9,17 @@ cost, us) and a large tensor (16M, throughput); then a loop over ``--shapes`` di
 run twice (what a new shape costs: the JAX route compiled every new (format, rounding, shape)
 and kept 256, so a 300-shape loop paid 16-19 s per pass).
 
-Every number is the MEDIAN of ``--reps`` repetitions (each the mean of 50 calls for the
-per-call rows, one call for the large rows, one pass for the shape loop), jaxlp's and
-QPyTorch's repetitions taken in turns: the machines are shared, so medians, not bests, under
-the same load. ``OptimLP``'s per-call cost is also given over the plain
-``torch.optim.SGD`` step it wraps, timed in the same run (its own row).
+Every number is the MEDIAN of ``--reps`` repetitions (each the mean of ``--inner`` calls,
+default 50, for the per-call rows, one call for the large rows, one pass for the shape loop),
+jaxlp's and QPyTorch's repetitions taken in turns: the machines are shared, so medians, not
+bests, under the same load. ``--stat minmed`` takes instead the smallest of the medians of
+consecutive groups of 5 repetitions (the quietest stretch of the run, each group still a
+median): on a loaded machine, use it with short repetitions (``--inner 10``) and many of them
+(``--reps 105``), since a repetition that a time slice of another process interrupts is
+slower, and a longer repetition (the slower entry point's) is interrupted more often, which
+biases a plain median of long repetitions against the slower side. ``OptimLP``'s per-call
+cost is also given over the plain ``torch.optim.SGD`` step it wraps, timed in the same run
+(its own row).
 
 Goals. CPU (the NumPy path of ``jaxlp/torch/_cpu.py``): <= 2x QPyTorch's time at 100
 elements, >= 1x QPyTorch's speed at 4K, and a second pass over new shapes no slower than the
@@ -22,8 +28,8 @@ first. CUDA (the Triton kernels): >= 1.5x QPyTorch's throughput at 16M, <= 50 us
 JAX route every CPU call took before; slow in the shape loop: it compiles).
 
 Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N]
-       [--sizes A,B,..] [--shapes S] [--reps R] [--stat median|min] [--only NAMES]
-       [--profile] [--with-jax-route]
+       [--sizes A,B,..] [--shapes S] [--reps R] [--inner I] [--stat median|min|minmed]
+       [--only NAMES] [--profile] [--with-jax-route]
 
 ``--profile`` also runs each timed jaxlp entry point 2000 times at 4K elements under
 ``cProfile`` and prints its ten most expensive functions (own time per call): where a
@@ -71,8 +77,19 @@ def _times(fn, reps, sync, inner):
   return out
 
 
-#: How repetitions are summarised (``--stat``): the median (default) or the fastest.
-STAT = {"median": statistics.median, "min": min}
+def _min_of_medians(times, group=5):
+  """The smallest median of consecutive groups of ``group`` repetitions (a last, shorter group
+  counts only when it is the only one)."""
+  groups = [times[i:i + group] for i in range(0, len(times), group)]
+  full = [g for g in groups if len(g) == group] or groups
+  return min(statistics.median(g) for g in full)
+
+
+_min_of_medians.__name__ = "min of medians of 5"
+
+#: How repetitions are summarised (``--stat``): the median (default), the fastest, or the
+#: smallest median of groups of 5 consecutive repetitions.
+STAT = {"median": statistics.median, "min": min, "minmed": _min_of_medians}
 _stat = statistics.median
 
 
@@ -303,6 +320,8 @@ def main():
   ap.add_argument("--shapes", type=int, default=None,
                   help="distinct shapes of the shape loop (default 300, --small 20; 0: none)")
   ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--inner", type=int, default=50,
+                  help="calls per repetition of the per-call rows (default 50)")
   ap.add_argument("--only", default=None, help="comma-separated entry points to time")
   ap.add_argument("--profile", action="store_true",
                   help="profile each timed jaxlp entry point at 4K elements (cProfile)")
@@ -337,9 +356,9 @@ def main():
         f"torch {torch.__version__} jax {jax.__version__} threads {torch.get_num_threads()} "
         f"device={args.device} {time.strftime('%Y-%m-%d')}")
   print(f"# formats: float E{EXP}M{MAN} (QPyTorch FloatingPoint), block wl={WL_BLOCK} "
-        f"(one block), fixed wl={WL_FIXED} fl={FL_FIXED}; every time the {args.stat} of {reps} "
-        "repetitions (per-call rows: each the mean of 50 calls; large rows: of 1 call, CUDA "
-        "10); speed-up = QPyTorch's time / jaxlp's")
+        f"(one block), fixed wl={WL_FIXED} fl={FL_FIXED}; every time the {_stat.__name__} of "
+        f"{reps} repetitions (per-call rows: each the mean of {args.inner} calls; large rows: of "
+        "1 call, CUDA 10); speed-up = QPyTorch's time / jaxlp's")
   cuda = args.device == "cuda"
   with_jax = args.with_jax_route and not cuda
   jit_col = " via JITFunction.run |" if cuda else ""
@@ -365,7 +384,7 @@ def main():
     x = torch.randn(n, device=dev)
     # large CUDA tensors: 10 back-to-back calls per timing (one synchronisation, as in a
     # training step), so the sync latency does not pose as throughput
-    inner = 50 if n <= 65536 else (10 if dev.type == "cuda" else 1)
+    inner = args.inner if n <= 65536 else (10 if dev.type == "cuda" else 1)
     per_call = n <= 65536 or dev.type == "cuda"
     unit, scale = ("us", 1e6) if per_call else ("ms", 1e3)
     tsgd = None

@@ -20,7 +20,13 @@ from jaxlp.formats._block import qpytorch_block
 from jaxlp.formats._compat import qpytorch_float
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.torch._dlpack import check_quantize_dtype
-from jaxlp.torch._errors import BlockDimError, QuantizeTypeError, QuantizeValueError, check_tensor
+from jaxlp.torch._errors import (
+    QUANTIZE_DTYPES,
+    BlockDimError,
+    QuantizeTypeError,
+    QuantizeValueError,
+    check_tensor,
+)
 from jaxlp.torch._formats import QPyTorchFixedPoint
 from jaxlp.torch._quantize import (
     TORCH_FORMAT_TYPES,
@@ -31,26 +37,22 @@ from jaxlp.torch._quantize import (
 )
 
 _QPT_ROUNDINGS = ("stochastic", "nearest")
+_STRIDED = torch.strided
 
 
 @functools.lru_cache(maxsize=64, typed=True)
 def _cached_format(ctor, *args):
+  """``ctor(*args)``, the same object again for the same argument values and types (a
+  bounded cache: the compiled-executable cache then matches formats by identity, and the
+  constructor's checks run once per distinct arguments). Callers catch the ``TypeError`` of
+  unhashable arguments and call the constructor (and get its error)."""
   return ctor(*args)
 
 
-def _format(ctor, *args):
-  """``ctor(*args)``, the same object again for the same argument values and types (a
-  bounded cache: the compiled-executable cache then matches formats by identity, and the
-  constructor's checks run once per distinct arguments). Unhashable arguments go straight to
-  the constructor (and its error)."""
-  try:
-    return _cached_format(ctor, *args)
-  except TypeError:
-    return ctor(*args)
-
-
 def _check(x, rounding, what):
-  check_tensor(x, what)
+  # the common case in one test (check_tensor raises the error of any other)
+  if not isinstance(x, torch.Tensor) or x.layout is not _STRIDED or x.dtype not in QUANTIZE_DTYPES:
+    check_tensor(x, what)
   if rounding not in _QPT_ROUNDINGS:
     raise QuantizeValueError(f"jaxlp.torch.{what}: rounding must be 'stochastic' or "
                              f"'nearest', got rounding={rounding!r}")
@@ -99,7 +101,10 @@ def float_quantize(x, exp, man, rounding="stochastic", *, generator=None, seed=N
     tensor([ 9.3750e-02,  1.2500e+00, -2.5000e+00,  9.6000e+01])
   """
   _check(x, rounding, "float_quantize")
-  fmt = _format(qpytorch_float, exp, man)
+  try:
+    fmt = _cached_format(qpytorch_float, exp, man)
+  except TypeError:  # unhashable arguments: the constructor's own error
+    fmt = qpytorch_float(exp, man)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 
@@ -148,7 +153,10 @@ def block_quantize(x, wl, dim=-1, rounding="stochastic", *, generator=None, seed
     raise BlockDimError(
         f"jaxlp.torch.block_quantize: dim must be -1 (one exponent for the whole tensor) or "
         f"an axis in 0..{x.dim() - 1} of the {x.dim()}-d tensor, got dim={dim!r}")
-  fmt = _format(qpytorch_block, wl, dim)
+  try:
+    fmt = _cached_format(qpytorch_block, wl, dim)
+  except TypeError:  # unhashable arguments: the constructor's own error
+    fmt = qpytorch_block(wl, dim)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 
@@ -193,7 +201,10 @@ def fixed_point_quantize(x, wl, fl, clamp=True, symmetric=False, rounding="stoch
     tensor([  0.1250,   1.3125,  -2.6875, 100.0000])
   """
   _check(x, rounding, "fixed_point_quantize")
-  fmt = _format(QPyTorchFixedPoint, wl, fl, clamp, symmetric)
+  try:
+    fmt = _cached_format(QPyTorchFixedPoint, wl, fl, clamp, symmetric)
+  except TypeError:  # unhashable arguments (or a bad type): the constructor's own error
+    fmt = QPyTorchFixedPoint(wl, fl, clamp, symmetric)
   return quantize_raw(x, fmt, rounding, resolve_key(rounding, generator, seed))
 
 
