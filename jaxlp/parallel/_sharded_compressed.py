@@ -70,6 +70,7 @@ from jaxlp.parallel._codec import codec_for
 from jaxlp.parallel._psum import _FLOAT_DTYPES, TAG_PRE, _Rounder
 from jaxlp.parallel._sharded import (
   REDUCE_SCATTER_ORDERS,
+  _BlockWire,
   _iota,
   _row_format,
   _scatter_dim,
@@ -301,24 +302,28 @@ def compressed_reduce_scatter(tree, state: ShardedState, axis_name, wire, *,
       res, new = x, st
     else:
       if is_fmt:
-        res, new = _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack,
-                                axis_name)
+        res, new, x_bad = _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l,
+                                       pack, axis_name)
       else:
         res, new = _compressor_leaf(x, st, shape, d, w, me, wire, step_key, l, axis_name)
-      res, new = _nonfinite_policy(x, res, st, new, axis_name)
+        x_bad = None
+      res, new = _nonfinite_policy(x, res, st, new, axis_name, x_bad)
     out.append(_slab_shape(res, shape, d, w, tiled).astype(leaf.dtype))
     news.append(new)
   return (jax.tree_util.tree_unflatten(treedef, out),
           state._replace(count=state.count + 1, leaves=tuple(news)))
 
 
-def _nonfinite_policy(x, res, old, new, axis_name):
+def _nonfinite_policy(x, res, old, new, axis_name, x_bad=None):
   """psum's non-finite policy for one leaf: if any worker's gradient ``x`` holds a NaN or
   ±inf, or any worker's reduced slab ``res`` is not finite, the leaf is NaN in every slab and
   its state stays ``old`` on every worker (one int32 flag max-reduced over the workers, as
   :func:`jaxlp.parallel.reduce_scatter`'s elementwise formats do). A worker whose new state
-  alone is not finite (an overflowing residual) keeps its old one."""
-  bad = jnp.any(~jnp.isfinite(x)) | jnp.any(~jnp.isfinite(res))
+  alone is not finite (an overflowing residual) keeps its old one. ``x_bad``: whether ``x``
+  holds a NaN or inf, when the caller knows it (a block wire's scales), else computed."""
+  if x_bad is None:
+    x_bad = jnp.any(~jnp.isfinite(x))
+  bad = x_bad | jnp.any(~jnp.isfinite(res))
   bad = _axes.pmax(bad.astype(jnp.int32), axis_name) > 0
   res = jnp.where(bad, jnp.float32(jnp.nan), res)
   renew = ~bad & _all_finite(new)
@@ -346,18 +351,24 @@ def _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack, axis_
   if ef:
     x = add_f32(x, st["residual"].astype(jnp.float32).reshape(-1))
   rows = _slab_rows(x, shape, d, w)
-  idx_rows = _slab_rows(_iota(x.size), shape, d, w)
-  q = _Rounder(fmt, rounding, step_key if rounding == "stochastic" else None, l)
-  qr = q(rows, idx_rows, me, TAG_PRE)
   wire = _wire(fmt, pack, "compressed_reduce_scatter")
   m = rows.shape[1]
-  payload = jax.vmap(wire.encode)(qr, rows)
+  x_bad = None
+  if not ef and rounding == "nearest" and isinstance(wire, _BlockWire):
+    # the codes of Q(rows) straight from the rows (the same bits, no rounded copy)
+    payload = jax.vmap(wire.encode_nearest)(rows)
+    if not wire.is_mx:  # a block of x holds a NaN or inf iff its scale is the NaN marker
+      x_bad = jnp.any(payload["scales"] == jnp.int16(-32768))
+  else:
+    q = _Rounder(fmt, rounding, step_key if rounding == "stochastic" else None, l)
+    qr = q(rows, _slab_rows(_iota(x.size), shape, d, w), me, TAG_PRE)
+    payload = jax.vmap(wire.encode)(qr, rows)
   recv = fused_collective(lambda b: _axes.all_to_all(b, axis_name), payload, 1)
   res = rank_sum(jax.vmap(lambda p: wire.decode(p, m))(recv))
   new = st
   if ef:
     new = {"residual": _unslab(sub_f32(rows, qr), shape, d, w).reshape(shape)}
-  return res, new
+  return res, new, x_bad
 
 
 def _compressor_leaf(x, st, shape, d, w, me, comp, step_key, l, axis_name):
