@@ -708,7 +708,7 @@ def all_gather(x, axis_name, *, axis: int = 0, fmt=None, tiled: bool = True,
       _row_format(fmt, "all_gather")
   w = _axes.axis_size(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(x)
-  out = []
+  items = []
   for l, leaf in enumerate(leaves):
     leaf = jnp.asarray(leaf)
     shape = leaf.shape
@@ -718,17 +718,35 @@ def all_gather(x, axis_name, *, axis: int = 0, fmt=None, tiled: bool = True,
         or (tiled and nd == 0):
       raise ValueError(f"all_gather: axis={axis!r} is out of range for leaf {l} of shape "
                        f"{shape} (tiled={tiled})")
-    a = axis % lim
-    if fmt is None:
-      stacked = bitwise(lambda b: _axes.all_gather(b, axis_name), leaf)
-    else:
-      if leaf.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"all_gather: with fmt, leaves must be float32/float16/bfloat16, got "
-                        f"leaf {l} of dtype={leaf.dtype}")
-      stacked = _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack)
-      stacked = stacked.astype(leaf.dtype)
-    out.append(_join(stacked, shape, a, w, tiled))
+    if fmt is not None and leaf.dtype not in _FLOAT_DTYPES:
+      raise TypeError(f"all_gather: with fmt, leaves must be float32/float16/bfloat16, got "
+                      f"leaf {l} of dtype={leaf.dtype}")
+    items.append((leaf, fmt, l, axis % lim))
+  stacked = gather_jobs(items, axis_name, w, rounding=rounding, key=key, pack=pack)
+  out = [_join(st, it[0].shape, it[3], w, tiled) for st, it in zip(stacked, items, strict=True)]
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gather_jobs(items, axis_name, w, *, rounding="nearest", key=None, pack=True):
+  """Every worker's copy of several leaves with ONE all-gather: ``items`` are ``(leaf, fmt,
+  l, a)`` (``fmt`` None: the leaf's own bits; else rounded once to ``fmt`` as in
+  :func:`all_gather`, leaf number ``l``, gathered along ``a``); the payloads of all leaves are
+  concatenated into one uint8 buffer (:func:`fused_collective`) and each leaf is decoded from
+  its part, with the bits of one all-gather per leaf. Returns the ``(W,) + shape`` stacks."""
+  sends, ctxs = [], []
+  for leaf, fmt, l, a in items:
+    if fmt is None:
+      sends.append(leaf)
+      ctxs.append(None)
+    else:
+      p, c = _gather_encode(leaf, axis_name, w, fmt, rounding, key, l, a, pack)
+      sends.append(p)
+      ctxs.append(c)
+  got = fused_collective(lambda b: _axes.all_gather(b, axis_name), sends, 0) if sends else []
+  out = []
+  for (leaf, fmt, _, _), g, c in zip(items, got, ctxs, strict=True):
+    out.append(g if fmt is None else _gather_decode(g, c, w).astype(leaf.dtype))
+  return out
 
 
 def _join(stacked, shape, a, w, tiled):
@@ -754,8 +772,8 @@ def _gathered_index(shape, a, me, w):
   return g.reshape(shape)
 
 
-def _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
-  """(W,) + shape float32: every worker's shard rounded to ``fmt``, through the wire."""
+def _gather_encode(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
+  """(payload, context): this worker's shard rounded once to ``fmt``, in the wire format."""
   shape = leaf.shape
   x = leaf.astype(jnp.float32)
   me = _axes.axis_index(axis_name)
@@ -764,28 +782,34 @@ def _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
     rand = B.hash_bits(k0, k1, _gathered_index(shape, a, me, w))
   else:
     rand = jnp.zeros((), jnp.uint32)
-  gather = lambda t: fused_collective(  # noqa: E731
-      lambda b: _axes.all_gather(b, axis_name), t, 0)
   if is_elementwise(fmt):
     q = quantize_f32(x, fmt, rounding, rand, None)
     wire = _wire(fmt, pack)
     flat = q.reshape(-1)
-    got = gather(wire.encode(flat, flat))
-    return jax.vmap(lambda p: wire.decode(p, flat.size))(got).reshape((w,) + shape)
+    return wire.encode(flat, flat), (wire, shape, None, None)
   # block format: rows along its block axis
   check_block_axis(fmt, shape)
   ax = (fmt.axis % len(shape)) if shape else 0
   vm = jnp.moveaxis(x.reshape(shape or (1,)), ax, -1)
-  mshape = vm.shape
-  m = mshape[-1]
+  m = vm.shape[-1]
   rows_v = vm.reshape(-1, m)
   wire = _wire(fmt, pack)
   if rounding == "nearest":  # the codes of Q(x) straight from x (the same bits)
-    got = gather(jax.vmap(wire.encode_nearest)(rows_v))
+    payload = jax.vmap(wire.encode_nearest)(rows_v)
   else:
     q = quantize_f32(x, fmt, rounding, rand, None)
     rows_q = jnp.moveaxis(q.reshape(shape or (1,)), ax, -1).reshape(-1, m)
-    got = gather(_encode_rows(wire, rows_q, rows_v))
+    payload = _encode_rows(wire, rows_q, rows_v)
+  return payload, (wire, shape, vm.shape, ax)
+
+
+def _gather_decode(got, ctx, w):
+  """(W,) + shape float32 from the gathered payloads of :func:`_gather_encode`."""
+  wire, shape, mshape, ax = ctx
+  if mshape is None:
+    n = math.prod(shape)
+    return jax.vmap(lambda p: wire.decode(p, n))(got).reshape((w,) + shape)
+  m = mshape[-1]
   # materialised (an identity; see rank_sum): not re-decoded inside every consumer's fusion
   vals = lax.optimization_barrier(jax.vmap(lambda p: _decode_rows(wire, p, m))(got))  # (W,R,m)
   vals = jnp.moveaxis(vals.reshape((w,) + mshape), -1, ax + 1)
