@@ -40,6 +40,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -95,6 +96,12 @@ def _device_bytes(tree):
   return total
 
 
+def _cpu_s():
+  """CPU seconds of this process so far (user + system, every thread: XLA's and gloo's)."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def _time_method(name, a, w):
   """One method's trainer, its compiled step timed on real batches (this process's part)."""
   import jax
@@ -123,17 +130,19 @@ def _time_method(name, a, w):
   t0 = time.perf_counter()
   state, _ = run(0, state)
   compile_s = time.perf_counter() - t0
-  step_s, losses = [], []
+  step_s, cpu_s, losses = [], [], []
   for i in range(1, a.steps + 1):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     state, loss = run(i, state)
     step_s.append(time.perf_counter() - t0)
+    cpu_s.append(_cpu_s() - c0)
     losses.append(loss)
   full = jax.jit(t._shard.full_params, out_shardings=NamedSharding(t._mesh, P()))(state[0])
   h = hashlib.sha256()
   for leaf in jax.tree_util.tree_leaves(full):
     h.update(np.asarray(leaf.addressable_data(0)).tobytes())
-  return {"step_s": step_s, "compile_s": compile_s, "losses": losses, "hash": h.hexdigest(),
+  return {"step_s": step_s, "cpu_s": cpu_s, "compile_s": compile_s, "losses": losses,
+          "hash": h.hexdigest(),
           "wire_bytes": t.wire_per_step, "n_params": t.n_params,
           "device_bytes": _device_bytes((state[0], state[2])),
           "replicated_bytes": t._shard.memory()["replicated_state_bytes_per_device"]}
@@ -230,6 +239,7 @@ def step_rows(results, methods, w):
                             same=len({x["hash"] for x in per}) == 1,
                             dev=max(x["device_bytes"] for x in per),
                             rep=per[0]["replicated_bytes"], n=per[0]["n_params"],
+                            cpu=float(np.median(np.mean([x["cpu_s"] for x in per], axis=0))),
                             compile=max(x["compile_s"] for x in per))))
   return rows
 
@@ -341,6 +351,13 @@ def timing(a, methods, label, ok):
           f"{d['dev'] / 2**20:.2f} MiB ({d['dev'] / d['rep']:.3f}x) | "
           f"{d['rep'] / 2**20:.2f} MiB | {'yes' if d['same'] else 'NO'} |")
     bad = bad or not d["same"]
+  rate = _loopback().parse_rate(a.rate) if ok else None
+  for name, d in rows:
+    if d is not None:  # where the step goes: CPU per process, and the link's share
+      ms = 1e3 * 8 * a.workers * d["wire"] / rate if rate else 0.0
+      link = f"; the W workers' wire bytes at {a.rate}: {ms:.1f} ms" if rate else ""
+      print(f"cpu {name}: {1e3 * d['cpu']:.1f} ms per process per step (median over steps of "
+            f"the mean over the {a.workers} processes){link}")
   goal = dict(rows).get(GOAL[0])
   if goal and goal["base"]:
     sp = goal["base"] / goal["med"]

@@ -182,3 +182,76 @@ def codec_for(fmt):
       dtype = jnp.uint8 if nbits <= 8 else jnp.uint16
       return Codec(m, emin, ebits, subn, max_code, tuple(assigned), dtype)
     ebits += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Integer codes of block floating point (BlockFormat(m, axis=...)) on the wire, branch-free.
+#
+# A block with shared exponent e has the quantum 2^qe, qe = e - m, and its elements are the
+# sign-magnitude integers k = min(rne(|x| / 2^qe), 2^m - 1) (rne: round half to even), i.e.
+# exactly the integers of BlockFormat's nearest rounding (round to a multiple of 2^qe, then
+# saturate at 2^e - 2^qe). The functions below compute k from the float32 bits and k * 2^qe
+# back, with a handful of integer ops per element and no float arithmetic on values that may
+# be subnormal (XLA:CPU flushes those), so they give the same bits as the general
+# ``scale_pow2`` emulation for every input, on every backend.
+
+def bfp_codes(mag, qe, man_bits: int):
+  """``min(rne(|x| / 2**qe), 2**man_bits - 1)`` (uint32) of finite float32 magnitude bits.
+
+  Args:
+    mag: uint32 magnitude bits (sign cleared) of finite values.
+    qe: int32 quantum exponent (broadcastable), any value.
+    man_bits: the saturation bound's bits, 1..24.
+
+  Returns:
+    uint32 k. With |x| = sig * 2^lsb (sig the 24-bit significand, lsb = max(field, 1) - 150)
+    and d = qe - lsb dropped bits: k = rne(sig / 2^d) for d > 0 (the carry of
+    ``sig + 2^(d-1) - 1 + bit d of sig`` decides ties to even; d >= 25 gives 0), and
+    ``sig << -d`` (exact; past 32 bits: saturated) for d <= 0; then the saturation.
+  """
+  field = mag >> B.u32(23)
+  sig = jnp.where(field > 0, (mag & B.u32(B.FRAC_MASK)) | B.u32(0x800000), mag)
+  d = jnp.asarray(qe, B.I32) - (jnp.maximum(field.astype(B.I32), 1) - 150)
+  dc = jnp.clip(d, 1, 31).astype(B.U32)
+  half = B.u32(1) << (dc - B.u32(1))
+  k = (sig + (half - B.u32(1)) + ((sig >> dc) & B.u32(1))) >> dc
+  top = B.u32((1 << man_bits) - 1)
+  up = jnp.clip(-d, 0, 31).astype(B.U32)
+  k_up = jnp.where(sig > (B.u32(0xFFFFFFFF) >> up), top, sig << up)  # saturate, no wrap
+  return jnp.minimum(jnp.where(d > 0, k, k_up), top)
+
+
+def bfp_values(k, qe):
+  """Magnitude bits of ``k * 2**qe`` rounded to float32 (nearest even), as
+  ``scale_pow2(float(k), qe)``, for uint32 ``k < 2**24`` and int32 ``qe`` (broadcastable).
+
+  ``float(k)`` is exact; a normal result moves its exponent field by ``qe``; a subnormal one
+  is ``k << (qe + 149)`` (exact: ``qe >= -149``) or, for ``qe < -149``, ``k`` shifted right by
+  ``-149 - qe`` with ties to even; past float32's range: +inf.
+  """
+  qe = jnp.asarray(qe, B.I32)
+  kb = B.to_bits(k.astype(jnp.float32))
+  nf = (kb >> B.u32(23)).astype(B.I32) + qe  # the result's exponent field if normal
+  normal = kb.astype(B.I32) + (qe << 23)
+  sh_up = jnp.clip(qe + 149, 0, 31).astype(B.U32)
+  sh_dn = jnp.clip(-149 - qe, 1, 31).astype(B.U32)
+  down = (k + ((B.u32(1) << (sh_dn - B.u32(1))) - B.u32(1)) + ((k >> sh_dn) & B.u32(1))) >> sh_dn
+  sub = jnp.where(qe >= -149, k << sh_up, down)
+  out = jnp.where((k != 0) & (nf >= 1), normal.astype(B.U32), sub)
+  return jnp.where((k != 0) & (nf >= 255), B.u32(B.INF_BITS), out)
+
+
+def max_last(x):
+  """``jnp.max(x, axis=-1)`` of an integer array by pairwise halving (elementwise maxima of the
+  two halves, log2(n) steps). The same values; on XLA:CPU a reduce over a short minor axis is
+  not vectorised (the block max of 2.4M magnitude bits in blocks of 64: 3.7-5.6 ms, halving
+  0.8 ms)."""
+  n = x.shape[-1]
+  if n == 0:
+    return jnp.zeros(x.shape[:-1], x.dtype)
+  while n > 1:
+    h = n // 2
+    top = jnp.maximum(x[..., :h], x[..., h:2 * h])
+    x = jnp.concatenate([top, x[..., 2 * h:]], axis=-1) if n % 2 else top
+    n = x.shape[-1]
+  return x[..., 0]

@@ -54,7 +54,9 @@ Gradient wires:
   (:func:`jaxlp.parallel.sharded_support`): :func:`jaxlp.parallel.compressed_reduce_scatter`
   (qgZ: each worker rounds its addend once, one all-to-all, a float32 sum in rank order;
   ``error_feedback`` keeps each worker's rounding error of a format wire and adds it to the
-  next step's gradient -- a float32 array the size of the full leaf per worker).
+  next step's gradient -- a float32 array the size of the full leaf per worker). All the
+  compressed leaves of a step share ONE all-to-all (their payloads concatenated; each leaf's
+  bits are those of its own call).
 
 The ``optimizer`` sees only the shard: the result equals the replicated optimizer's when it
 is elementwise (``optax.sgd`` with or without momentum and ``add_decayed_weights``: the same
@@ -90,12 +92,19 @@ from jax import lax
 
 from jaxlp.formats._quantize import FORMAT_TYPES, ROUNDINGS, check_format, is_elementwise
 from jaxlp.parallel import _axes
+from jaxlp.parallel._psum import _FLOAT_DTYPES
 from jaxlp.parallel._reduce import _div
-from jaxlp.parallel._sharded import REDUCE_SCATTER_ORDERS, all_gather, reduce_scatter
+from jaxlp.parallel._sharded import (
+  REDUCE_SCATTER_ORDERS,
+  all_gather,
+  gather_jobs,
+  reduce_scatter,
+)
 from jaxlp.parallel._sharded import wire_payload_bytes as _payload
 from jaxlp.parallel._sharded_compressed import (
-  compressed_reduce_scatter,
+  compressed_jobs,
   init_sharded_state,
+  reduce_scatter_jobs,
   sharded_support,
   sharded_wire_bytes,
 )
@@ -313,8 +322,9 @@ class ShardedOptimizer:
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   def gather(self, shards):
-    """The full parameters from every worker's shards: one all-gather per leaf, exact or
-    rounded once to the leaf's ``param_wire`` (qwZ; every worker gets the same bits).
+    """The full parameters from every worker's shards, each leaf exact or rounded once to
+    its ``param_wire`` (qwZ; every worker gets the same bits), all leaves in ONE all-gather
+    (their payloads concatenated; the bits of one ``all_gather`` per leaf).
 
     Args:
       shards: this worker's shards.
@@ -323,10 +333,16 @@ class ShardedOptimizer:
       The full parameters (each leaf's shape and dtype).
     """
     w, _ = self._w("gather")
-    out = []
-    for leaf, s in zip(self.leaves, self._flat(shards, "shards"), strict=True):
-      full = all_gather(s, self.axis_name, fmt=leaf.param_wire)
-      out.append(self._from_gathered(full, leaf, w))
+    items = []
+    for l, s in enumerate(self._flat(shards, "shards")):  # as all_gather(s, fmt=param_wire)
+      s = jnp.asarray(s)
+      pw = self.leaves[l].param_wire
+      if s.ndim == 0 or (pw is not None and s.dtype not in _FLOAT_DTYPES):
+        all_gather(s, self.axis_name, fmt=pw)  # its error
+      items.append((s, pw, 0, 0))  # leaf number 0: the noise of a call per leaf
+    stacked = gather_jobs(items, self.axis_name, w)  # ONE all-gather for every leaf
+    out = [self._from_gathered(st.reshape((w * it[0].shape[0],) + it[0].shape[1:]), leaf, w)
+           for st, it, leaf in zip(stacked, items, self.leaves, strict=True)]
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   def init(self, shards, *, num_workers: int | None = None) -> ShardedOptState:
@@ -385,6 +401,7 @@ class ShardedOptimizer:
     gl = self._flat(grads, "grads")
     step_key = jax.random.fold_in(state.key, state.count)
     out, new_wire = [], []
+    all_jobs, pending = [], []  # the compressed leaves: one all-to-all for all of them
     for i, (leaf, g, ws) in enumerate(zip(self.leaves, gl, state.wire, strict=True)):
       g = jnp.asarray(g)
       if tuple(g.shape) != leaf.shape:
@@ -396,11 +413,13 @@ class ShardedOptimizer:
         out.append(lax.dynamic_slice_in_dim(x, me * k, k, 0))
         new_wire.append(ws)
       elif self._compressed(leaf):
-        s, ws = compressed_reduce_scatter(x, ws, self.axis_name, leaf.grad_wire, mean=self.mean,
-                                          rounding="nearest" if _is_compressor(leaf.grad_wire)
-                                          else self.rounding)
-        out.append(s)
-        new_wire.append(ws)
+        jobs, finish = compressed_jobs(x, ws, self.axis_name, leaf.grad_wire, mean=self.mean,
+                                       rounding="nearest" if _is_compressor(leaf.grad_wire)
+                                       else self.rounding)
+        pending.append((i, len(all_jobs), len(jobs), finish))
+        all_jobs += jobs
+        out.append(None)
+        new_wire.append(None)
       elif leaf.grad_wire is None and self.order == "native":
         out.append(self._native(_div(g, w) if self.mean else g, leaf, w, me, k))
         new_wire.append(ws)
@@ -413,6 +432,10 @@ class ShardedOptimizer:
                                   rounding=self.rounding if leaf.grad_wire is not None
                                   else "nearest", key=key))
         new_wire.append(ws)
+    if all_jobs:
+      slabs, states = reduce_scatter_jobs(all_jobs, self.axis_name, w, me)
+      for i, start, n, finish in pending:
+        out[i], new_wire[i] = finish(slabs[start:start + n], states[start:start + n])
     return (jax.tree_util.tree_unflatten(self.treedef, out),
             state._replace(count=state.count + 1, wire=tuple(new_wire)))
 

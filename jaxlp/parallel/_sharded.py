@@ -82,8 +82,8 @@ from jaxlp.formats._quantize import check_format, is_elementwise, key_words, qua
 from jaxlp.parallel import _axes
 from jaxlp.parallel._aggregate import bitwise
 from jaxlp.parallel._aps import aps_shift
-from jaxlp.parallel._arith import add_f32, scale_pow2
-from jaxlp.parallel._codec import codec_for
+from jaxlp.parallel._arith import scale_pow2
+from jaxlp.parallel._codec import bfp_codes, bfp_values, codec_for, max_last
 from jaxlp.parallel._psum import (
   _FLOAT_DTYPES,
   TAG_PRE,
@@ -192,16 +192,33 @@ class _BlockWire:
         codes = to_codes(scale_pow2(qb, -s[:, None]), self.fmt.elem)
       scales = jnp.where(finite, s + 127, 255).astype(jnp.uint8)
     else:
-      m_bits = self.fmt.man_bits
-      e = self.fmt.shared_exponent(mxc)
-      bits = B.to_bits(qb)
-      mag = B.from_bits(bits & B.u32(B.ABS_MASK))
-      k = scale_pow2(mag, -(e - m_bits)[:, None])
-      k = jnp.where(finite[:, None], k, 0.0).astype(jnp.uint32)
-      codes = ((bits >> 31) << m_bits) | k
-      scales = jnp.where(finite, e, -32768).astype(jnp.int16)
+      codes, scales = self._bfp_encode(B.to_bits(qb), mxc, finite)
     codes = codes.reshape(-1)[:m]
     return {"codes": self._pack(codes), "scales": scales}
+
+  def _bfp_encode(self, bits, mxc, finite):
+    """BlockFormat codes and int16 scales of the blocked bits of values on the grid (or of
+    any values, rounded to nearest: the codes of their nearest rounding, :func:`bfp_codes`)."""
+    m_bits = self.fmt.man_bits
+    e = self.fmt.shared_exponent(mxc)
+    k = bfp_codes(bits & B.u32(B.ABS_MASK), (e - m_bits)[:, None], m_bits)
+    codes = jnp.where(finite[:, None], ((bits >> 31) << m_bits) | k, B.u32(0))
+    return codes, jnp.where(finite, e, -32768).astype(jnp.int16)
+
+  def encode_nearest(self, v):
+    """``encode(Q(v), v)`` with ``Q`` the format's nearest rounding, without computing
+    ``Q(v)`` (a BlockFormat: the codes come from ``v`` directly, the same bits); other block
+    formats round first."""
+    m = v.shape[0]
+    if self.is_mx or m == 0:
+      return self.encode(quantize_f32(v[None], self.fmt, "nearest", jnp.zeros((), jnp.uint32),
+                                      None)[0], v)
+    vb, nb, bs = self._blocks(v, m)
+    bits = B.to_bits(vb)
+    mx = max_last(bits & B.u32(B.ABS_MASK))
+    codes, scales = self._bfp_encode(bits, jnp.minimum(mx, B.u32(0x7F7FFFFF)),
+                                     B.is_finite_mag(mx))
+    return {"codes": self._pack(codes.reshape(-1)[:m]), "scales": scales}
 
   def _sdtype(self):
     return jnp.uint8 if self.is_mx else jnp.int16
@@ -233,9 +250,8 @@ class _BlockWire:
       nan = sc == 255
     else:
       m_bits = self.fmt.man_bits
-      k = (cb & B.u32((1 << m_bits) - 1)).astype(jnp.float32)
-      out = scale_pow2(k, (sc - m_bits)[:, None])
-      out = B.from_bits(B.to_bits(out) | ((cb >> m_bits) << 31))
+      mag = bfp_values(cb & B.u32((1 << m_bits) - 1), (sc - m_bits)[:, None])
+      out = B.from_bits(mag | ((cb >> m_bits) << 31))
       nan = sc == -32768
     out = jnp.where(nan[:, None], jnp.float32(jnp.nan), out)
     return out.reshape(-1)[:m]
@@ -554,20 +570,63 @@ def fused_collective(collective, payload, lead: int):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+_SMALL_BITS = 0x0D800000  # 2**-100
+_LIFT_BITS = 64 << 23  # 2**64 on the exponent field
+
+
+def _lift(bits):
+  """|x| * 2**64 (float32, normal or 0) of magnitudes below 2**-100, exactly, on any backend:
+  a normal one moves its exponent field, a subnormal one is its integer fraction (exact in
+  float32) times 2**-85, a product of normal numbers; the sign is put back on the bits."""
+  mag = bits & B.u32(B.ABS_MASK)
+  sub = B.to_bits((mag & B.u32(B.FRAC_MASK)).astype(jnp.float32) * jnp.float32(2.0**-85))
+  lifted = jnp.where((mag >> B.u32(23)) == 0, sub, mag + B.u32(_LIFT_BITS))
+  return B.from_bits(lifted | (bits & B.u32(B.SIGN_MASK)))
+
+
+def _unlift(s):
+  """``s * 2**-64`` for a sum of :func:`_lift` values (a multiple of 2**-85 below 2**-35):
+  a normal result moves its exponent field back; a subnormal one is the integer ``|s| *
+  2**85`` (exact) as the bits."""
+  bits = B.to_bits(s)
+  mag = bits & B.u32(B.ABS_MASK)
+  sub = (B.from_bits(mag) * jnp.float32(2.0**85)).astype(jnp.uint32)
+  out = jnp.where((mag >> B.u32(23)) > 64, mag - B.u32(_LIFT_BITS), sub)
+  return B.from_bits(out | (bits & B.u32(B.SIGN_MASK)))
+
+
+def add_ieee(a, b):
+  """IEEE float32 ``a + b`` (nearest even, gradual underflow) on any backend: the bits of
+  :func:`~jaxlp.parallel._arith.add_f32` with a cheaper lifted path.
+
+  If ``max(|a|, |b|) >= 2**-100`` the hardware add is IEEE even under flush-to-zero (a
+  subnormal operand is below a quarter ulp of the other; a nonzero result is >= 2**-123, see
+  add_f32). Otherwise both operands are lifted by 2**64 (:func:`_lift`: exact, no float
+  operation on a subnormal), added in the normal range (rounding is scale invariant there)
+  and lowered back (:func:`_unlift`: exact, the sum is on the 2**-149 grid). The products by
+  powers of two are exact, so an FMA contraction cannot change them.
+  """
+  ab, bb = B.to_bits(a), B.to_bits(b)
+  small = ((ab & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS)) & (
+      (bb & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS))
+  return jnp.where(small, _unlift(_lift(ab) + _lift(bb)), a + b)
+
+
 def rank_sum(rows):
   """``((rows[0] + rows[1]) + rows[2]) + ...`` in IEEE float32 (gradual underflow).
 
   The rows are materialised first (``optimization_barrier``, an identity): otherwise XLA:CPU
-  fuses the rows' producer (the wire decode) into the chain of adds and, since
-  :func:`~jaxlp.parallel._arith.add_f32` reads each operand several times, recomputes the
-  decode once per read -- in the per-device program of ``shard_map`` (one worker per
-  process) the int4-block decode + sum of a 1536 x 1536 leaf took 274 ms of CPU for 4 workers
-  instead of 36 (a named ``vmap`` happened not to fuse it).
+  fuses the rows' producer (the wire decode) into the chain of adds and, since the exact add
+  reads each operand several times, recomputes the decode once per read -- in the
+  per-device program of ``shard_map`` (one worker per process) the int4-block decode + sum of
+  a 1536 x 1536 leaf took 274 ms of CPU for 4 workers instead of 36 (a named ``vmap``
+  happened not to fuse it). The adds are :func:`add_ieee` (add_f32's bits, branch-free: a
+  ``lax.cond`` on "no subnormal in sight" would run both chains under the Trainer's ``vmap``).
   """
   rows = lax.optimization_barrier(rows)
   acc = rows[0]
   for r in range(1, rows.shape[0]):
-    acc = add_f32(acc, rows[r])
+    acc = add_ieee(acc, rows[r])
   return acc
 
 
@@ -649,7 +708,7 @@ def all_gather(x, axis_name, *, axis: int = 0, fmt=None, tiled: bool = True,
       _row_format(fmt, "all_gather")
   w = _axes.axis_size(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(x)
-  out = []
+  items = []
   for l, leaf in enumerate(leaves):
     leaf = jnp.asarray(leaf)
     shape = leaf.shape
@@ -659,17 +718,35 @@ def all_gather(x, axis_name, *, axis: int = 0, fmt=None, tiled: bool = True,
         or (tiled and nd == 0):
       raise ValueError(f"all_gather: axis={axis!r} is out of range for leaf {l} of shape "
                        f"{shape} (tiled={tiled})")
-    a = axis % lim
-    if fmt is None:
-      stacked = bitwise(lambda b: _axes.all_gather(b, axis_name), leaf)
-    else:
-      if leaf.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"all_gather: with fmt, leaves must be float32/float16/bfloat16, got "
-                        f"leaf {l} of dtype={leaf.dtype}")
-      stacked = _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack)
-      stacked = stacked.astype(leaf.dtype)
-    out.append(_join(stacked, shape, a, w, tiled))
+    if fmt is not None and leaf.dtype not in _FLOAT_DTYPES:
+      raise TypeError(f"all_gather: with fmt, leaves must be float32/float16/bfloat16, got "
+                      f"leaf {l} of dtype={leaf.dtype}")
+    items.append((leaf, fmt, l, axis % lim))
+  stacked = gather_jobs(items, axis_name, w, rounding=rounding, key=key, pack=pack)
+  out = [_join(st, it[0].shape, it[3], w, tiled) for st, it in zip(stacked, items, strict=True)]
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gather_jobs(items, axis_name, w, *, rounding="nearest", key=None, pack=True):
+  """Every worker's copy of several leaves with ONE all-gather: ``items`` are ``(leaf, fmt,
+  l, a)`` (``fmt`` None: the leaf's own bits; else rounded once to ``fmt`` as in
+  :func:`all_gather`, leaf number ``l``, gathered along ``a``); the payloads of all leaves are
+  concatenated into one uint8 buffer (:func:`fused_collective`) and each leaf is decoded from
+  its part, with the bits of one all-gather per leaf. Returns the ``(W,) + shape`` stacks."""
+  sends, ctxs = [], []
+  for leaf, fmt, l, a in items:
+    if fmt is None:
+      sends.append(leaf)
+      ctxs.append(None)
+    else:
+      p, c = _gather_encode(leaf, axis_name, w, fmt, rounding, key, l, a, pack)
+      sends.append(p)
+      ctxs.append(c)
+  got = fused_collective(lambda b: _axes.all_gather(b, axis_name), sends, 0) if sends else []
+  out = []
+  for (leaf, fmt, _, _), g, c in zip(items, got, ctxs, strict=True):
+    out.append(g if fmt is None else _gather_decode(g, c, w).astype(leaf.dtype))
+  return out
 
 
 def _join(stacked, shape, a, w, tiled):
@@ -695,8 +772,8 @@ def _gathered_index(shape, a, me, w):
   return g.reshape(shape)
 
 
-def _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
-  """(W,) + shape float32: every worker's shard rounded to ``fmt``, through the wire."""
+def _gather_encode(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
+  """(payload, context): this worker's shard rounded once to ``fmt``, in the wire format."""
   shape = leaf.shape
   x = leaf.astype(jnp.float32)
   me = _axes.axis_index(axis_name)
@@ -705,24 +782,34 @@ def _gather_quantized(leaf, axis_name, w, fmt, rounding, key, l, a, pack):
     rand = B.hash_bits(k0, k1, _gathered_index(shape, a, me, w))
   else:
     rand = jnp.zeros((), jnp.uint32)
-  q = quantize_f32(x, fmt, rounding, rand, None)
-  gather = lambda t: fused_collective(  # noqa: E731
-      lambda b: _axes.all_gather(b, axis_name), t, 0)
   if is_elementwise(fmt):
+    q = quantize_f32(x, fmt, rounding, rand, None)
     wire = _wire(fmt, pack)
     flat = q.reshape(-1)
-    got = gather(wire.encode(flat, flat))
-    return jax.vmap(lambda p: wire.decode(p, flat.size))(got).reshape((w,) + shape)
+    return wire.encode(flat, flat), (wire, shape, None, None)
   # block format: rows along its block axis
   check_block_axis(fmt, shape)
   ax = (fmt.axis % len(shape)) if shape else 0
-  qm = jnp.moveaxis(q.reshape(shape or (1,)), ax, -1)
   vm = jnp.moveaxis(x.reshape(shape or (1,)), ax, -1)
-  mshape = qm.shape
-  m = mshape[-1]
-  rows_q, rows_v = qm.reshape(-1, m), vm.reshape(-1, m)
+  m = vm.shape[-1]
+  rows_v = vm.reshape(-1, m)
   wire = _wire(fmt, pack)
-  got = gather(_encode_rows(wire, rows_q, rows_v))
+  if rounding == "nearest":  # the codes of Q(x) straight from x (the same bits)
+    payload = jax.vmap(wire.encode_nearest)(rows_v)
+  else:
+    q = quantize_f32(x, fmt, rounding, rand, None)
+    rows_q = jnp.moveaxis(q.reshape(shape or (1,)), ax, -1).reshape(-1, m)
+    payload = _encode_rows(wire, rows_q, rows_v)
+  return payload, (wire, shape, vm.shape, ax)
+
+
+def _gather_decode(got, ctx, w):
+  """(W,) + shape float32 from the gathered payloads of :func:`_gather_encode`."""
+  wire, shape, mshape, ax = ctx
+  if mshape is None:
+    n = math.prod(shape)
+    return jax.vmap(lambda p: wire.decode(p, n))(got).reshape((w,) + shape)
+  m = mshape[-1]
   # materialised (an identity; see rank_sum): not re-decoded inside every consumer's fusion
   vals = lax.optimization_barrier(jax.vmap(lambda p: _decode_rows(wire, p, m))(got))  # (W,R,m)
   vals = jnp.moveaxis(vals.reshape((w,) + mshape), -1, ax + 1)

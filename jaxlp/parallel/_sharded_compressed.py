@@ -6,7 +6,13 @@ with a compressed wire: per leaf, every worker cuts its gradient into W slabs (a
 adds its error-feedback residual, compresses each slab ONCE, sends slab ``o`` to worker ``o``
 (one ``all_to_all``), and worker ``o`` decodes the W slabs and sums them in float32 in
 ascending rank order (qgZ: quantize once, all-to-all, dequantize, sum in fp32; there is no
-re-quantization of partial sums and no second collective).
+re-quantization of partial sums and no second collective). The leaves travel together: ONE
+``all_to_all`` per call carries every leaf's payload (each leaf's code and scale bytes for
+worker ``o``, leaf after leaf, concatenated into one uint8 row per destination; each
+collective is a rendezvous of every worker, whose fixed cost -- milliseconds between
+processes -- outweighs the bytes of small leaves), and one ``pmax`` the non-finite flags of
+all leaves. The encoding, the bytes and the sum of every leaf are those of a call on that leaf
+alone; :func:`jaxlp.parallel.sharded_optimizer` sends all its compressed leaves this way too.
 
 ``wire`` is either
 
@@ -70,6 +76,7 @@ from jaxlp.parallel._codec import codec_for
 from jaxlp.parallel._psum import _FLOAT_DTYPES, TAG_PRE, _Rounder
 from jaxlp.parallel._sharded import (
   REDUCE_SCATTER_ORDERS,
+  _BlockWire,
   _iota,
   _row_format,
   _scatter_dim,
@@ -268,6 +275,17 @@ def compressed_reduce_scatter(tree, state: ShardedState, axis_name, wire, *,
     Array([ 0.     ,  0.03125,  0.0625 , -0.03125,  0.     ,  0.03125,
             0.0625 ,  0.09375], dtype=float32)
   """
+  jobs, finish = compressed_jobs(tree, state, axis_name, wire, scatter_dimension=scatter_dimension,
+                                 mean=mean, rounding=rounding, tiled=tiled, pack=pack, key=key)
+  w = _axes.axis_size(axis_name)
+  return finish(*reduce_scatter_jobs(jobs, axis_name, w, _axes.axis_index(axis_name)))
+
+
+def compressed_jobs(tree, state, axis_name, wire, *, scatter_dimension=0, mean=False,
+                    rounding="nearest", tiled=True, pack=True, key=None):
+  """The checks of :func:`compressed_reduce_scatter` and its leaves as :class:`_Job` s:
+  ``(jobs, finish)``; ``finish(*reduce_scatter_jobs(jobs, ...))`` is its result. Jobs of
+  several calls may run in one :func:`reduce_scatter_jobs` (one all-to-all for all)."""
   who = "compressed_reduce_scatter"
   _check_wire(wire, who)
   is_fmt = isinstance(wire, FORMAT_TYPES)
@@ -281,45 +299,91 @@ def compressed_reduce_scatter(tree, state: ShardedState, axis_name, wire, *,
     raise ValueError(f"{who}: state has {len(state.leaves)} leaves, tree has {len(leaves)} "
                      "(make it with init_sharded_state(wire, params))")
   w = _axes.axis_size(axis_name)
-  me = _axes.axis_index(axis_name)
   step_key = jax.random.fold_in(state.key if key is None else key, state.count)
   fmt = wire
   if is_fmt and not is_elementwise(wire):
     fmt = _row_format(wire, who)
+  jobs = [_job(who, leaf, st, l, w, wire, fmt, rounding, step_key, scatter_dimension, mean,
+               tiled, pack)
+          for l, (leaf, st) in enumerate(zip(leaves, state.leaves, strict=True))]
+
+  def finish(out, news):
+    return (jax.tree_util.tree_unflatten(treedef, out),
+            state._replace(count=state.count + 1, leaves=tuple(news)))
+
+  return jobs, finish
+
+
+class _Job(NamedTuple):
+  """One leaf of a compressed reduce-scatter: its float32 values (flat, ``/ W`` with
+  ``mean``), layout, state entry and wire."""
+  x: Any
+  shape: tuple
+  d: int
+  dtype: Any
+  st: Any
+  wire: Any  # the format (rows along the last axis for a block format) or the compressor
+  is_fmt: bool
+  rounding: str
+  step_key: Any
+  l: int
+  pack: bool
+  tiled: bool
+
+
+def _job(who, leaf, st, l, w, wire, fmt, rounding, step_key, scatter_dimension, mean, tiled,
+         pack):
+  leaf = jnp.asarray(leaf)
+  if leaf.dtype not in _FLOAT_DTYPES:
+    raise TypeError(f"{who}: leaves must be float32/float16/bfloat16, got leaf {l} of "
+                    f"dtype={leaf.dtype}")
+  shape = leaf.shape
+  d = _scatter_dim(who, l, shape, scatter_dimension, w, tiled)
+  x = leaf.astype(jnp.float32).reshape(-1)
+  if mean:
+    x = exact_div(x, w)
+  is_fmt = isinstance(wire, FORMAT_TYPES)
+  return _Job(x, shape, d, leaf.dtype, st, fmt if is_fmt else wire, is_fmt, rounding, step_key,
+              l, pack, tiled)
+
+
+def reduce_scatter_jobs(jobs, axis_name, w, me):
+  """Run the compressed reduce-scatter of several leaves (:class:`_Job`) with ONE all-to-all:
+  each leaf is encoded as on its own, the payloads of all leaves (their bytes, per
+  destination row) are concatenated into one uint8 buffer (:func:`fused_collective`), and
+  each leaf is decoded and summed from its part; the non-finite flags of all leaves are
+  max-reduced in one ``pmax`` of a vector. The bits of every leaf are those of one call per
+  leaf. Returns (slabs, new states), one each per job."""
+  enc = [None if j.x.size == 0 else _encode_job(j, w, me) for j in jobs]
+  sent = [e[0] for e in enc if e is not None]
+  recv = iter(fused_collective(lambda b: _axes.all_to_all(b, axis_name), sent, 1) if sent
+              else [])
+  done = []
+  for j, e in zip(jobs, enc, strict=True):
+    done.append(None if e is None else _finish_job(j, next(recv), e[1], w))
+  flags = [jnp.bool_(False) if r is None else
+           (jnp.any(~jnp.isfinite(j.x)) if r[2] is None else r[2]) | jnp.any(~jnp.isfinite(r[0]))
+           for j, r in zip(jobs, done, strict=True)]
+  if any(r is not None for r in done):
+    bads = _axes.pmax(jnp.stack(flags).astype(jnp.int32), axis_name) > 0
   out, news = [], []
-  for l, (leaf, st) in enumerate(zip(leaves, state.leaves, strict=True)):
-    leaf = jnp.asarray(leaf)
-    if leaf.dtype not in _FLOAT_DTYPES:
-      raise TypeError(f"{who}: leaves must be float32/float16/bfloat16, got leaf {l} of "
-                      f"dtype={leaf.dtype}")
-    shape = leaf.shape
-    d = _scatter_dim(who, l, shape, scatter_dimension, w, tiled)
-    x = leaf.astype(jnp.float32).reshape(-1)
-    if mean:
-      x = exact_div(x, w)
-    if x.size == 0:
-      res, new = x, st
+  for i, (j, r) in enumerate(zip(jobs, done, strict=True)):
+    if r is None:
+      res, new = j.x, j.st
     else:
-      if is_fmt:
-        res, new = _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack,
-                                axis_name)
-      else:
-        res, new = _compressor_leaf(x, st, shape, d, w, me, wire, step_key, l, axis_name)
-      res, new = _nonfinite_policy(x, res, st, new, axis_name)
-    out.append(_slab_shape(res, shape, d, w, tiled).astype(leaf.dtype))
+      res, new = _nonfinite_policy(r[0], j.st, r[1], bads[i])
+    out.append(_slab_shape(res, j.shape, j.d, w, j.tiled).astype(j.dtype))
     news.append(new)
-  return (jax.tree_util.tree_unflatten(treedef, out),
-          state._replace(count=state.count + 1, leaves=tuple(news)))
+  return out, news
 
 
-def _nonfinite_policy(x, res, old, new, axis_name):
-  """psum's non-finite policy for one leaf: if any worker's gradient ``x`` holds a NaN or
-  ±inf, or any worker's reduced slab ``res`` is not finite, the leaf is NaN in every slab and
-  its state stays ``old`` on every worker (one int32 flag max-reduced over the workers, as
-  :func:`jaxlp.parallel.reduce_scatter`'s elementwise formats do). A worker whose new state
-  alone is not finite (an overflowing residual) keeps its old one."""
-  bad = jnp.any(~jnp.isfinite(x)) | jnp.any(~jnp.isfinite(res))
-  bad = _axes.pmax(bad.astype(jnp.int32), axis_name) > 0
+def _nonfinite_policy(res, old, new, bad):
+  """psum's non-finite policy for one leaf, given ``bad``: whether any worker's gradient holds
+  a NaN or ±inf in the leaf or any worker's reduced slab of it is not finite (one int32 flag
+  per leaf max-reduced over the workers, as :func:`jaxlp.parallel.reduce_scatter`'s
+  elementwise formats do; :func:`reduce_scatter_jobs` reduces the flags of all leaves at
+  once). Then the leaf is NaN in every slab and its state stays ``old`` on every worker. A
+  worker whose new state alone is not finite (an overflowing residual) keeps its old one."""
   res = jnp.where(bad, jnp.float32(jnp.nan), res)
   renew = ~bad & _all_finite(new)
   return res, jax.tree_util.tree_map(lambda a, b: _where(renew, a, b), new, old)
@@ -341,35 +405,56 @@ def _where(pred, a, b):
   return jnp.where(pred, a, b)
 
 
-def _format_leaf(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack, axis_name):
+def _encode_job(j, w, me):
+  """(payload rows, context) of one leaf: what it sends to every worker (row o to worker o)."""
+  if j.is_fmt:
+    return _encode_format(j.x, j.st, j.shape, j.d, w, me, j.wire, j.rounding, j.step_key, j.l,
+                          j.pack)
+  return _encode_compressor(j.x, j.st, j.shape, j.d, w, me, j.wire, j.step_key, j.l)
+
+
+def _finish_job(j, recv, ctx, w):
+  """(reduced slab, new state, x_bad or None) of one leaf from the rows it received."""
+  if j.is_fmt:
+    wire, rows, qr, x_bad = ctx
+    m = rows.shape[1]
+    res = rank_sum(jax.vmap(lambda p: wire.decode(p, m))(recv))
+    new = j.st
+    if qr is not None:
+      new = {"residual": _unslab(sub_f32(rows, qr), j.shape, j.d, w).reshape(j.shape)}
+    return res, new, x_bad
+  sts, m, n = ctx
+  dec = jax.vmap(lambda p: j.wire.decode(p, (m,)))(recv)
+  return rank_sum(dec), _join_state(sts, n), None
+
+
+def _encode_format(x, st, shape, d, w, me, fmt, rounding, step_key, l, pack):
   ef = "residual" in st
   if ef:
     x = add_f32(x, st["residual"].astype(jnp.float32).reshape(-1))
   rows = _slab_rows(x, shape, d, w)
-  idx_rows = _slab_rows(_iota(x.size), shape, d, w)
-  q = _Rounder(fmt, rounding, step_key if rounding == "stochastic" else None, l)
-  qr = q(rows, idx_rows, me, TAG_PRE)
   wire = _wire(fmt, pack, "compressed_reduce_scatter")
-  m = rows.shape[1]
-  payload = jax.vmap(wire.encode)(qr, rows)
-  recv = fused_collective(lambda b: _axes.all_to_all(b, axis_name), payload, 1)
-  res = rank_sum(jax.vmap(lambda p: wire.decode(p, m))(recv))
-  new = st
-  if ef:
-    new = {"residual": _unslab(sub_f32(rows, qr), shape, d, w).reshape(shape)}
-  return res, new
+  x_bad = qr = None
+  if not ef and rounding == "nearest" and isinstance(wire, _BlockWire):
+    # the codes of Q(rows) straight from the rows (the same bits, no rounded copy)
+    payload = jax.vmap(wire.encode_nearest)(rows)
+    if not wire.is_mx:  # a block of x holds a NaN or inf iff its scale is the NaN marker
+      x_bad = jnp.any(payload["scales"] == jnp.int16(-32768))
+  else:
+    q = _Rounder(fmt, rounding, step_key if rounding == "stochastic" else None, l)
+    qr = q(rows, _slab_rows(_iota(x.size), shape, d, w), me, TAG_PRE)
+    payload = jax.vmap(wire.encode)(qr, rows)
+  return payload, (wire, rows, qr if ef else None, x_bad)
 
 
-def _compressor_leaf(x, st, shape, d, w, me, comp, step_key, l, axis_name):
+def _encode_compressor(x, st, shape, d, w, me, comp, step_key, l):
   n = x.size
   m = n // w
   rows = _slab_rows(x, shape, d, w)
   sts = _split_state(st, w, m, n)
   keys = jax.random.split(jax.random.fold_in(jax.random.fold_in(step_key, me), l), w)
   payload, sts = jax.vmap(comp.encode)(rows, sts, keys)
-  recv = fused_collective(lambda b: _axes.all_to_all(b, axis_name), payload, 1)
-  dec = jax.vmap(lambda p: comp.decode(p, (m,)))(recv)
-  return rank_sum(dec), _join_state(sts, n)
+  return payload, (sts, m, n)
 
 
 def sharded_wire_bytes(tree, axis_size: int, *, collective: str = "reduce_scatter", fmt=None,
