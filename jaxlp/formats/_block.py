@@ -604,11 +604,86 @@ class MXFormat:
     return 0 if self.elem == "int8" else self.elem.emax
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
-    bits = B.to_bits(x)
-    mx, expand = block_reduce_max(bits & B.u32(B.ABS_MASK), axis=self.axis,
-                                  block_size=self.block_size)
-    params = _fenced_params(self._block_params(mx, rounding), mx, expand)
-    return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
+    def blocks(x):
+      return block_reduce_max(B.to_bits(x) & B.u32(B.ABS_MASK), axis=self.axis,
+                              block_size=self.block_size)
+
+    mx, expand = blocks(x)
+    if not (self._nearest_fast(rounding) and mx.size):
+      bits = B.to_bits(x)
+      params = _fenced_params(self._block_params(mx, rounding), mx, expand)
+      return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
+
+    def exact(x, mx):
+      params = _fenced_params(self._block_params(mx, rounding), mx, expand)
+      return B.from_bits(self._round_nearest(B.to_bits(x), params))
+
+    def fast(x, mx):
+      params = _fenced_params(self._fast_params(mx, self._block_params(mx, rounding))[:-1],
+                              mx, expand)
+      return B.from_bits(self._round_nearest_float(B.to_bits(x), *params))
+
+    def cpu(x, mx):
+      # Conditionals on the whole array: the float path where every block allows it
+      # (:meth:`_fast_params`), else the integer one; both give the same bits. They also
+      # keep XLA:CPU from fusing the operand's producers into the block max and the element
+      # loop (each recomputed them), and the element loop into a consumer's transpose (a
+      # strided, scalar loop: 3-4x the loop itself, measured): the block max is taken in a
+      # conditional of its own, whose predicate is always true (no compiler can tell), so
+      # that it reads the operand from memory.
+      w = B.to_bits(x.reshape(-1)[0])
+      mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), lambda x: blocks(x)[0],
+                    lambda x: blocks(x)[0], x)
+      regular = self._fast_params(mx, self._block_params(mx, rounding))[-1]
+      return lax.cond(jnp.all(regular), fast, exact, x, mx)
+
+    return lax.platform_dependent(x, mx, cpu=cpu, default=exact)
+
+  def _fast_params(self, mx, params):
+    """Per-block ``(lob, cb, vmax, ok, regular)`` of :meth:`_round_nearest_float` from the
+    blocks' maxima ``mx`` and their :meth:`_block_params` (nearest form): the bits of
+    ``2**lo``, of ``C = 2**(lo - m + 23)``, the saturation bits, finiteness, and whether the
+    float path is exact for the block: ``lo - m >= -125`` (a float32 subnormal ``x`` is
+    below half the block's quantum, so it rounds to 0 whether or not the CPU flushes it)
+    and ``lo - m + 23 <= 127`` (``C`` is a float32), or the block is all zeros (then
+    ``lo - m + 23 >= -126`` for every OCP element type) or not finite (all NaN)."""
+    lp, _, _, vmax, ok = params
+    qlo = lp - 150  # lo - m
+    m = self.elem.man_bits
+    lob = B.pow2_bits(qlo + m)
+    cb = B.pow2_bits(jnp.clip(qlo + 23, -126, 127))
+    regular = ~ok | (mx == 0) | ((qlo >= -125) & (qlo + 23 <= 127))
+    return lob, cb, vmax, ok, regular
+
+  def _round_nearest_float(self, bits, lob, cb, vmax, ok):
+    """:meth:`_round_nearest` in fewer operations, where the block allows it
+    (:meth:`_fast_params`; the same bits there).
+
+    Above ``2**lo`` (``lo = emin + s``) the element keeps ``m`` fraction bits: the pattern is
+    rounded with the constant shift ``23 - m`` (ties to even on the pattern: a carry
+    ripples into the exponent field). Below it the quantum is the block's ``q = 2**(lo -
+    m)``, and ``(|x| + C) - C`` with ``C = 2**23 * q`` rounds ``|x|`` to a multiple of ``q``,
+    ties to even, in float32 round-to-nearest arithmetic: ``|x| + C`` lies in ``[C, 2C]``,
+    whose spacing is ``q``, and the subtraction is exact (Sterbenz). ``q >= 2**-125`` makes
+    both exact also where the CPU flushes float32 subnormals (a subnormal ``|x|`` is below
+    ``q / 2``: 0 either way).
+
+    References:
+      The "add and subtract 1.5 * 2**52" rounding of a double to an integer (here with a
+      power of two, on magnitudes): e.g. Muller et al., "Handbook of Floating-Point
+      Arithmetic", 2nd ed., 2018, §5.3 (Sterbenz's lemma) and §11."""
+    el = self.elem
+    d0 = 23 - el.man_bits
+    sign = bits & B.u32(B.SIGN_MASK)
+    mag = bits & B.u32(B.ABS_MASK)
+    hi = (mag + B.u32((1 << (d0 - 1)) - 1) + ((mag >> B.u32(d0)) & B.u32(1))) & B.high_mask(d0)
+    c = B.from_bits(cb)
+    lo = B.to_bits((B.from_bits(mag) + c) - c)
+    r = jnp.where(mag < lob, lo, hi)
+    out = jnp.minimum(r, vmax) | sign  # saturating: beyond vmax -> vmax
+    if not el.has_negative_zero:
+      out = jnp.where(r == 0, B.u32(0), out)
+    return jnp.where(ok, out, B.u32(B.QNAN_BITS))
 
   def scale_exponent(self, mx):
     """The unclamped scale exponent ``e`` (int32) of ``scale_rule`` from the block-max
