@@ -152,6 +152,22 @@ def block_reduce_max(mag, *, tile=None, axis=None, block_size=None):
   return mx, expand
 
 
+def _stack_words(arrays):
+  """``(stacked, unstack)``: 32-bit int and bool arrays of one shape as one uint32 array
+  (stacked on a new last axis), and the function that gives them back from it."""
+  dtypes = [jnp.asarray(p).dtype for p in arrays]
+  words = [p.astype(B.U32) if dt == jnp.bool_ else lax.bitcast_convert_type(p, B.U32)
+           for p, dt in zip(arrays, dtypes, strict=True)]
+  shape = jnp.broadcast_shapes(*(w.shape for w in words))
+  stacked = jnp.stack([jnp.broadcast_to(w, shape) for w in words], axis=-1)
+
+  def unstack(st):
+    return tuple(st[..., i] != B.u32(0) if dt == jnp.bool_ else
+                 lax.bitcast_convert_type(st[..., i], dt) for i, dt in enumerate(dtypes))
+
+  return stacked, unstack
+
+
 def _fenced_params(params, mx, expand):
   """Per-block ``params`` computed once per block (:func:`jaxlp.formats._bits.fence`, keyed
   on a block maximum), then spread to the elements.
@@ -162,17 +178,8 @@ def _fenced_params(params, mx, expand):
   transformer step)."""
   if not mx.size:
     return tuple(expand(p) for p in params)
-  dtypes = [jnp.asarray(p).dtype for p in params]
-  words = [p.astype(B.U32) if dt == jnp.bool_ else lax.bitcast_convert_type(p, B.U32)
-           for p, dt in zip(params, dtypes, strict=True)]
-  shape = jnp.broadcast_shapes(*(w.shape for w in words))
-  stacked = B.fence(jnp.stack([jnp.broadcast_to(w, shape) for w in words], axis=-1),
-                    mx.reshape(-1)[0])
-  out = []
-  for i, dt in enumerate(dtypes):
-    w = stacked[..., i]
-    out.append(expand(w != B.u32(0) if dt == jnp.bool_ else lax.bitcast_convert_type(w, dt)))
-  return tuple(out)
+  stacked, unstack = _stack_words(params)
+  return tuple(map(expand, unstack(B.fence(stacked, mx.reshape(-1)[0]))))
 
 
 def _bfp_vmax(e, man_bits):
@@ -618,11 +625,6 @@ class MXFormat:
       params = _fenced_params(self._block_params(mx, rounding), mx, expand)
       return B.from_bits(self._round_nearest(B.to_bits(x), params))
 
-    def fast(x, mx):
-      params = _fenced_params(self._fast_params(mx, self._block_params(mx, rounding))[:-1],
-                              mx, expand)
-      return B.from_bits(self._round_nearest_float(B.to_bits(x), *params))
-
     def cpu(x, mx):
       # Conditionals on the whole array: the float path where every block allows it
       # (:meth:`_fast_params`), else the integer one; both give the same bits. They also
@@ -630,12 +632,25 @@ class MXFormat:
       # loop (each recomputed them), and the element loop into a consumer's transpose (a
       # strided, scalar loop: 3-4x the loop itself, measured): the block max is taken in a
       # conditional of its own, whose predicate is always true (no compiler can tell), so
-      # that it reads the operand from memory.
+      # that it reads the operand from memory. The block parameters of both paths are
+      # computed once, stacked into one array (one small fusion, by the fence).
       w = B.to_bits(x.reshape(-1)[0])
       mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), lambda x: blocks(x)[0],
                     lambda x: blocks(x)[0], x)
-      regular = self._fast_params(mx, self._block_params(mx, rounding))[-1]
-      return lax.cond(jnp.all(regular), fast, exact, x, mx)
+      params = self._block_params(mx, rounding)
+      lob, cb, _, _, regular = self._fast_params(mx, params)
+      stacked, unstack = _stack_words(params + (lob, cb))
+      stacked = B.fence(stacked, mx.reshape(-1)[0])  # one fusion computes them all
+
+      def fast(x, st):
+        _, _, _, vmax, ok, lob, cb = map(expand, unstack(st))
+        return B.from_bits(self._round_nearest_float(B.to_bits(x), lob, cb, vmax, ok))
+
+      def integer(x, st):
+        p = tuple(map(expand, unstack(st)))
+        return B.from_bits(self._round_nearest(B.to_bits(x), p[:5]))
+
+      return lax.cond(jnp.all(regular), fast, integer, x, stacked)
 
     return lax.platform_dependent(x, mx, cpu=cpu, default=exact)
 
