@@ -168,16 +168,15 @@ def _stack_words(arrays):
   return stacked, unstack
 
 
-def _fenced_params(params, mx, expand):
+def _fenced_params(params, mx, expand, stack=False):
   """Per-block ``params`` computed once per block (:func:`jaxlp.formats._bits.fence`, keyed
-  on a block maximum), then spread to the elements.
-
-  The parameters (32-bit ints and bools, each of ``mx``'s shape) are stacked into one uint32
-  array behind one fence: one small XLA fusion per quantize instead of one per parameter
-  (each costs a thread-pool dispatch on XLA:CPU, about 7 us per launch measured in a
-  transformer step)."""
+  on a block maximum), then spread to the elements. ``stack``: the parameters (32-bit ints
+  and bools of ``mx``'s shape) go through one fence as one stacked uint32 array: one small
+  XLA fusion instead of one per parameter (MX's nearest paths)."""
   if not mx.size:
     return tuple(expand(p) for p in params)
+  if not stack:
+    return tuple(expand(p) for p in B.fence(params, mx.reshape(-1)[0]))
   stacked, unstack = _stack_words(params)
   return tuple(map(expand, unstack(B.fence(stacked, mx.reshape(-1)[0]))))
 
@@ -622,8 +621,13 @@ class MXFormat:
       return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
 
     def exact(x, mx):
-      params = _fenced_params(self._block_params(mx, rounding), mx, expand)
+      params = _fenced_params(self._block_params(mx, rounding), mx, expand, stack=True)
       return B.from_bits(self._round_nearest(B.to_bits(x), params))
+
+    def fast(x, mx):
+      params = self._fast_params(mx, self._block_params(mx, rounding))[:-1]
+      params = _fenced_params(params, mx, expand, stack=True)
+      return B.from_bits(self._round_nearest_float(B.to_bits(x), *params))
 
     def cpu(x, mx):
       # Conditionals on the whole array: the float path where every block allows it
@@ -632,25 +636,14 @@ class MXFormat:
       # loop (each recomputed them), and the element loop into a consumer's transpose (a
       # strided, scalar loop: 3-4x the loop itself, measured): the block max is taken in a
       # conditional of its own, whose predicate is always true (no compiler can tell), so
-      # that it reads the operand from memory. The block parameters of both paths are
-      # computed once, stacked into one array (one small fusion, by the fence).
+      # that it reads the operand from memory. Each path computes its own block parameters
+      # (passing both paths' parameters into the conditional made its element loops 2x
+      # slower, measured).
       w = B.to_bits(x.reshape(-1)[0])
       mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), lambda x: blocks(x)[0],
                     lambda x: blocks(x)[0], x)
-      params = self._block_params(mx, rounding)
-      lob, cb, _, _, regular = self._fast_params(mx, params)
-      stacked, unstack = _stack_words(params + (lob, cb))
-      stacked = B.fence(stacked, mx.reshape(-1)[0])  # one fusion computes them all
-
-      def fast(x, st):
-        _, _, _, vmax, ok, lob, cb = map(expand, unstack(st))
-        return B.from_bits(self._round_nearest_float(B.to_bits(x), lob, cb, vmax, ok))
-
-      def integer(x, st):
-        p = tuple(map(expand, unstack(st)))
-        return B.from_bits(self._round_nearest(B.to_bits(x), p[:5]))
-
-      return lax.cond(jnp.all(regular), fast, integer, x, stacked)
+      regular = self._fast_params(mx, self._block_params(mx, rounding))[-1]
+      return lax.cond(jnp.all(regular), fast, exact, x, mx)
 
     return lax.platform_dependent(x, mx, cpu=cpu, default=exact)
 
