@@ -11,8 +11,11 @@ collectives keep the ranks in step). Each hook call is wrapped in a timer (call 
 future; PyTorch's PowerSGD future chain is waited for inside, as it must be with gloo).
 
 Columns: the median step time of each (after the first compressed step), jaxlp's overhead
-over PyTorch's step (goal: <= 10%), the median hook call, and the first compressed step
-(jaxlp's includes compiling its jitted stages, once per bucket layout).
+over PyTorch's step (goal: <= 10%), the median hook call (wall, and its process CPU time),
+the median over steps of the CPU time of a step's hook calls (all buckets: the steadier
+measure on a shared machine; the process's other threads, e.g. autograd's, count too), and
+the first compressed step (jaxlp's includes compiling its jitted stages, once per bucket
+layout).
 
 PowerSGD methods start compressing at step 2 (``start_powerSGD_iter=2``, PyTorch's minimum
 with error feedback / warm start). PyTorch 2.13's ``batched_powerSGD_hook`` fails at its first
@@ -135,27 +138,30 @@ def worker(rank, world, port, args):
       m.register_comm_hook(state, _timed(hook, ht, hc))
       models.append(m)
       opts.append(torch.optim.SGD(m.parameters(), lr=0.01))
-      times.append(([], ht, hc))
+      times.append(([], ht, hc, []))
     n_steps = START + 1 + args.steps
     for step in range(n_steps):
       g = torch.Generator().manual_seed(1000 * step + rank)
       x = torch.randn(args.batch, 1, 28, 28, generator=g)
       y = torch.randint(0, 10, (args.batch,), generator=g)
-      for m, opt, (st, _, _) in zip(models, opts, times, strict=True):
+      for m, opt, (st, ht, _, ends) in zip(models, opts, times, strict=True):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(m(x), y).backward()
         opt.step()
         st.append(time.perf_counter() - t0)
+        ends.append(len(ht))  # the hook calls of step k: [ends[k-1], ends[k])
     if rank == 0:
       first = START if "powersgd" in name or "batched" in name else 0
       row = [name]
-      for st, ht, hc in times:
+      for st, ht, hc, ends in times:
         steady = st[first + 1:]
-        k = (first + 1) * (len(ht) // n_steps)
+        k = ends[first]  # the first call after the first compressed step
+        # DDP rebuilds its buckets after the first step: one call then, two from then on
+        step_cpu = [sum(hc[a:b]) for a, b in zip(ends[first:-1], ends[first + 1:], strict=True)]
         row += [statistics.median(steady), st[first], statistics.median(ht[k:]),
-                statistics.median(hc[k:])]
+                statistics.median(hc[k:]), statistics.median(step_cpu)]
       rows.append(row)
       print(f"  {name}: done", file=sys.stderr, flush=True)
   if rank == 0:
@@ -209,13 +215,14 @@ def main():
         f"{args.batch} per process, {args.steps} timed steps; load average "
         f"{'n/a' if load is None else ' '.join(f'{v:.2f}' for v in load)}")
   print("step: median wall time of zero_grad + forward + backward (with the hook) + SGD "
-        "update; hook: median wall (CPU) time per call; 1st: the first compressed step")
+        "update; hook: median wall (CPU) time per call; hook CPU/step: median CPU time of a "
+        "step's hook calls, torch / jaxlp; 1st: the first compressed step")
   print(f"{'method':<19}{'torch step':>11}{'jaxlp step':>11}{'overhead':>9}"
-        f"{'torch hook':>17}{'jaxlp hook':>17}{'1st step torch / jaxlp':>26}")
-  for name, ts, tf, th, tc, js, jf, jh, jc in rows:
+        f"{'torch hook':>17}{'jaxlp hook':>17}{'hook CPU/step':>18}{'1st step torch / jaxlp':>26}")
+  for name, ts, tf, th, tc, tp, js, jf, jh, jc, jp in rows:
     print(f"{name:<19}{ts * 1e3:>8.1f} ms{js * 1e3:>8.1f} ms{(js / ts - 1) * 100:>8.0f}%"
           f"{th * 1e3:>8.1f} ({tc * 1e3:4.1f}) ms{jh * 1e3:>8.1f} ({jc * 1e3:4.1f}) ms"
-          f"{tf * 1e3:>12.0f} / {jf * 1e3:.0f} ms")
+          f"{tp * 1e3:>8.1f} / {jp * 1e3:4.1f} ms{tf * 1e3:>12.0f} / {jf * 1e3:.0f} ms")
   return 0
 
 
