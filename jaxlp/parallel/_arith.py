@@ -25,10 +25,28 @@ def neg(x):
   return B.from_bits(B.to_bits(x) ^ B.u32(B.SIGN_MASK))
 
 
-def _ldexp_signed(x, s):
-  bits = B.to_bits(x)
+_LIFT_BITS = _LIFT << 23  # 2^64 on the exponent field
+
+
+def _lift(bits):
+  """|x| * 2**64 (float32, normal or 0) of magnitudes below 2**-100, exactly, on any backend:
+  a normal one moves its exponent field, a subnormal one is its integer fraction (exact in
+  float32) times 2**-85, a product of normal numbers; the sign is put back on the bits."""
   mag = bits & B.u32(B.ABS_MASK)
-  return B.from_bits(B.ldexp_bits(mag, s) | (bits & B.u32(B.SIGN_MASK)))
+  sub = B.to_bits((mag & B.u32(B.FRAC_MASK)).astype(jnp.float32) * jnp.float32(2.0**-85))
+  lifted = jnp.where((mag >> B.u32(23)) == 0, sub, mag + B.u32(_LIFT_BITS))
+  return B.from_bits(lifted | (bits & B.u32(B.SIGN_MASK)))
+
+
+def _unlift(s):
+  """``s * 2**-64`` for a sum of :func:`_lift` values (a multiple of 2**-85 below 2**-35):
+  a normal result moves its exponent field back; a subnormal one is the integer ``|s| *
+  2**85`` (exact) as the bits."""
+  bits = B.to_bits(s)
+  mag = bits & B.u32(B.ABS_MASK)
+  sub = (B.from_bits(mag) * jnp.float32(2.0**85)).astype(jnp.uint32)
+  out = jnp.where((mag >> B.u32(23)) > 64, mag - B.u32(_LIFT_BITS), sub)
+  return B.from_bits(out | (bits & B.u32(B.SIGN_MASK)))
 
 
 def add_f32(a, b):
@@ -37,16 +55,16 @@ def add_f32(a, b):
   If ``max(|a|, |b|) >= 2**-100`` the hardware add is already exact IEEE even under
   flush-to-zero / denormals-are-zero: a nonzero result is >= 2**-124 (normal) and a
   subnormal operand is below a quarter ulp of the other, so treating it as 0 changes
-  nothing. Otherwise both operands are lifted by 2**64 (exact, on the bits), added in the
-  normal range, and lowered back (exact: a sum that lands in the subnormal range is
-  exactly representable, and rounding in the normal range is scale invariant).
+  nothing. Otherwise both operands are lifted by 2**64 (:func:`_lift`: exact, no float
+  operation on a subnormal), added in the normal range (rounding is scale invariant there)
+  and lowered back (:func:`_unlift`: exact, a sum that lands in the subnormal range is on the
+  2**-149 grid). The products by powers of two are exact, so an FMA contraction cannot
+  change them.
   """
-  ab = B.to_bits(a) & B.u32(B.ABS_MASK)
-  bb = B.to_bits(b) & B.u32(B.ABS_MASK)
-  small = (ab < B.u32(_SMALL_BITS)) & (bb < B.u32(_SMALL_BITS))
-  plain = a + b
-  lifted = _ldexp_signed(_ldexp_signed(a, _LIFT) + _ldexp_signed(b, _LIFT), -_LIFT)
-  return jnp.where(small, lifted, plain)
+  ab, bb = B.to_bits(a), B.to_bits(b)
+  small = ((ab & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS)) & (
+      (bb & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS))
+  return jnp.where(small, _unlift(_lift(ab) + _lift(bb)), a + b)
 
 
 def sub_f32(a, b):

@@ -82,7 +82,7 @@ from jaxlp.formats._quantize import check_format, is_elementwise, key_words, qua
 from jaxlp.parallel import _axes
 from jaxlp.parallel._aggregate import bitwise
 from jaxlp.parallel._aps import aps_shift
-from jaxlp.parallel._arith import scale_pow2
+from jaxlp.parallel._arith import add_f32, scale_pow2
 from jaxlp.parallel._codec import bfp_codes, bfp_values, codec_for, max_last
 from jaxlp.parallel._psum import (
   _FLOAT_DTYPES,
@@ -570,48 +570,6 @@ def fused_collective(collective, payload, lead: int):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-_SMALL_BITS = 0x0D800000  # 2**-100
-_LIFT_BITS = 64 << 23  # 2**64 on the exponent field
-
-
-def _lift(bits):
-  """|x| * 2**64 (float32, normal or 0) of magnitudes below 2**-100, exactly, on any backend:
-  a normal one moves its exponent field, a subnormal one is its integer fraction (exact in
-  float32) times 2**-85, a product of normal numbers; the sign is put back on the bits."""
-  mag = bits & B.u32(B.ABS_MASK)
-  sub = B.to_bits((mag & B.u32(B.FRAC_MASK)).astype(jnp.float32) * jnp.float32(2.0**-85))
-  lifted = jnp.where((mag >> B.u32(23)) == 0, sub, mag + B.u32(_LIFT_BITS))
-  return B.from_bits(lifted | (bits & B.u32(B.SIGN_MASK)))
-
-
-def _unlift(s):
-  """``s * 2**-64`` for a sum of :func:`_lift` values (a multiple of 2**-85 below 2**-35):
-  a normal result moves its exponent field back; a subnormal one is the integer ``|s| *
-  2**85`` (exact) as the bits."""
-  bits = B.to_bits(s)
-  mag = bits & B.u32(B.ABS_MASK)
-  sub = (B.from_bits(mag) * jnp.float32(2.0**85)).astype(jnp.uint32)
-  out = jnp.where((mag >> B.u32(23)) > 64, mag - B.u32(_LIFT_BITS), sub)
-  return B.from_bits(out | (bits & B.u32(B.SIGN_MASK)))
-
-
-def add_ieee(a, b):
-  """IEEE float32 ``a + b`` (nearest even, gradual underflow) on any backend: the bits of
-  :func:`~jaxlp.parallel._arith.add_f32` with a cheaper lifted path.
-
-  If ``max(|a|, |b|) >= 2**-100`` the hardware add is IEEE even under flush-to-zero (a
-  subnormal operand is below a quarter ulp of the other; a nonzero result is >= 2**-123, see
-  add_f32). Otherwise both operands are lifted by 2**64 (:func:`_lift`: exact, no float
-  operation on a subnormal), added in the normal range (rounding is scale invariant there)
-  and lowered back (:func:`_unlift`: exact, the sum is on the 2**-149 grid). The products by
-  powers of two are exact, so an FMA contraction cannot change them.
-  """
-  ab, bb = B.to_bits(a), B.to_bits(b)
-  small = ((ab & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS)) & (
-      (bb & B.u32(B.ABS_MASK)) < B.u32(_SMALL_BITS))
-  return jnp.where(small, _unlift(_lift(ab) + _lift(bb)), a + b)
-
-
 def rank_sum(rows):
   """``((rows[0] + rows[1]) + rows[2]) + ...`` in IEEE float32 (gradual underflow).
 
@@ -620,13 +578,13 @@ def rank_sum(rows):
   reads each operand several times, recomputes the decode once per read -- in the
   per-device program of ``shard_map`` (one worker per process) the int4-block decode + sum of
   a 1536 x 1536 leaf took 274 ms of CPU for 4 workers instead of 36 (a named ``vmap``
-  happened not to fuse it). The adds are :func:`add_ieee` (add_f32's bits, branch-free: a
+  happened not to fuse it). The adds are :func:`~jaxlp.parallel._arith.add_f32` (branch-free: a
   ``lax.cond`` on "no subnormal in sight" would run both chains under the Trainer's ``vmap``).
   """
   rows = lax.optimization_barrier(rows)
   acc = rows[0]
   for r in range(1, rows.shape[0]):
-    acc = add_ieee(acc, rows[r])
+    acc = add_f32(acc, rows[r])
   return acc
 
 
