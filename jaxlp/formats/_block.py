@@ -319,11 +319,32 @@ class BlockFormat:
     return self._round_with_params(bits, self._block_params(mx), rounding, rand, rand_bits)
 
   def _quantize_f32(self, x, rounding, rand, rand_bits):
-    bits = B.to_bits(x)
-    mx, expand = block_reduce_max(bits & B.u32(B.ABS_MASK), tile=self.tile, axis=self.axis,
-                                  block_size=self.block_size)
-    params = _fenced_params(self._block_params(mx), mx, expand)
-    return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
+    def blocks(x):
+      return block_reduce_max(B.to_bits(x) & B.u32(B.ABS_MASK), tile=self.tile,
+                              axis=self.axis, block_size=self.block_size)
+
+    mx, expand = blocks(x)
+
+    def general(x, mx):
+      params = _fenced_params(self._block_params(mx), mx, expand, stack=True)
+      return B.from_bits(self._round_with_params(B.to_bits(x), params, rounding, rand,
+                                                 rand_bits))
+
+    if not mx.size:
+      return general(x, mx)
+
+    def cpu(x, mx):
+      # As MX's (:meth:`MXFormat._quantize_f32`): the block max in a conditional of its own
+      # (its predicate is always true, which no compiler can tell; the other branch is never
+      # taken), so that it reads the operand from memory instead of recomputing its producers
+      # (a GELU, a softmax gradient) in the reduction, and the elements in a second one, so
+      # that the element loop is not fused into a consumer's transpose.
+      w = B.to_bits(x.reshape(-1)[0])
+      pred = B.fmix32(w) != B.fmix32(w ^ B.u32(1))
+      mx = lax.cond(pred, lambda x: blocks(x)[0], lambda x: jnp.zeros(mx.shape, mx.dtype), x)
+      return lax.cond(pred, general, lambda x, mx: jnp.zeros(x.shape, x.dtype), x, mx)
+
+    return lax.platform_dependent(x, mx, cpu=cpu, default=general)
 
 
 def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
