@@ -341,8 +341,11 @@ class BlockFormat:
       # that the element loop is not fused into a consumer's transpose.
       w = B.to_bits(x.reshape(-1)[0])
       pred = B.fmix32(w) != B.fmix32(w ^ B.u32(1))
-      mx = lax.cond(pred, lambda x: blocks(x)[0], lambda x: jnp.zeros(mx.shape, mx.dtype), x)
-      return lax.cond(pred, general, lambda x, mx: jnp.zeros(x.shape, x.dtype), x, mx)
+      # The untaken branches return values computed from the operand (the block max, the
+      # operand itself), not constants: under shard_map a constant is not "varying" over the
+      # mesh axes as the operand is, and cond wants both branches' types equal.
+      mx = lax.cond(pred, lambda x: blocks(x)[0], lambda x: blocks(x)[0], x)
+      return lax.cond(pred, general, lambda x, mx: x, x, mx)
 
     return lax.platform_dependent(x, mx, cpu=cpu, default=general)
 
