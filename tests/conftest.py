@@ -29,7 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # program compiled once is loaded, not compiled, by every later process, so a second run of the
 # fast tier pays mostly for the programs the change touched (README, "Development"). It lives
 # in the checkout, ``.jax_cache/`` (git-ignored; a clean clone, as CI's, starts cold), and is
-# emptied by the first process of a run once it holds more than _CACHE_MAX_BYTES. JAX keys an
+# emptied by the first process of a run once it holds more than _CACHE_MAX_BYTES (programs that
+# compile in under 0.2 s are not written). JAX keys an
 # entry by the program, the compile options, the flags and the jax/jaxlib versions, so a
 # changed program is compiled again. A cache directory given in the environment is used as it
 # is (``JAX_COMPILATION_CACHE_DIR=$(mktemp -d)`` for a cold run).
@@ -43,7 +44,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
       shutil.rmtree(_cache, ignore_errors=True)
   os.makedirs(_cache, exist_ok=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
