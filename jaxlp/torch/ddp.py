@@ -81,9 +81,8 @@ from jaxlp.parallel._aggregate import (
 from jaxlp.parallel._aps import format_emax
 from jaxlp.parallel._psum import _check, _Rounder
 from jaxlp.parallel._psum import chain_sum as _psum_chain
-from jaxlp.parallel.compressors._base import exact_div
+from jaxlp.parallel.compressors._base import exact_div, materialize
 from jaxlp.parallel.compressors._cast import cast
-from jaxlp.parallel.compressors._lowrank import _materialize_by
 from jaxlp.parallel.compressors._powersgd import PowerSGD
 from jaxlp.torch._dlpack import to_jax, to_torch
 
@@ -645,7 +644,7 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       if half_fmt is not None:  # computed once, not inside every product (the same bits)
         # the barrier reads q, not xe's first element (which XLA:CPU computed again, rounding
         # included, for every element)
-        xe = _materialize_by(xe, q)
+        xe = materialize(xe, anchor=q)
     unc = _cat([xe[a:b] for a, b in plan.unc])
     qs = _split(q.astype(jnp.float32), q_shapes)
     _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)

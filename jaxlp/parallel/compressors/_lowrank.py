@@ -9,32 +9,9 @@ engine (:mod:`jaxlp.parallel._aggregate`), below both, so that neither imports t
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlp.parallel._arith import add_f32, sqrt_f32
-from jaxlp.parallel.compressors._base import (
-  DOWN,
-  _opaque_zero,
-  det_sum,
-  exact_div,
-  materialize,
-  no_fma,
-)
-
-
-def _materialize_by(x, anchor):
-  """:func:`materialize` of float32 ``x`` whose barrier reads ``anchor`` (a small array computed
-  at run time, already in a buffer of its own), not ``x``'s first element: reading an element
-  of ``x`` made XLA:CPU compute ``x``'s whole producer (e.g. an :func:`exact_div`) a second time
-  for every element (a 9216-long Gram-Schmidt column: 0.24-0.32 ms against 0.18 ms, 2-core
-  CPU, 2026-11-29). The same bits."""
-  x = jnp.asarray(x)
-  if x.size == 0 or jnp.size(anchor) == 0 or x.dtype != jnp.float32:
-    return materialize(x)
-  b = lax.bitcast_convert_type(x, jnp.uint32)
-  b = lax.optimization_barrier(b // (_opaque_zero(anchor) ^ jnp.uint32(1)))
-  return lax.bitcast_convert_type(b, jnp.float32)
-
+from jaxlp.parallel.compressors._base import DOWN, det_sum, exact_div, materialize, no_fma
 
 #: ``a``'s size (n * k) from which :func:`thin_matmul` reads ``a`` once for all columns.
 _ONE_PASS_MIN = 2 ** 16
@@ -140,12 +117,13 @@ def gram_schmidt(x, epsilon=0.0):
     nrm = sqrt_f32(det_sum(no_fma(c * c), axis=-1))[..., None]
     if epsilon:
       nrm = materialize(add_f32(nrm, jnp.float32(epsilon)))
-      cols[i] = c = _materialize_by(exact_div(c, nrm), nrm)
+      cols[i] = c = materialize(exact_div(c, nrm), anchor=nrm)
     else:
       # a zero column stays zero; a NaN norm (a NaN or inf in the column) gives NaN
       nrm = materialize(nrm)
-      cols[i] = c = _materialize_by(jnp.where(nrm == 0, 0.0,
-                                              exact_div(c, jnp.where(nrm == 0, 1.0, nrm))), nrm)
+      cols[i] = c = materialize(jnp.where(nrm == 0, 0.0,
+                                          exact_div(c, jnp.where(nrm == 0, 1.0, nrm))),
+                                anchor=nrm)
     for j in range(i + 1, len(cols)):
       d = det_sum(no_fma(c * cols[j]), axis=-1)[..., None]
       cols[j] = cols[j] - no_fma(d * c)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxlp.parallel.compressors import _lowrank
+from jaxlp.parallel.compressors._base import materialize
 
 SPECIALS = np.array([0.0, -0.0, 2.0 ** -149, -(2.0 ** -140), 1e-38, 3e38, -3e38, np.inf,
                      -np.inf, np.nan], np.float32)
@@ -134,9 +135,9 @@ def test_the_benchmark_bucket_takes_the_one_pass_path():
   assert not _one_pass(a, b[:, :1])
 
 
-def test_materialize_by_keeps_every_bit_pattern():
+def test_materialize_with_an_anchor_keeps_every_bit_pattern():
   bits = np.array([0, 0x80000000, 1, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001,
                    0x7F800001, 0xFFFFFFFF, 0x3F800000], np.uint32)
   x = jnp.asarray(bits.view(np.float32))
-  got = jax.jit(_lowrank._materialize_by)(x, jnp.float32(2.0))
+  got = jax.jit(lambda x, a: materialize(x, anchor=a))(x, jnp.float32(2.0))
   assert np.array_equal(np.asarray(got).view(np.uint32), bits)
