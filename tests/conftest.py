@@ -529,16 +529,26 @@ _SLOW = (
     "tests/test_ddp_hooks_bench_smoke.py",
     "tests/test_sequence_bench_smoke.py::test_sequence_benchmark_gradient_check",
     "tests/torch_bridge/test_torch_bench_timing.py::test_inner_and_minmed_reach_the_table",
+    # the fast tier's largest CPU consumers at 596d7a2 (2026-11-29, an empty compilation cache,
+    # ``-n 2``, load 4-7; CPU per test and JAX's trace / lowering / compile durations through
+    # ``jax.monitoring``: tracing, lowering and compiling were about 90% of the tier's time);
+    # the cheapest cases kept in :data:`_FAST_CASES` for these functions before are gone too
+    "tests/cli/test_flags.py::test_nonfinite_steps_counts_a_nan_loss",
+    "tests/cli/test_flags.py::test_out_of_device_memory_at_run_time_is_one_line",
+    "tests/formats/test_block_cpu_path.py::test_quantize_matches_the_composition_under_jit_and_vmap",
+    "tests/formats/test_properties.py::test_error_bounds",
+    "tests/formats/test_properties.py::test_monotone",
+    "tests/formats/test_transforms.py::test_half_inputs_exact",
+    "tests/ops/test_dispatch.py::test_matmul_kernel_branch_same_bits",
+    "tests/ops/test_dot_general.py::test_hbfp_v10_uses_weights_as_given_and_main_tiles_everything",
 )
 
 # Cases of the functions above that stay in the fast tier: a cheap representative of each
 # parametrized workhorse (a few seconds of CPU each), so that the module's core is still run.
 _FAST_CASES = (
-    "tests/flax_integration/test_lm_models.py::test_causal_models_do_not_see_the_future[e4m3-transformer]",  # noqa: E501
     "tests/flax_integration/test_lm_models.py::test_shapes_and_dropout[lstm]",
     "tests/formats/test_block.py::test_mx_against_numpy[int8]",
     "tests/formats/test_block_params.py::test_bfp_elements_match_the_shared_exponent_rounding[hbfp-24]",  # noqa: E501
-    "tests/formats/test_block_params.py::test_mx_elements_match_the_scaled_element_rounding[floor-jaxlp.formats.E3M2FN]",  # noqa: E501
     "tests/formats/test_float_format.py::test_custom_formats_every_code_all_modes[2]",
     "tests/formats/test_mx_fast_path.py::test_element_paths_match_the_scaled_rounding[rceil-jaxlp.formats.E2M1FN]",  # noqa: E501
     "tests/formats/test_mx_rules.py::test_blocks_with_crafted_maxima[E4M3FN-ceil]",
@@ -546,17 +556,14 @@ _FAST_CASES = (
     "tests/formats/test_torchao_parity.py::test_mx_scale_rules[ceil-E5M2]",
     "tests/formats/test_transforms.py::test_grad_straight_through[CPDFloat(exp_bits=4, man_bits=3)]",  # noqa: E501
     "tests/ops/test_block_dot.py::test_reference_is_the_definition[hbfp12]",
-    "tests/ops/test_block_dot_scaled.py::test_mx_float_reference_is_the_definition[e4m3xe2m1]",
     "tests/ops/test_dispatch.py::test_cuda_lowering_runs_the_kernel_exactly_where_measured_faster[elementwise]",  # noqa: E501
     "tests/ops/test_dot_general.py::test_hbfp_matches_independent_computation[24]",
     "tests/ops/test_dot_general.py::test_representable_operands_equal_plain[float]",
-    "tests/ops/test_dot_general_accum.py::test_accumulator_policy_equals_matmul[kahan]",
     "tests/optim/test_optim.py::test_state_types_stable_and_no_recompilation[trace]",
     "tests/pallas/test_block_gemm_limbs.py::test_exact_policy_runs_the_kernels_for_cuda[mxfp4]",
     "tests/pallas/test_block_gemm_limbs.py::test_lowers_and_compiles_for_sm90[e3m2-one-dot]",
     "tests/pallas/test_pallas_quantize.py::test_mx_scale_rules[ceil]",
     "tests/pallas/test_pallas_quantize.py::test_scaled_block_formats[ScaledBlockFormat(elem=jaxlp.formats.E2M3FN, block_size=8, axis=-1, scale_fmt='e8m0', tensor_scale=False)-(6, 20)-('nearest',)]",  # noqa: E501
-    "tests/parallel/compress/test_powersgd_orthogonalization.py::test_rank_above_the_gradients_rank_recovers_it_exactly[4-2]",  # noqa: E501
     "tests/parallel/test_sharded.py::test_block_wire_bytes_are_pack_bits_stream[BlockFormat(man_bits=7, tile=None, axis=-1, block_size=64, exponent='exact', eps=1e-08)]",  # noqa: E501
     "tests/parallel/test_sharded.py::test_block_wire_roundtrip_with_special_values[BlockFormat(man_bits=24, tile=None, axis=-1, block_size=8, exponent='exact', eps=1e-08)]",  # noqa: E501
     "tests/parallel/test_sharded_codec.py::test_encode_nearest_and_decode_give_the_bits_of_the_scale_pow2_codec[BlockFormat(man_bits=24, tile=None, axis=-1, block_size=4, exponent='exact', eps=1e-08)]",  # noqa: E501
@@ -568,8 +575,6 @@ _FAST_CASES = (
     "tests/formats/test_nvfp4.py::test_nvfp4_matches_the_reference[ScaledBlockFormat(elem=jaxlp.formats.E2M1FN, block_size=16, axis=-1, scale_fmt='ue4m3', tensor_scale=False)]",  # noqa: E501
     "tests/ops/test_block_conv.py::test_bits_are_the_definition_on_the_declared_blocks[tiled_pads_dilations]",
     "tests/ops/test_conv.py::test_representable_operands_equal_plain_conv[hbfp-depthwise]",
-    "tests/ops/test_dot_general_nd.py::test_batch_dims_equal_a_loop_of_2d_gemms[per_gemm]",
-    "tests/ops/test_dot_general_nd.py::test_dense_nd_equals_2d_gemm_on_the_reshape[acc_kahan]",
     "tests/ops/test_matmul.py::test_cpd_kahan_reproduces_quant_gemm[4-3]",
     "tests/ops/test_matmul.py::test_grad_emulate_is_the_emulated_backward_gemms[acc=jaxlp.formats.BF16]",
     "tests/pallas/test_block_gemm.py::test_interpret_matches_reference[int8-hbfp8]",
@@ -601,8 +606,8 @@ _FAST_CASES = (
     "tests/torch_bridge/test_torch_nn.py::test_linear_matches_jax_dot_general[hbfp_per_sample]",
     "tests/torch_bridge/test_ddp_powersgd_pieces.py::test_hook_pieces_are_finish[False-dtype0-True]",
     "tests/torch_bridge/test_ddp_torch_casts.py::test_sum_is_cast_gathered_sum[bf16]",
-    "tests/parallel/compress/test_nonfinite.py::test_nonfinite_policy[bf16-vmap]",
-    "tests/cli/test_text.py::test_every_policy_and_reduction_runs_on_the_language_models[transformer-flags3]",
+    "tests/formats/test_block_cpu_path.py::test_quantize_matches_the_composition_under_jit_and_vmap[BlockFormat(man_bits=7, tile=None, axis=-1, block_size=24, exponent='hbfp', eps=1e-08)]",  # noqa: E501
+    "tests/formats/test_transforms.py::test_half_inputs_exact[float16]",
 )
 
 
