@@ -594,13 +594,13 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
 @functools.cache
 def _powersgd_hook_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   """Jitted stages of :func:`_define_stages` that the hooks run: for a float32 bucket
-  ``(hook_start, hook_middle, hook_finish)``, else ``(start, middle, finish_pieces,
-  errors)``."""
+  ``(hook_start, hook_middle, hook_finish)``, else ``(half_round, half_start, half_middle,
+  half_finish_pieces, half_errors)``."""
   f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
   if half_fmt is None:
     return jax.jit(f["hook_start"]), jax.jit(f["hook_middle"]), jax.jit(f["hook_finish"])
-  return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
-          jax.jit(f["errors"]))
+  return (jax.jit(f["half_round"]), jax.jit(f["half_start"]), jax.jit(f["half_middle"]),
+          jax.jit(f["half_finish_pieces"]), jax.jit(f["half_errors"]))
 
 
 def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
@@ -636,6 +636,15 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   ``errors`` stage. (Each bucket-sized output of XLA:CPU is a loop split over the threads
   of its pool, at about twice torch's one-thread CPU time: 4.7 MB ``x + e``, 1.0 against
   0.5 ms; 2-core CPU, 2026-11-29.)
+
+  A 16-bit bucket's hook runs ``half_round(x, e) -> (xe16, unc)``: ``xe`` rounded to the
+  bucket's dtype by XLA's conversion (:func:`_narrow`: the bits of ``rnd``), half the bytes
+  of the float32 ``xe``; then ``half_start(xe16, q) -> p`` and ``middle`` /
+  ``finish_pieces`` / ``errors`` on ``xe16`` widened (exact) at their start. In one program
+  the products would compute the rounding again for every column (a float32 -> 16-bit ->
+  float32 pair may also be removed by XLA), so it is a stage of its own: the old ``start``
+  (spec rounding, a materialized float32 ``xe``) took 1.8 ms on the 128 x 9216 bucket at rank
+  2, ``half_round`` + ``half_start`` 1.2 ms (min of 80, 2-core CPU, loaded, 2026-11-29).
   """
   rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
   out_dt = jnp.float32 if half_fmt is None else (
@@ -732,9 +741,25 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
     errs = [xe[a:b].reshape(v.shape) - v for (a, b), v in zip(segments, outs, strict=True)]
     return outs, errs, q_new
 
+  def half_round(x, e):
+    xe = combined(x, e)
+    xe16 = _narrow(xe, out_dt) if error_feedback else xe.astype(out_dt)
+    return xe16, _cat([xe16[a:b] for a, b in plan.unc], out_dt)
+
+  def half_start(xe16, q):
+    qs = _split(q.astype(jnp.float32), q_shapes)
+    _, ps = powersgd_start(comp, matrices(xe16.astype(jnp.float32)), [{"q": qi} for qi in qs],
+                           None)
+    return _cat(ps).astype(out_dt)
+
+  def wide(fn):
+    return lambda xe16, *args: fn(xe16.astype(jnp.float32), *args)
+
   return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
           "errors": errors, "hook_start": hook_start, "hook_middle": hook_middle,
-          "hook_finish": hook_finish}
+          "hook_finish": hook_finish, "half_round": half_round, "half_start": half_start,
+          "half_middle": wide(middle), "half_finish_pieces": wide(finish_pieces),
+          "half_errors": wide(errors)}
 
 
 def _hook_comp(rank, min_rate, eps, half, method="auto"):
@@ -769,8 +794,9 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
   if half_fmt is None:
     return _powersgd_bucket_f32(stages, flat, x, e, plan, to_jax(q.contiguous()), sum_fn,
                                 bool(error_feedback), out, error_out)
-  start, middle, finish, errors = stages
-  xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
+  round_, start, middle, finish, errors = stages
+  xe, unc = round_(x, e)  # the bucket + error rounded to its dtype, as PyTorch holds it
+  p_loc = start(xe, to_jax(q.contiguous()))
   unc_sum = sum_fn(to_torch(unc).clone()) if plan.unc else to_torch(unc)
   p_sum = sum_fn(to_torch(p_loc).clone())
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
