@@ -594,11 +594,12 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
 @functools.cache
 def _powersgd_hook_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   """Jitted stages of :func:`_define_stages` that the hooks run: for a float32 bucket
-  ``(hook_start, hook_middle, hook_finish)``, else ``(half_round, half_start, half_middle,
+  ``(start, middle, finish_pieces, errors)``, else ``(half_round, half_start, half_middle,
   half_finish_pieces, half_errors)``."""
   f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
   if half_fmt is None:
-    return jax.jit(f["hook_start"]), jax.jit(f["hook_middle"]), jax.jit(f["hook_finish"])
+    return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
+            jax.jit(f["errors"]))
   return (jax.jit(f["half_round"]), jax.jit(f["half_start"]), jax.jit(f["half_middle"]),
           jax.jit(f["half_finish_pieces"]), jax.jit(f["half_errors"]))
 
@@ -626,16 +627,11 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   and computing ``err`` in the same program recomputed every product ``P Q^T`` (2-core CPU,
   2026-11-29). ``finish`` assembles the same pieces in JAX.
 
-  A float32 bucket's hook runs ``hook_start(x, e, q) -> (unc, p)``, ``hook_middle(x, e,
-  p_sum) -> (p, q)`` and ``hook_finish(x, e, p, q_sum, unc_sum) -> (outs, errs, q)``
-  instead: the same values, bit for bit, with ``x + e`` computed again inside every loop
-  that reads it (IEEE additions, the same in every loop) rather than written to a
-  bucket-sized buffer, and the error's pieces (``errs``, the pieces of :func:`_segments`, a
-  matrix's as its ``(n, m)`` matrix; the batched hook: the ``s x s`` matrix, the whole
-  error) computed with the approximation's in ``hook_finish``: no ``xe`` buffer, no
-  ``errors`` stage. (Each bucket-sized output of XLA:CPU is a loop split over the threads
-  of its pool, at about twice torch's one-thread CPU time: 4.7 MB ``x + e``, 1.0 against
-  0.5 ms; 2-core CPU, 2026-11-29.)
+  Tried for a float32 bucket and not kept: ``x + e`` computed again inside every loop that
+  reads it (no ``xe`` buffer) and the error's pieces computed with the approximation in the
+  last stage (no ``errors`` stage, torch copying the pieces into the error): as fast within
+  the noise of a loaded 2-core CPU, slower at rank 1, and more bytes read per step (the
+  error's loop reads the approximation back, ``x`` and ``e`` are read twice more).
 
   A 16-bit bucket's hook runs ``half_round(x, e) -> (xe16, unc)``: ``xe`` rounded to the
   bucket's dtype by XLA's conversion (:func:`_narrow`: the bits of ``rnd``), half the bytes
@@ -721,26 +717,6 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
     return xe + e.astype(jnp.float32) if error_feedback else xe
 
-  def hook_start(x, e, q):
-    xe = combined(x, e)
-    unc = _cat([xe[a:b] for a, b in plan.unc])
-    qs = _split(q.astype(jnp.float32), q_shapes)
-    _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
-    return unc, _cat(ps)
-
-  def hook_middle(x, e, p_sum):
-    return middle(combined(x, e), p_sum)
-
-  def hook_finish(x, e, p, q_sum, unc_sum):
-    xe = combined(x, e)
-    outs, q_new = finish_pieces(xe, p, q_sum, unc_sum)
-    if not error_feedback:
-      return outs, [], q_new
-    if plan.square:
-      return outs, [xe.reshape(plan.square, plan.square) - outs[0]], q_new
-    errs = [xe[a:b].reshape(v.shape) - v for (a, b), v in zip(segments, outs, strict=True)]
-    return outs, errs, q_new
-
   def half_round(x, e):
     xe = combined(x, e)
     xe16 = _narrow(xe, out_dt) if error_feedback else xe.astype(out_dt)
@@ -756,8 +732,7 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
     return lambda xe16, *args: fn(xe16.astype(jnp.float32), *args)
 
   return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
-          "errors": errors, "hook_start": hook_start, "hook_middle": hook_middle,
-          "hook_finish": hook_finish, "half_round": half_round, "half_start": half_start,
+          "errors": errors, "half_round": half_round, "half_start": half_start,
           "half_middle": wide(middle), "half_finish_pieces": wide(finish_pieces),
           "half_errors": wide(errors)}
 
@@ -772,8 +747,7 @@ def _hook_comp(rank, min_rate, eps, half, method="auto"):
                   orthogonalization_epsilon=float(eps))
 
 
-def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, out=None,
-                     error_out=None):
+def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, out=None):
   """One PowerSGD step of a bucket: the three stages and the three sums over ranks.
 
   ``flat``: the bucket (float32, float16 or bfloat16). ``error``: the bucket's error (its
@@ -781,10 +755,8 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
   ``plan``'s order; orthogonalized here, as PyTorch does for a warm or a fresh Q).
   ``sum_fn(t)``: the SUM over ranks of a tensor (in its dtype). ``out``: where to write the
   result (``flat``'s length and dtype; may be the bucket itself); None: a new tensor.
-  ``error_out``: where a float32 layer-wise bucket's new error may be written (may be
-  ``error`` itself; used only if it is a contiguous float32 tensor of ``plan``'s length,
-  else a new tensor is returned). Returns ``(out, err, p, q)`` as torch tensors of the
-  bucket's dtype (``err`` None without error feedback).
+  Returns ``(out, err, p, q)`` as torch tensors of the bucket's dtype (``err`` None without
+  error feedback).
   """
   dt = flat.dtype
   half_fmt = {torch.float16: FP16, torch.bfloat16: BF16}.get(dt)
@@ -792,11 +764,12 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
   x = to_jax(flat.contiguous())
   e = to_jax(error.contiguous()) if error_feedback else jnp.zeros((0,), jnp.float32)
   if half_fmt is None:
-    return _powersgd_bucket_f32(stages, flat, x, e, plan, to_jax(q.contiguous()), sum_fn,
-                                bool(error_feedback), out, error_out)
-  round_, start, middle, finish, errors = stages
-  xe, unc = round_(x, e)  # the bucket + error rounded to its dtype, as PyTorch holds it
-  p_loc = start(xe, to_jax(q.contiguous()))
+    start, middle, finish, errors = stages
+    xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
+  else:
+    round_, start, middle, finish, errors = stages
+    xe, unc = round_(x, e)  # the bucket + error rounded to its dtype, as PyTorch holds it
+    p_loc = start(xe, to_jax(q.contiguous()))
   unc_sum = sum_fn(to_torch(unc).clone()) if plan.unc else to_torch(unc)
   p_sum = sum_fn(to_torch(p_loc).clone())
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))
@@ -817,44 +790,6 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
     err = to_torch(errors(xe, to_jax(pieces[0] if plan.square else out)))
   return out, err, to_torch(p if p.dtype == q_new.dtype else p.astype(q_new.dtype)), \
       to_torch(q_new)
-
-
-def _powersgd_bucket_f32(stages, flat, x, e, plan, q, sum_fn, error_feedback, out, error_out):
-  """:func:`_powersgd_bucket` of a float32 bucket (``hook_start`` / ``hook_middle`` /
-  ``hook_finish`` of :func:`_define_stages`): the error's pieces are written into
-  ``error_out`` where it fits (the batched hook's new error is ``hook_finish``'s own ``s x s``
-  output, no copy)."""
-  start, middle, finish = stages
-  unc, p_loc = start(x, e, q)
-  unc_sum = sum_fn(to_torch(unc).clone()) if plan.unc else to_torch(unc)
-  p_sum = sum_fn(to_torch(p_loc).clone())
-  p, q_loc = middle(x, e, to_jax(p_sum.contiguous()))
-  q_sum = sum_fn(to_torch(q_loc).clone())
-  outs, errs, q_new = finish(x, e, p, to_jax(q_sum.contiguous()), to_jax(unc_sum.contiguous()))
-  # to_torch waits for the stage: every read of ``x`` and ``e`` (which may alias ``flat`` and
-  # ``error``) is done before ``out`` (which may be ``flat``) and ``error`` are written
-  pieces = [to_torch(v).reshape(-1) for v in outs]  # row-major (n, m) matrices: views
-  if out is None:
-    out = torch.empty(plan.numel, dtype=flat.dtype, device=flat.device)
-  segments = _segments(plan)
-  if plan.square:
-    out.copy_(pieces[0][:plan.numel])
-  else:
-    for (a, b), v in zip(segments, pieces, strict=True):
-      out[a:b].copy_(v)
-  err = None
-  if error_feedback:
-    errs = [to_torch(v).reshape(-1) for v in errs]
-    if plan.square:
-      err = errs[0]
-    else:
-      fits = (error_out is not None and error_out.dtype == torch.float32
-              and error_out.is_contiguous() and error_out.numel() == plan.numel)
-      err = error_out.view(-1) if fits else torch.empty(plan.numel, dtype=torch.float32,
-                                                        device=flat.device)
-      for (a, b), v in zip(segments, errs, strict=True):
-        err[a:b].copy_(v)
-  return out, err, to_torch(p), to_torch(q_new)
 
 
 def _allreduce_sum(group):
@@ -998,8 +933,7 @@ def _powersgd_hook(state, bucket, square):
   out, err, p, q = _powersgd_bucket(flat, plan, comp=comp, w=w, error=error, q=q,
                                     sum_fn=_allreduce_sum(group),
                                     error_feedback=state.use_error_feedback,
-                                    out=flat if in_place else None,
-                                    error_out=error)  # the state's error, replaced below
+                                    out=flat if in_place else None)
   if state.use_error_feedback:
     state.error_dict[idx] = err
   if square:  # PyTorch's layout: P and Q of the batched hook are (s, r) matrices
@@ -1508,8 +1442,7 @@ def _comm_powersgd(state, bucket, flat, layout, w):
   else:
     q = _draw_q(plan, state.rng.randint(1_000_000_000), torch.float32, False).to(flat.device)
   out, err, _, q = _powersgd_bucket(flat, plan, comp=hcomp, w=w, error=error, q=q,
-                                    sum_fn=state._sum, error_feedback=comp.error_feedback,
-                                    error_out=error)  # a new tensor (torch.cat) of this call
+                                    sum_fn=state._sum, error_feedback=comp.error_feedback)
   if comp.error_feedback:
     for k, (s, e, _) in zip(keys, layout, strict=True):
       store.setdefault(k, {})["error"] = err[s:e]
