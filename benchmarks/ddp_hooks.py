@@ -22,8 +22,15 @@ with error feedback / warm start). PyTorch 2.13's ``batched_powerSGD_hook`` fail
 compressed step (``_orthogonalize`` asserts a batch of matrices); its row runs it with that
 call given the 3-D view it expects.
 
+``--pin``: each worker process is bound to one CPU (``os.sched_setaffinity``, rank r to the
+r-th allowed CPU modulo their number) before torch and JAX start: XLA:CPU then runs its
+programs on one thread, as torch does here (``torch.set_num_threads(1)``); without it XLA
+splits each bucket-sized loop over a pool of one thread per CPU (2-core CPU: about twice
+torch's one-thread CPU time for the same 4.7 MB add, and the pool's threads compete with the
+other rank's process).
+
 Usage:
-  python benchmarks/ddp_hooks.py [--steps 20] [--batch 64] [--world 2]
+  python benchmarks/ddp_hooks.py [--steps 20] [--batch 64] [--world 2] [--pin]
       [--methods fp16,bf16,powersgd_r1,powersgd_r2,powersgd_r4,batched_r2,powersgd_r2_fp16w]
   python benchmarks/ddp_hooks.py --small    # CI-sized: 4 timed steps, batch 8, 2 methods
 """
@@ -117,6 +124,9 @@ def _orthogonalize_2d_ok(original):
 
 
 def worker(rank, world, port, args):
+  if args.pin:  # before torch and JAX make their thread pools
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
   import torch  # noqa: PLC0415
   import torch.distributed as dist  # noqa: PLC0415
   from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tps  # noqa: PLC0415
@@ -179,6 +189,8 @@ def main():
   ap.add_argument("--methods", default=None,
                   help=f"comma-separated, from {','.join(METHODS)} (default: all)")
   ap.add_argument("--small", action="store_true", help="CI-sized run")
+  ap.add_argument("--pin", action="store_true", help="bind each process to one CPU (XLA then "
+                  "runs on one thread, as torch here)")
   ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
@@ -198,7 +210,7 @@ def main():
              JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
   cmd = [sys.executable, os.path.abspath(__file__), "--port", str(port), "--world",
          str(args.world), "--steps", str(args.steps), "--batch", str(args.batch),
-         "--methods", ",".join(methods)]
+         "--methods", ",".join(methods)] + (["--pin"] if args.pin else [])
   procs = [subprocess.Popen(cmd + ["--worker", str(r)], env=env, stdout=subprocess.PIPE,
                             text=True) for r in range(args.world)]
   outs = [p.communicate()[0] for p in procs]
@@ -213,7 +225,8 @@ def main():
     load = None
   print(f"DDP hooks, {args.world} processes (gloo, CPU), MNIST CNN (1.2M parameters), batch "
         f"{args.batch} per process, {args.steps} timed steps; load average "
-        f"{'n/a' if load is None else ' '.join(f'{v:.2f}' for v in load)}")
+        f"{'n/a' if load is None else ' '.join(f'{v:.2f}' for v in load)}"
+        f"{'; each process pinned to one CPU' if args.pin else ''}")
   print("step: median wall time of zero_grad + forward + backward (with the hook) + SGD "
         "update; hook: median wall (CPU) time per call; hook CPU/step: median CPU time of a "
         "step's hook calls, torch / jaxlp; 1st: the first compressed step")

@@ -593,11 +593,15 @@ def _powersgd_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
 
 @functools.cache
 def _powersgd_hook_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
-  """Jitted ``(start, middle, finish_pieces, errors)`` of :func:`_define_stages`: what the
-  hooks run."""
+  """Jitted stages of :func:`_define_stages` that the hooks run: for a float32 bucket
+  ``(start, middle, finish_pieces, errors)``, else ``(half_round, half_start, half_middle,
+  half_finish_pieces, half_errors)``."""
   f = _stage_fns(plan, comp, w, half_fmt, error_feedback)
-  return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
-          jax.jit(f["errors"]))
+  if half_fmt is None:
+    return (jax.jit(f["start"]), jax.jit(f["middle"]), jax.jit(f["finish_pieces"]),
+            jax.jit(f["errors"]))
+  return (jax.jit(f["half_round"]), jax.jit(f["half_start"]), jax.jit(f["half_middle"]),
+          jax.jit(f["half_finish_pieces"]), jax.jit(f["half_errors"]))
 
 
 def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
@@ -622,6 +626,21 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
   piece). XLA:CPU assembling the whole bucket from the pieces took most of the stage's time,
   and computing ``err`` in the same program recomputed every product ``P Q^T`` (2-core CPU,
   2026-11-29). ``finish`` assembles the same pieces in JAX.
+
+  Tried for a float32 bucket and not kept: ``x + e`` computed again inside every loop that
+  reads it (no ``xe`` buffer) and the error's pieces computed with the approximation in the
+  last stage (no ``errors`` stage, torch copying the pieces into the error): as fast within
+  the noise of a loaded 2-core CPU, slower at rank 1, and more bytes read per step (the
+  error's loop reads the approximation back, ``x`` and ``e`` are read twice more).
+
+  A 16-bit bucket's hook runs ``half_round(x, e) -> (xe16, unc)``: ``xe`` rounded to the
+  bucket's dtype by XLA's conversion (:func:`_narrow`: the bits of ``rnd``), half the bytes
+  of the float32 ``xe``; then ``half_start(xe16, q) -> p`` and ``middle`` /
+  ``finish_pieces`` / ``errors`` on ``xe16`` widened (exact) at their start. In one program
+  the products would compute the rounding again for every column (a float32 -> 16-bit ->
+  float32 pair may also be removed by XLA), so it is a stage of its own: the old ``start``
+  (spec rounding, a materialized float32 ``xe``) took 1.8 ms on the 128 x 9216 bucket at rank
+  2, ``half_round`` + ``half_start`` 1.2 ms (min of 80, 2-core CPU, loaded, 2026-11-29).
   """
   rnd = (lambda v: v) if half_fmt is None else (lambda v: spec_quantize(v, half_fmt))
   out_dt = jnp.float32 if half_fmt is None else (
@@ -691,8 +710,31 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       out = out.at[a:b].set(outs[i])
     return out, errors(xe, out) if error_feedback else None, q_new
 
+  def combined(x, e):
+    """The float32 bucket + error as the matrices read it (``xe`` of ``start``)."""
+    xe = x.astype(jnp.float32)
+    if plan.square:
+      xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
+    return xe + e.astype(jnp.float32) if error_feedback else xe
+
+  def half_round(x, e):
+    xe = combined(x, e)
+    xe16 = _narrow(xe, out_dt) if error_feedback else xe.astype(out_dt)
+    return xe16, _cat([xe16[a:b] for a, b in plan.unc], out_dt)
+
+  def half_start(xe16, q):
+    qs = _split(q.astype(jnp.float32), q_shapes)
+    _, ps = powersgd_start(comp, matrices(xe16.astype(jnp.float32)), [{"q": qi} for qi in qs],
+                           None)
+    return _cat(ps).astype(out_dt)
+
+  def wide(fn):
+    return lambda xe16, *args: fn(xe16.astype(jnp.float32), *args)
+
   return {"start": start, "middle": middle, "finish": finish, "finish_pieces": finish_pieces,
-          "errors": errors}
+          "errors": errors, "half_round": half_round, "half_start": half_start,
+          "half_middle": wide(middle), "half_finish_pieces": wide(finish_pieces),
+          "half_errors": wide(errors)}
 
 
 def _hook_comp(rank, min_rate, eps, half, method="auto"):
@@ -718,11 +760,16 @@ def _powersgd_bucket(flat, plan, *, comp, w, error, q, sum_fn, error_feedback, o
   """
   dt = flat.dtype
   half_fmt = {torch.float16: FP16, torch.bfloat16: BF16}.get(dt)
-  start, middle, finish, errors = _powersgd_hook_stages(plan, comp, w, half_fmt,
-                                                        bool(error_feedback))
+  stages = _powersgd_hook_stages(plan, comp, w, half_fmt, bool(error_feedback))
   x = to_jax(flat.contiguous())
   e = to_jax(error.contiguous()) if error_feedback else jnp.zeros((0,), jnp.float32)
-  xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
+  if half_fmt is None:
+    start, middle, finish, errors = stages
+    xe, unc, p_loc = start(x, e, to_jax(q.contiguous()))
+  else:
+    round_, start, middle, finish, errors = stages
+    xe, unc = round_(x, e)  # the bucket + error rounded to its dtype, as PyTorch holds it
+    p_loc = start(xe, to_jax(q.contiguous()))
   unc_sum = sum_fn(to_torch(unc).clone()) if plan.unc else to_torch(unc)
   p_sum = sum_fn(to_torch(p_loc).clone())
   p, q_loc = middle(xe, to_jax(p_sum.contiguous()))

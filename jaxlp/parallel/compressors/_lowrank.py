@@ -9,6 +9,7 @@ engine (:mod:`jaxlp.parallel._aggregate`), below both, so that neither imports t
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlp.parallel._arith import add_f32, sqrt_f32
 from jaxlp.parallel.compressors._base import DOWN, det_sum, exact_div, materialize, no_fma
@@ -41,16 +42,18 @@ def thin_matmul(a, b):
   return jnp.stack(cols, axis=-1)
 
 
-def _pairwise_sum_rows(x):
-  """:func:`det_sum` along axis -2 (the same pairs, the same zero padding when odd), adding
-  whole contiguous rows: no transpose of a large matrix."""
-  if x.shape[-2] == 0:
-    return jnp.zeros(x.shape[:-2] + x.shape[-1:], x.dtype)
-  while x.shape[-2] > 1:
-    if x.shape[-2] % 2:
-      x = jnp.concatenate([x, jnp.zeros(x.shape[:-2] + (1,) + x.shape[-1:], x.dtype)], axis=-2)
-    x = x[..., 0::2, :] + x[..., 1::2, :]
-  return x[..., 0, :]
+def _pairwise_sum_rows(x, axis=-2):
+  """:func:`det_sum` along ``axis`` (-2 or -3; the same pairs, the same zero padding when odd),
+  adding whole contiguous rows: no transpose of a large matrix."""
+  ax = x.ndim + axis
+  if x.shape[ax] == 0:
+    return jnp.zeros(x.shape[:ax] + x.shape[ax + 1:], x.dtype)
+  while x.shape[ax] > 1:
+    if x.shape[ax] % 2:
+      pad = jnp.zeros(x.shape[:ax] + (1,) + x.shape[ax + 1:], x.dtype)
+      x = jnp.concatenate([x, pad], axis=ax)
+    x = lax.slice_in_dim(x, 0, None, 2, axis=ax) + lax.slice_in_dim(x, 1, None, 2, axis=ax)
+  return jnp.squeeze(x, ax)
 
 
 def thin_matmul_t(a, b):
@@ -58,6 +61,13 @@ def thin_matmul_t(a, b):
   ``thin_matmul(swapaxes(a, -1, -2), b)`` (the same products, the same pairwise tree), summed
   over a's rows in place (``M^T P`` without materialising ``M^T``)."""
   b = materialize(b)  # see thin_matmul
+  if b.shape[-1] > 1 and a.shape[-1] * a.shape[-2] >= _ONE_PASS_MIN:
+    # all r columns in one pass over a (as thin_matmul): the products as (..., k, r, n), each
+    # row of a used for the r columns while it is in cache, the same pairwise tree over the k
+    # rows; the (..., r, n) sums transposed at the end (small). 128 x 9216 at r = 2 / 4: 0.52
+    # / 0.97 -> 0.37 / 0.52 ms (2-core CPU, loaded, 2026-11-29); the same bits
+    prods = no_fma(a[..., :, None, :] * b[..., :, :, None], anchor=b)
+    return jnp.swapaxes(_pairwise_sum_rows(prods, axis=-3), -1, -2)
   cols = [_pairwise_sum_rows(no_fma(a * b[..., :, j, None], anchor=b))
           for j in range(b.shape[-1])]
   return jnp.stack(cols, axis=-1)
