@@ -554,6 +554,8 @@ _SLOW = (
     "tests/ops/test_dot_general.py::test_hbfp_v10_uses_weights_as_given_and_main_tiles_everything",
     # a subprocess running bit-exact tests again at XLA's default optimization level
     "tests/test_default_optimization_level.py::test_bit_exact_tests_pass_at_xla_default_optimization_level",  # noqa: E501
+    # two benchmark processes
+    "tests/torch_bridge/test_ddp_hooks_bench_pin.py",
 )
 
 # Cases of the functions above that stay in the fast tier: a cheap representative of each
