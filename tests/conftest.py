@@ -21,19 +21,8 @@ import os
 import shutil
 import sys
 
-# Tests compile with LLVM's optimization level 0 unless XLA_FLAGS names a level: the same HLO
-# programs (XLA's HLO passes, fusion and the order of every reduction do not depend on it) and
-# the same IEEE arithmetic (LLVM does not reassociate or contract float operations without
-# fast-math flags, which XLA:CPU does not set by default), with less compile time: compiling is
-# most of the suite's time, and level 0 took 19-25% less CPU on the CLI language-model and
-# block-format tests (2026-11-29, 2-core CI VM). What users run (level 3, XLA's default) is
-# checked by tests/test_default_optimization_level.py, which runs bit-exact tests of every
-# layer at level 3; ``XLA_FLAGS=--xla_backend_optimization_level=3 pytest ...`` runs any test
-# at level 3.
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_backend_optimization_level" not in _flags:
-  _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache, shared by the pytest-xdist workers, the subprocesses the
 # tests start (jaxlp train, examples, benchmarks, multi-process jobs) and the next runs: a
@@ -552,8 +541,6 @@ _SLOW = (
     "tests/formats/test_transforms.py::test_half_inputs_exact",
     "tests/ops/test_dispatch.py::test_matmul_kernel_branch_same_bits",
     "tests/ops/test_dot_general.py::test_hbfp_v10_uses_weights_as_given_and_main_tiles_everything",
-    # a subprocess running bit-exact tests again at XLA's default optimization level
-    "tests/test_default_optimization_level.py::test_bit_exact_tests_pass_at_xla_default_optimization_level",  # noqa: E501
     # two benchmark processes
     "tests/torch_bridge/test_ddp_hooks_bench_pin.py",
 )
