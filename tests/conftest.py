@@ -28,12 +28,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests start (jaxlp train, examples, benchmarks, multi-process jobs) and the next runs: a
 # program compiled once is loaded, not compiled, by every later process, so a later run
 # compiles only the programs a change touched (the fast tier at 44f00c1: 3 min 54 s cold, 3 min
-# 14 s warm, in one period; README, "Development"). It lives in the checkout, ``.jax_cache/`` (git-ignored; a
-# clean clone, as CI's, starts cold), and is emptied by the first process of a run once it
-# holds more than _CACHE_MAX_BYTES; programs that compile in under 0.2 s are not written. JAX
-# keys an entry by the program, the compile options, the flags and the jax/jaxlib versions, so
-# a changed program is compiled again. A cache directory given in the environment is used as it
-# is (``JAX_COMPILATION_CACHE_DIR=$(mktemp -d)`` for a cold run).
+# 14 s warm, in one period; README, "Development"). It lives in the checkout, ``.jax_cache/``
+# (git-ignored; a clean clone, as CI's, starts cold), and is emptied by the first process of a
+# run once it holds more than _CACHE_MAX_BYTES; programs that compile in under 0.2 s are not
+# written. JAX keys an entry by the program, the compile options, the flags and the jax/jaxlib
+# versions, so a changed program is compiled again. A cache directory given in the environment
+# is used as it is (``JAX_COMPILATION_CACHE_DIR=$(mktemp -d)`` for a cold run).
 _CACHE_MAX_BYTES = 4 << 30
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
