@@ -1,7 +1,9 @@
 """PowerSGD's thin products and Gram-Schmidt on their faster paths give the bits of a numpy
 oracle (fixed pairwise sums of separately rounded products, IEEE division and square root):
 ``thin_matmul``'s one pass over ``a`` for all columns (``n * k >= _ONE_PASS_MIN``) and its
-column-by-column path, and Gram-Schmidt's columns materialized by a barrier on their norm."""
+column-by-column path, the same for ``thin_matmul_t`` (PowerSGD's ``M^T P``: all r columns
+from one read of ``a`` where ``k * n >= _ONE_PASS_MIN`` and ``r >= 2``), and Gram-Schmidt's
+columns materialized by a barrier on their norm."""
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,19 @@ def _one_pass(a, b):
   return any(v.aval.shape == want for e in jaxpr.eqns for v in e.outvars)
 
 
+def _thin_matmul_t_oracle(a, b):
+  """``a^T b``: column j is the pairwise sum over a's rows of ``a[i, :] * b[i, j]``."""
+  return _thin_matmul_oracle(np.ascontiguousarray(a.T), b)
+
+
+def _one_pass_t(a, b):
+  """Whether thin_matmul_t traces the (k, r, n) products of its one-pass path."""
+  jaxpr = jax.make_jaxpr(lambda a, b: _lowrank.thin_matmul_t(a, b))(a, b)
+  want = (a.shape[-2], b.shape[-1], a.shape[-1])
+  return any(v.aval.shape[-3:] == want for e in jaxpr.eqns for v in e.outvars
+             if len(v.aval.shape) >= 3)
+
+
 def _data(shape, seed, specials):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape).astype(np.float32)
@@ -141,3 +156,49 @@ def test_materialize_with_an_anchor_keeps_every_bit_pattern():
   x = jnp.asarray(bits.view(np.float32))
   got = jax.jit(lambda x, a: materialize(x, anchor=a))(x, jnp.float32(2.0))
   assert np.array_equal(np.asarray(got).view(np.uint32), bits)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("one_pass_min", [0, 2 ** 40])  # one pass for r >= 2 / column by column
+def test_thin_matmul_t_paths_match_the_oracle(monkeypatch, r, one_pass_min):
+  monkeypatch.setattr(_lowrank, "_ONE_PASS_MIN", one_pass_min)
+  a = _data((11, 37), 0, specials=False) * np.float32(0.5)  # 11 rows: odd levels pad a zero
+  a[0, :2] = SPECIALS[:2]  # +-0 (no subnormals: XLA:CPU flushes them, numpy does not)
+  a[1, :] = 0.0  # an all-zero row
+  b = _data((11, r), 1, specials=False)
+  assert _one_pass_t(a, b) == (one_pass_min == 0 and r > 1)
+  got = _jit(_lowrank.thin_matmul_t)(jnp.asarray(a), jnp.asarray(b))
+  assert got.shape == (37, r)
+  _same_bits(got, _thin_matmul_t_oracle(a, b))
+  batched = _jit(jax.vmap(_lowrank.thin_matmul_t))(jnp.stack([a, -a]), jnp.stack([b, b]))
+  _same_bits(batched[0], got)
+  _same_bits(batched[1], _thin_matmul_t_oracle(-a, b))
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_thin_matmul_t_one_pass_equals_columns_with_specials(monkeypatch, r):
+  a = _data((9, 64), 2, specials=True)
+  b = _data((9, r), 3, specials=True)
+  monkeypatch.setattr(_lowrank, "_ONE_PASS_MIN", 0)
+  assert _one_pass_t(a, b)
+  one = np.asarray(_jit(_lowrank.thin_matmul_t)(a, b))
+  monkeypatch.setattr(_lowrank, "_ONE_PASS_MIN", 2 ** 40)
+  assert not _one_pass_t(a, b)
+  cols = np.asarray(_jit(_lowrank.thin_matmul_t)(a, b))
+  assert np.array_equal(one.view(np.uint32), cols.view(np.uint32))
+
+
+def test_thin_matmul_t_matches_thin_matmul_of_the_transpose():
+  """The docstring's promise: the bits of ``thin_matmul(a^T, b)`` (both one-pass here)."""
+  a = _data((16, 4096), 5, specials=True)
+  b = _data((16, 2), 6, specials=False)
+  assert _one_pass_t(a, b)
+  got = np.asarray(_jit(_lowrank.thin_matmul_t)(a, b))
+  want = np.asarray(_jit(_lowrank.thin_matmul)(np.ascontiguousarray(a.T), b))
+  _same_bits(got, want)
+
+
+def test_the_benchmark_bucket_takes_thin_matmul_ts_one_pass_path():
+  a, p = np.zeros((128, 9216), np.float32), np.zeros((128, 2), np.float32)
+  assert _one_pass_t(a, p)
+  assert not _one_pass_t(a, p[:, :1])
