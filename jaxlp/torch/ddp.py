@@ -654,20 +654,29 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       return [xe.reshape(plan.square, plan.square)]
     return [xe[s:s + n * m].reshape(n, m) for s, n, m, _ in plan.mats]
 
-  def start(x, e, q):
+  def combined(x, e):
+    """The float32 bucket + error as the matrices read it (before ``rnd``)."""
     xe = x.astype(jnp.float32)
     if plan.square:
       xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
+    return xe + e.astype(jnp.float32) if error_feedback else xe
+
+  def products(xe, q):
+    """The local P of every matrix of float32 ``xe`` (concatenated, in ``out_dt``)."""
+    qs = _split(q.astype(jnp.float32), q_shapes)
+    _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
+    return _cat(ps).astype(out_dt)
+
+  def start(x, e, q):
+    xe = combined(x, e)
     if error_feedback:
-      xe = rnd(xe + e.astype(jnp.float32))
+      xe = rnd(xe)
       if half_fmt is not None:  # computed once, not inside every product (the same bits)
         # the barrier reads q, not xe's first element (which XLA:CPU computed again, rounding
         # included, for every element)
         xe = materialize(xe, anchor=q)
     unc = _cat([xe[a:b] for a, b in plan.unc])
-    qs = _split(q.astype(jnp.float32), q_shapes)
-    _, ps = powersgd_start(comp, matrices(xe), [{"q": qi} for qi in qs], None)
-    return xe, unc.astype(out_dt), _cat(ps).astype(out_dt)
+    return xe, unc.astype(out_dt), products(xe, q)
 
   def middle(xe, p_sum):
     ps, qs = powersgd_middle(comp, matrices(xe), _split(p_sum.astype(jnp.float32), p_shapes))
@@ -710,23 +719,13 @@ def _define_stages(plan, comp, w: int, half_fmt, error_feedback: bool):
       out = out.at[a:b].set(outs[i])
     return out, errors(xe, out) if error_feedback else None, q_new
 
-  def combined(x, e):
-    """The float32 bucket + error as the matrices read it (``xe`` of ``start``)."""
-    xe = x.astype(jnp.float32)
-    if plan.square:
-      xe = jnp.pad(xe, (0, plan.square * plan.square - plan.numel))
-    return xe + e.astype(jnp.float32) if error_feedback else xe
-
   def half_round(x, e):
     xe = combined(x, e)
     xe16 = _narrow(xe, out_dt) if error_feedback else xe.astype(out_dt)
     return xe16, _cat([xe16[a:b] for a, b in plan.unc], out_dt)
 
   def half_start(xe16, q):
-    qs = _split(q.astype(jnp.float32), q_shapes)
-    _, ps = powersgd_start(comp, matrices(xe16.astype(jnp.float32)), [{"q": qi} for qi in qs],
-                           None)
-    return _cat(ps).astype(out_dt)
+    return products(xe16.astype(jnp.float32), q)
 
   def wide(fn):
     return lambda xe16, *args: fn(xe16.astype(jnp.float32), *args)
