@@ -36,17 +36,24 @@ def _blocks_input():
 def test_mx_elements_match_the_scaled_element_rounding(elem, rule):
   """``mx(...)`` = ``elem._round_bits(x, scale_exp=s, saturate=True)`` with the block's scale
   exponent ``s``, NaN for non-finite blocks: every rounding mode."""
-  x = _blocks_input()
   fmt = F.mx(elem, 32, scale_rule=rule)
-  bits = B.to_bits(x)
-  mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=-1, block_size=32)
-  s = jnp.clip(fmt.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
-  for rounding in ("nearest", "toward_zero", "up", "down", "nearest_away", "stochastic"):
-    key = jax.random.key(1) if rounding == "stochastic" else None
-    rand = F.random_bits(key, x.shape) if key is not None else None
-    want = elem._round_bits(bits, rounding, rand, None, scale_exp=s, saturate=True)
-    want = B.from_bits(jnp.where(B.is_finite_mag(mx), want, B.u32(B.QNAN_BITS)))
-    got = F.quantize(x, fmt, rounding, key=key)
+  roundings = ("nearest", "toward_zero", "up", "down", "nearest_away", "stochastic")
+
+  @jax.jit  # one program for the case (op-by-op dispatch took 2-3x longer)
+  def run(x):
+    bits = B.to_bits(x)
+    mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=-1, block_size=32)
+    s = jnp.clip(fmt.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
+    out = []
+    for rounding in roundings:
+      key = jax.random.key(1) if rounding == "stochastic" else None
+      rand = F.random_bits(key, x.shape) if key is not None else None
+      want = elem._round_bits(bits, rounding, rand, None, scale_exp=s, saturate=True)
+      want = B.from_bits(jnp.where(B.is_finite_mag(mx), want, B.u32(B.QNAN_BITS)))
+      out.append((F.quantize(x, fmt, rounding, key=key), want))
+    return out
+
+  for rounding, (got, want) in zip(roundings, run(_blocks_input()), strict=True):
     _ref.assert_same_bits(got, want, msg=f"{elem!r} {rule} {rounding}")
 
 
@@ -55,19 +62,26 @@ def test_mx_elements_match_the_scaled_element_rounding(elem, rule):
 def test_bfp_elements_match_the_shared_exponent_rounding(man_bits, exponent):
   """``BlockFormat`` (tiles and axis blocks) = ``_bfp_round`` with the block's shared
   exponent, NaN for non-finite blocks."""
-  x = _blocks_input()
-  for fmt in (F.BlockFormat(man_bits, tile=(5, 7), exponent=exponent),
-              F.BlockFormat(man_bits, axis=0, block_size=3, exponent=exponent)):
+  fmts = (F.BlockFormat(man_bits, tile=(5, 7), exponent=exponent),
+          F.BlockFormat(man_bits, axis=0, block_size=3, exponent=exponent))
+  cases = [(fmt, rounding) for fmt in fmts for rounding in ("nearest", "up", "stochastic")]
+
+  @jax.jit  # one program for the case (op-by-op dispatch took longer)
+  def run(x):
     bits = B.to_bits(x)
-    mx = fmt._block_max(bits & B.u32(B.ABS_MASK))
-    e = fmt.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
-    for rounding in ("nearest", "up", "stochastic"):
+    out = []
+    for fmt, rounding in cases:
+      mx = fmt._block_max(bits & B.u32(B.ABS_MASK))
+      e = fmt.shared_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF)))
       key = jax.random.key(2) if rounding == "stochastic" else None
       rand = F.random_bits(key, x.shape) if key is not None else None
       want = _bfp_round(bits, e, man_bits, rounding, rand, None)
       want = B.from_bits(jnp.where(B.is_finite_mag(mx), want, B.u32(B.QNAN_BITS)))
-      got = F.quantize(x, fmt, rounding, key=key)
-      _ref.assert_same_bits(got, want, msg=f"{fmt!r} {rounding}")
+      out.append((F.quantize(x, fmt, rounding, key=key), want))
+    return out
+
+  for (fmt, rounding), (got, want) in zip(cases, run(_blocks_input()), strict=True):
+    _ref.assert_same_bits(got, want, msg=f"{fmt!r} {rounding}")
 
 
 def test_fence_is_the_identity():

@@ -10,6 +10,8 @@ exponent around it, with ties at every dropped-bit count; ``quantize`` on crafte
 take each branch, under jit and vmap, along both axes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,12 +59,17 @@ MAG, MX = _grid()
 SIGN = RNG.integers(0, 2, MAG.shape).astype(np.uint32) << np.uint32(31)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program (op by op took longer)
+def _want_jit(fmt, bits, mx):
+  s = jnp.clip(fmt.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
+  r = fmt.elem._round_bits(bits, "nearest", None, None, scale_exp=s, saturate=True)
+  return jnp.where(B.is_finite_mag(mx), r, B.u32(B.QNAN_BITS))
+
+
 def _want(fmt, bits, mx):
   """The scaled element rounding with the blocks' scale exponents, NaN for non-finite
   blocks (uint32 bits)."""
-  s = jnp.clip(fmt.scale_exponent(jnp.minimum(mx, B.u32(0x7F7FFFFF))), -127, 127)
-  r = fmt.elem._round_bits(bits, "nearest", None, None, scale_exp=s, saturate=True)
-  return np.asarray(jnp.where(B.is_finite_mag(mx), r, B.u32(B.QNAN_BITS)))
+  return np.asarray(_want_jit(fmt, bits, mx))
 
 
 def _assert_bits(got, want, where, msg):
@@ -135,10 +142,15 @@ def _blocks(elem, extreme: bool):
   return jnp.asarray(x)
 
 
-def _want_quantize(x, fmt):
+@functools.partial(jax.jit, static_argnums=1)
+def _want_quantize_jit(x, fmt):
   bits = B.to_bits(x)
   mx = block_max_bits(bits & B.u32(B.ABS_MASK), axis=fmt.axis, block_size=fmt.block_size)
-  return _want(fmt, bits, mx)
+  return _want_jit(fmt, bits, mx)
+
+
+def _want_quantize(x, fmt):
+  return np.asarray(_want_quantize_jit(x, fmt))
 
 
 @pytest.mark.parametrize("elem", OCP_ELEMENTS, ids=repr)

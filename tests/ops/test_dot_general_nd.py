@@ -3,6 +3,7 @@ the same data (a reshape, a loop over batch indices, or an independent reference
 and both backward GEMMs; and the layouts of tile formats (``DotPolicy.layout``)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +92,16 @@ def test_dense_nd_equals_2d_gemm_on_the_reshape(mode):
   y2, dx2, dw2 = vjp_fn(policy, DN2, key)(x.reshape(B * S, Fe), w, dy.reshape(B * S, N))
   assert_same((y, dx, dw), (y2.reshape(B, S, N), dx2.reshape(B, S, Fe), dw2))
   # the mode really acts (the test can fail): not the float32 dot of the data
-  plain = vjp_fn(DotPolicy(), DENSE)(x, w, dy)
+  plain = _plain_dense(B, S, Fe, N)
   assert any(not np.array_equal(_bits(u), _bits(v)) for u, v in zip((y, dx, dw), plain))
+
+
+@functools.cache
+def _plain_dense(B, S, Fe, N):
+  """The float32 dot's (y, dx, dw) on test_dense_nd_equals_2d_gemm_on_the_reshape's data: one
+  program for its ten modes."""
+  x, w, dy = _data(1, (B, S, Fe), (Fe, N), (B, S, N))
+  return tuple(np.asarray(v) for v in vjp_fn(DotPolicy(), DENSE)(x, w, dy))
 
 
 ATTN = (((3,), (3,)), ((0, 2), (0, 2)))  # 'bqhd,bkhd->bhqk'

@@ -4,8 +4,9 @@ Triton NVIDIA backend compiles — checked on a CPU (see cuda_lowering.py).
 Coverage is automatic: every preset in ``jaxlp.formats``, every format type in
 ``FORMAT_TYPES`` that has a kernel (a new type without an example here fails
 ``test_every_format_type_is_covered``), every rounding a format supports (with and without
-``rand_bits``), every GEMM algorithm with every preset as accumulator, and every
-``pallas_call`` site in the package (``test_every_pallas_call_site_is_lowered``).
+``rand_bits``, this for :data:`RAND_BITS_FORMATS`), every GEMM algorithm with every preset as
+accumulator, and every ``pallas_call`` site in the package
+(``test_every_pallas_call_site_is_lowered``).
 """
 
 import dataclasses
@@ -61,12 +62,24 @@ EXTRA_FORMATS = {
 ALL_FORMATS = {**PRESETS, **EXTRA_FORMATS}
 
 
+#: Formats whose stochastic kernel is lowered with ``rand_bits`` 1 and 13 too (every format is
+#: lowered with the default): the first format of each type (the random-bit truncation is the
+#: type's code, the same for every format of it), the float formats whose kept rounding bits
+#: and ``rand_bits`` compare differently (m = 0; 10 and 23 bits: more than 13 dropped bits or
+#: none), and each MX / block layout.
+RAND_BITS_FORMATS = {"E4M3", "FP16", "FP32", "m0", "mx_int8", "mx_e2m1_rceil",
+                     "bfp_axis16", "bfp_axis_whole", "bfp_tile(1,32)", "nvfp4_2d"}
+
+
 def _cases():
+  first_of_type = set()
   for name, fmt in ALL_FORMATS.items():
     if not supports(fmt, SHAPE):
       continue
+    extra = name in RAND_BITS_FORMATS or type(fmt) not in first_of_type
+    first_of_type.add(type(fmt))
     for r in fmt.supported_roundings:
-      for rb in ((None, 1, 13) if r == "stochastic" else (None,)):
+      for rb in ((None, 1, 13) if r == "stochastic" and extra else (None,)):
         yield pytest.param(fmt, r, rb, id=f"{name}-{r}-{rb}")
 
 

@@ -46,6 +46,20 @@ def interpretable(fmt) -> bool:
   return INTERPRETS_LOOPS or not (isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1)
 
 
+#: In the interpreter (slow: a JAX reference program and an interpreted kernel per case), these
+#: IEEE formats get nearest and stochastic only: their directed roundings run the kernel code
+#: of E4M3's (the same constexpr branches, other constants: M, EMIN, BIG, MAXB), checked on
+#: E4M3, E4M3FN, the custom formats and FloatFormat(8, 23) with every rounding. On a GPU
+#: (``cuda``) every format gets every rounding.
+INTERPRETER_NEAREST_AND_STOCHASTIC = (F.E5M2, F.BF16, F.FP16)
+
+
+def roundings_checked(device, fmt):
+  if device == "cpu" and fmt in INTERPRETER_NEAREST_AND_STOCHASTIC:
+    return ("nearest", "stochastic")
+  return fmt.supported_roundings
+
+
 #: Short names for a subset (``python _triton_check.py cpu 256 float16 E4M3,QPF52``).
 NAMED = {"E4M3": F.E4M3, "BF16": F.BF16, "QPF52": F.qpytorch_float(5, 2),
          "QPF87": F.qpytorch_float(8, 7), "QPFX": QPyTorchFixedPoint(8, 4),
@@ -121,7 +135,7 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
   for fmt in FORMATS if formats is None else formats:
     if device == "cpu" and not interpretable(fmt):
       continue
-    for rounding in fmt.supported_roundings:
+    for rounding in roundings_checked(device, fmt):
       if roundings is not None and rounding not in roundings:
         continue
       for dtype in dtypes:
@@ -157,15 +171,28 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
   return bad
 
 
-if __name__ == "__main__":
-  # usage: _triton_check.py DEVICE [N_RANDOM] [DTYPES] [FORMAT NAMES (nearest, stochastic)]
-  dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-  n = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-  names = "float32,float16,bfloat16" if len(sys.argv) <= 3 else sys.argv[3]
+def main(argv) -> bool:
+  """One check from command-line arguments; prints its result, returns whether it passed."""
+  dev = argv[0] if argv else "cpu"
+  n = int(argv[1]) if len(argv) > 1 else 4096
+  names = "float32,float16,bfloat16" if len(argv) <= 2 else argv[2]
   dts = tuple(getattr(torch, d) for d in names.split(","))
-  fmts = [NAMED[k] for k in sys.argv[4].split(",")] if len(sys.argv) > 4 else None
+  fmts = [NAMED[k] for k in argv[3].split(",")] if len(argv) > 3 else None
   problems = check(dev, n, dts, fmts, ("nearest", "stochastic") if fmts else None)
   fmts = FORMATS if fmts is None else fmts
   count = sum(dev != "cpu" or interpretable(f) for f in fmts)
-  print("\n".join(problems) if problems else f"ok: {count} formats, {dev}")
-  sys.exit(1 if problems else 0)
+  print("\n".join(problems) if problems else f"ok: {count} formats, {dev} {names}")
+  return not problems
+
+
+if __name__ == "__main__":
+  # usage: _triton_check.py DEVICE [N_RANDOM] [DTYPES] [FORMAT NAMES (nearest, stochastic)]
+  # [--then DEVICE ...]: several checks in one process (one start, one import)
+  args, runs = sys.argv[1:], [[]]
+  for a in args:
+    if a == "--then":
+      runs.append([])
+    else:
+      runs[-1].append(a)
+  ok = [main(r) for r in runs]
+  sys.exit(0 if all(ok) else 1)

@@ -3,7 +3,7 @@
 Both the fast path (what a call runs) and the full, line-by-line port are compared with
 ``jaxlp.formats.quantize`` (exact bits, NaN payloads included), for every rounding of each
 format, stochastic rounding with the same seed: on crafted patterns (every exponent field with
-ties, half-ulps and extremes; the low bits of every drop count; both signs), on 2**20 random
+ties, half-ulps and extremes; the low bits of every drop count; both signs), on 2**16 random
 float32 bit patterns, on tensors built to take each branch of the fast paths (zeros, values
 below the normal range, overflows, NaN, inf), on every float16 and bfloat16 pattern, and with
 float32 subnormals flushed (``torch.set_flush_denormal``).
@@ -99,8 +99,8 @@ def _segments(n=4096, seed=0):
   return segs
 
 
-#: On a million patterns, the formats of a family with six roundings: these (the others of
-#: the family are checked on every branch of the fast paths below).
+#: On the crafted and random patterns, the formats of a family with six roundings: these (the
+#: others of the family are checked on every branch of the fast paths below).
 HEAVY = {"float_format": 3, "fixed_point": 3}
 
 
@@ -150,8 +150,10 @@ def _assert_bits(got, want, x, what):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_crafted_and_a_million_random_patterns(family):
-  x = np.concatenate([_crafted(), _random(2**20, seed=len(family))]).view(np.float32)
+def test_crafted_and_random_patterns(family):
+  """The crafted patterns (every exponent field, every drop count's low bits) and 2**16 random
+  bit patterns (2**20 until 2026-11-29: the same checks, 10 s more on the 2-core VM)."""
+  x = np.concatenate([_crafted(), _random(2**16, seed=len(family))]).view(np.float32)
   cases, fn = _spec_fn(family, heavy=True)
   wants = fn(jnp.asarray(x))
   for (fmt, rounding), want in zip(cases, wants, strict=True):

@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORLD = 2
 BIT_EXACT = ("fp16", "bf16", "allreduce_fp16w")
-POWERSGD = {"psgd_r1": (1e-5, 2), "psgd_r4_batch": (1e-5, 2), "psgd_r2_noef_cold": (1e-5, 0),
+POWERSGD = {"psgd_r1": (1e-5, 2), "psgd_r4_batch": (1e-5, 2), "psgd_r2_noef_cold": (1e-5, 1),
             "batched_r2": (1e-5, 2), "psgd_r2_fp16w": (1e-2, 2)}  # tolerance, start iteration
 DEAD = (24, 16)  # the zero-gradient layer's weight
 

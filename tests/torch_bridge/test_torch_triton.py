@@ -35,14 +35,16 @@ def _interpret(*args, timeout=600):
 
 
 def test_every_kernel_matches_the_spec_in_the_interpreter():
-  """Every format family x every rounding it supports, float32 inputs: crafted patterns
-  (every exponent field x ties, half-ulps and extremes, both signs) and random bit patterns;
-  then float16 and bfloat16 inputs for a subset. NaN-aware bit equality with the JAX spec."""
-  r = _interpret("cpu", "1024", "float32")
+  """Every format family x every rounding it supports (the formats of
+  ``_triton_check.INTERPRETER_NEAREST_AND_STOCHASTIC``: those two), float32 inputs: crafted
+  patterns (every exponent field x ties, half-ulps and extremes, both signs) and random bit
+  patterns; then float16 and bfloat16 inputs for a subset, in the same process. NaN-aware bit
+  equality with the JAX spec."""
+  r = _interpret("cpu", "1024", "float32", "--then", "cpu", "256", "float16,bfloat16",
+                 HALF_FORMATS)  # one process: one start and import
   assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-  assert f"ok: {sum(map(C.interpretable, C.FORMATS))} formats" in r.stdout
-  r = _interpret("cpu", "256", "float16,bfloat16", HALF_FORMATS)
-  assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+  assert f"ok: {sum(map(C.interpretable, C.FORMATS))} formats, cpu float32\n" in r.stdout
+  assert "ok: 6 formats, cpu float16,bfloat16\n" in r.stdout
 
 
 def test_plan_covers_the_qpytorch_formats_and_refuses_the_rest():
