@@ -86,8 +86,29 @@ def _holds_lock(d, pid):
 
 
 def _jaxlp(args):
-  return subprocess.Popen([sys.executable, "-m", "jaxlp"] + args, env=ENV,
+  # -X faulthandler: a process that does not end can be made to print every thread's Python
+  # stack (SIGABRT, see _end_after_sigint); nothing else changes
+  return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "jaxlp"] + args, env=ENV,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _end_after_sigint(p, timeout=300):
+  """Send SIGINT to ``p`` and return its stderr once it has ended. A process still running
+  after ``timeout`` seconds (a generous bound: on the loaded 2-core CI machine the whole exit
+  takes seconds) is a failure that shows where it hangs: SIGABRT makes faulthandler print every
+  thread's stack."""
+  p.send_signal(signal.SIGINT)
+  try:
+    return p.communicate(timeout=timeout)[1].decode()
+  except subprocess.TimeoutExpired:
+    p.send_signal(signal.SIGABRT)
+    try:
+      err = p.communicate(timeout=60)[1].decode()
+    except subprocess.TimeoutExpired:
+      p.kill()
+      err = p.communicate()[1].decode()
+    pytest.fail(f"jaxlp train did not end within {timeout} s of SIGINT; its stacks:\n"
+                f"{err[-6000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -152,13 +173,11 @@ def test_two_processes_on_one_folder_then_ctrl_c_and_resume(tmp_path, capsys):
         f"jaxlp train: error: --out {d} is in use by another jaxlp run (pid {p1.pid}); "
         "wait for it or choose another --out")
     _wait("an epoch", lambda: os.path.exists(os.path.join(d, "checkpoint.msgpack")), p1)
-    p1.send_signal(signal.SIGINT)
-    _, err = p1.communicate(timeout=120)
+    err = _end_after_sigint(p1)
   finally:
     if p1.poll() is None:
       p1.kill()
       p1.wait()
-  err = err.decode()
   line = _one_line(err)
   assert p1.returncode == 130, err
   assert line.startswith("jaxlp train: interrupted at epoch ") and "saved in" in line, line
