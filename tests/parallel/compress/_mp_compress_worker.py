@@ -26,9 +26,13 @@ import jaxlp.parallel.compressors as C  # noqa: E402
 from jaxlp.formats import FloatFormat  # noqa: E402
 from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state  # noqa: E402
 
-# Gradient pytree (shapes only): "fc" and "conv" are compressed (>= MIN_SIZE elements, ndim > 1),
-# "bias" (a vector) and "tiny" (< MIN_SIZE) go through the fp32 path.
-SHAPES = {"fc": (96, 40), "conv": (8, 4, 3, 3), "bias": (40,), "tiny": (3, 5)}
+# Gradient pytree (shapes only): "fc" is compressed (>= MIN_SIZE elements, ndim > 1), "bias" (a
+# vector) and "tiny" (< MIN_SIZE) go through the fp32 path. The fused cases (bucket_mb) add a
+# second compressed leaf, "conv", to fuse with "fc": every compressed leaf is one more copy of
+# the compressor's code to compile in each of the 3 processes, and leaves are reduced one by
+# one, alike (what crosses the processes is what a leaf's collectives send).
+SHAPES = {"fc": (96, 40), "bias": (40,), "tiny": (3, 5)}
+FUSED_SHAPES = dict(SHAPES, conv=(8, 4, 3, 3))
 MIN_SIZE = 64
 STEPS = 2
 
@@ -76,11 +80,16 @@ def case_id(case) -> str:
   return f"{name}-{algo}{extra}"
 
 
-def grads_np(step: int, w: int):
+def shapes(case) -> dict:
+  """The gradient pytree's shapes of a case: :data:`FUSED_SHAPES` with ``bucket_mb``."""
+  return FUSED_SHAPES if len(case) > 2 and "bucket_mb" in case[2] else SHAPES
+
+
+def grads_np(step: int, w: int, leaf_shapes=None):
   """Per-device gradients of one step, deterministic: {leaf: float32 (w, *shape)}."""
   rng = np.random.default_rng(1234 + step)
   out = {}
-  for k, shape in SHAPES.items():
+  for k, shape in (SHAPES if leaf_shapes is None else leaf_shapes).items():
     g = rng.standard_normal((w,) + shape).astype(np.float32)
     # per-device scale so that workers differ in magnitude too
     out[k] = g * np.float32(2.0 ** -step) * (1 + np.arange(w, dtype=np.float32)).reshape(
@@ -113,7 +122,7 @@ def run_case(case, devices):
   comp = COMPRESSORS[name]
   w = len(devices)
   mesh = Mesh(np.asarray(devices), ("i",))
-  params = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in SHAPES.items()}
+  params = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in shapes(case).items()}
   st0 = jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (w,) + a.shape),
                                init_compression_state(comp, params))
 
@@ -127,7 +136,7 @@ def run_case(case, devices):
   st = jax.tree_util.tree_map(lambda a: _global(mesh, a), st0)
   res = {}
   for step in range(STEPS):
-    g = jax.tree_util.tree_map(lambda a: _global(mesh, a), grads_np(step, w))
+    g = jax.tree_util.tree_map(lambda a: _global(mesh, a), grads_np(step, w, shapes(case)))
     out, st = f(g, st)
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
       res[f"step{step}/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)

@@ -114,7 +114,7 @@ def test_multiprocess_matches_in_process_shard_map(results, case):
   assert sorted(got) == sorted(want), (sorted(got), sorted(want))
   n_state = sum(k.startswith("state/") for k in want)
   n_out = sum(k.startswith("step") for k in want)
-  assert n_out == mpw.STEPS * len(mpw.SHAPES) and n_state > 0
+  assert n_out == mpw.STEPS * len(mpw.shapes(case)) and n_state > 0
   for key in sorted(want):
     assert sorted(got[key]) == list(range(W)), (key, sorted(got[key]))
     assert sorted(want[key]) == list(range(W))
@@ -138,4 +138,7 @@ def test_table_covers_every_compressor():
                    "RandomK", "PowerSGD", "Cast"}
   assert ("cgx4", "sra") in mpw.CASES and ("onebit", "ring") in mpw.CASES
   assert any(len(c) > 2 and "bucket_mb" in c[2] for c in mpw.CASES)
+  # a fused case fuses two compressed leaves
+  assert sum(len(s) > 1 and int(np.prod(s)) >= mpw.MIN_SIZE
+             for s in mpw.FUSED_SHAPES.values()) == 2
   assert len({mpw.case_id(c) for c in mpw.CASES}) == len(mpw.CASES)

@@ -1,9 +1,13 @@
 """The non-finite policy of every reduction (jaxlp/parallel/_compressed.py's module docstring).
 
 For all 11 compressors (both 16-bit casts), per leaf and with ``bucket_mb`` fusion, under a
-named ``vmap`` and under ``shard_map`` over 4 of the 8 forced CPU devices (W = 4), and
-for variants with their own overflow-free code paths (CGX's 1-bit ring and stochastic
-all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant, DGC's clipping):
+named ``vmap``, and for variants with their own overflow-free code paths (CGX's 1-bit ring and
+stochastic all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant, DGC's
+clipping); under ``shard_map`` over 4 of the 8 forced CPU devices (W = 4) for one compressor
+per collective pattern (CGX's SRA: all_to_all + all_gather; TopK: all_gather of sparse pairs;
+bf16: the ring of ppermutes). The policy's cross-worker step (the finite flags of the units,
+all-gathered) is the same code for every compressor, and vmap and shard_map give the same bits
+for every compressor in test_compress_allreduce.py::test_identical_on_workers_and_vmap_...:
 
 * a NaN, +inf or -inf in ONE worker's leaf makes the whole unit (the leaf; with
   ``bucket_mb`` the fused bucket) NaN on every worker and leaves the unit's state (random
@@ -60,6 +64,8 @@ ENTRIES = {
     "terngrad_hipress1": (C.terngrad("hipress", 1), dict(algorithm="allgather"), ("vmap",)),
     "dgc_clip": (C.dgc(0.1, clip=1.0, sample_rate=0.5), {}, ("vmap",)),
 }
+# the entries also run under shard_map (module docstring: one per collective pattern)
+SHARD_MAP = ("cgx", "topk", "bf16")
 # finite cases that may overflow (then a NaN unit, the policy): fp16 cannot hold 1e18 or
 # 3e38; PowerSGD's sums M Q over a row and over the workers are not divided by W
 MAY_OVERFLOW = {"fp16": {"large", "big_same", "big_random", "huge"},
@@ -231,7 +237,8 @@ GOLDEN = {
 }
 
 
-@pytest.mark.parametrize("name,mode", [(n, m) for n, e in ENTRIES.items() for m in e[2]])
+@pytest.mark.parametrize("name,mode", [(n, m) for n, e in ENTRIES.items() for m in e[2]
+                                       if m == "vmap" or n in SHARD_MAP])
 def test_nonfinite_policy(name, mode, cpu_devices):
   del cpu_devices
   res, first, states = run_entry(name, mode)
