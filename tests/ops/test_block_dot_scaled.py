@@ -86,6 +86,10 @@ def _parts(x, fmt, rounding="nearest", key=None):
   return (F.quantize(x, BS.two_level_values(fmt), rounding, key=key), BS.tensor_scale(x, fmt))
 
 
+# one compiled program per format and shape (eagerly, every operation compiles on its own)
+_parts_jit = jax.jit(_parts, static_argnums=(1, 2))
+
+
 def test_significand_specs():
   """bits = emax - emin + man + 1 (+4 for UE4M3 block scales); prec = man + 1 (+4)."""
   specs = {F.mx(F.E2M1FN): (4, 2), F.mx(F.E2M3FN): (6, 4), F.mx(F.E3M2FN): (9, 3),
@@ -174,19 +178,25 @@ def test_nvfp4_reference_is_the_definition():
   x[1] *= 1e-37  # block scales clamped at UE4M3's 2**-6: zero elements, +0.0 partials
   fa, fb = F.nvfp4(axis=1), F.nvfp4(axis=0)
   for xs, ws in ((x, w), (x * 1e-30, w * 1e-8), (x * 1e30, w * 1e9)):
-    (a, ga), (b, gb) = _parts(jnp.asarray(xs, jnp.float32), fa), _parts(jnp.asarray(ws), fb)
+    (a, ga), (b, gb) = (_parts_jit(jnp.asarray(xs, jnp.float32), fa),
+                        _parts_jit(jnp.asarray(ws), fb))
     out = _ref(a, b, 16, 8, 8, (ga, gb))
     assert _same(out, _definition(a, b, 16, Fraction(float(ga)) * Fraction(float(gb))))
   assert float(BS.tensor_scale(jnp.float32(1e-38) * jnp.ones(4), fa)) == 2.0**-121
+  b = jax.jit(F.quantize, static_argnums=1)(jnp.asarray(w), F.nvfp4(axis=0, tensor_scale=False))
   for fmt in (F.nvfp4(axis=1, tensor_scale=False),
               F.ScaledBlockFormat(F.E2M1FN, axis=1, scale_fmt="e8m0", tensor_scale=False)):
-    a = F.quantize(jnp.asarray(x), fmt)
-    b = F.quantize(jnp.asarray(w), F.nvfp4(axis=0, tensor_scale=False))
+    a = jax.jit(F.quantize, static_argnums=1)(jnp.asarray(x), fmt)
     assert _same(_ref(a, b, 16, BS.significand_bits(fmt), 8), _definition(a, b, 16))
+
   # the values of the two-level parts are the format's elements times its block scales
-  q, s, g = fa.encode(jnp.asarray(x))
-  (a, ga) = _parts(jnp.asarray(x), fa)
-  assert _same(a, q * jnp.repeat(s, 16, axis=1)[:, :40]) and _same(ga, g)
+  @jax.jit
+  def parts_and_encode(x):
+    q, s, g = fa.encode(x)
+    return _parts(x, fa), q * jnp.repeat(s, 16, axis=1)[:, :40], g
+
+  (a, ga), want_a, g = parts_and_encode(jnp.asarray(x))
+  assert _same(a, want_a) and _same(ga, g)
 
 
 def test_two_level_parts_keep_the_noise_and_nan():
@@ -194,12 +204,18 @@ def test_two_level_parts_keep_the_noise_and_nan():
   has a NaN scale and NaN partials."""
   x = _wide(np.random.default_rng(4), (4, 32), 2.0)
   key = jax.random.key(7)
-  q, s, g = F.nvfp4().encode(x, "stochastic", key=key)
-  a, ga = _parts(x, F.nvfp4(), "stochastic", key)
-  assert _same(a, q * jnp.repeat(s, 16, axis=1)) and _same(ga, g)
-  bad, gbad = _parts(x.at[0, 0].set(jnp.inf), F.nvfp4())
+
+  @jax.jit  # one program (eagerly, every operation would compile on its own)
+  def run(x, key):
+    q, s, g = F.nvfp4().encode(x, "stochastic", key=key)
+    a, ga = _parts(x, F.nvfp4(), "stochastic", key)
+    bad, gbad = _parts(x.at[0, 0].set(jnp.inf), F.nvfp4())
+    return (a, ga), (q * jnp.repeat(s, 16, axis=1), g), (bad, gbad), _ref(bad, a.T, 16, 8, 8,
+                                                                          (gbad, ga))
+
+  (a, ga), (want_a, g), (bad, gbad), out = run(x, key)
+  assert _same(a, want_a) and _same(ga, g)
   assert np.isnan(gbad) and np.isnan(np.asarray(bad)).all()
-  out = _ref(bad, a.T, 16, 8, 8, (gbad, ga))
   assert np.isnan(np.asarray(out)).all()
 
 
@@ -238,15 +254,21 @@ def test_nvfp4_policy_gemms():
                            drhs_lhs=f, block_dot="exact")
   key = jax.random.key(3)
   val, (gx, gw) = _vg(policy, x, w, key=key)
-  (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, F.nvfp4(axis=0))
-  y = _ref(a, b, 16, 8, 8, (ga, gb))
+
+  @jax.jit  # the reference as one program
+  def want(x, w, key):
+    (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, F.nvfp4(axis=0))
+    y = _ref(a, b, 16, 8, 8, (ga, gb))
+    slot_key = jax.random.fold_in(key, 2)  # the "grad" slot
+    gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1), "stochastic", slot_key)
+    (wq, gw_) = _parts(w, F.nvfp4(axis=1))
+    (xq, gx_) = _parts(x, F.nvfp4(axis=0))
+    return y, _ref(gq, wq.T, 16, 8, 8, (gg, gw_)), _ref(xq.T, gq, 1, 8, 8, (gx_, gg))
+
+  y, want_gx, want_gw = want(x, w, key)
   assert _same(val, jnp.sum(jnp.sin(y)))
-  slot_key = jax.random.fold_in(key, 2)  # the "grad" slot
-  gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1), "stochastic", slot_key)
-  (wq, gw_) = _parts(w, F.nvfp4(axis=1))
-  (xq, gx_) = _parts(x, F.nvfp4(axis=0))
-  assert _same(gx, _ref(gq, wq.T, 16, 8, 8, (gg, gw_)))
-  assert _same(gw, _ref(xq.T, gq, 1, 8, 8, (gx_, gg)))
+  assert _same(gx, want_gx)
+  assert _same(gw, want_gw)
 
 
 def test_nvfp4_weight_tiles_and_nd_operands():
@@ -259,21 +281,28 @@ def test_nvfp4_weight_tiles_and_nd_operands():
   f, ft = F.nvfp4(), F.nvfp4(tile=16)
   policy = jaxlp.DotPolicy(lhs=f, rhs=ft, grad=f, block_dot="exact")
   val, (gx, gw) = _vg(policy, x, w)
-  (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, ft)
-  y = _ref(a, b, 16, 8, 8, (ga, gb))
-  assert _same(val, jnp.sum(jnp.sin(y)))
-  gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1))
-  assert _same(gx, _ref(gq, b.T, 16, 8, 8, (gg, gb)))
   # N-D activations: the bits of the 2-D GEMM on the reshape; batch dimensions
   # ('bik,bkn->bin'): one GEMM per batch index, with the tensors' own scales
   x3, wb = x.reshape(2, 4, 48), _wide(rng, (2, 48, 20), 2.0)
   dot = jaxlp.dot_general(policy)
-  y3, yb = jax.jit(lambda x, w, wb: (dot(x, w, (((2,), (0,)), ((), ()))),
-                                     dot(x, wb, (((2,), (1,)), ((0,), (0,))))))(x3, w, wb)
+
+  @jax.jit  # the N-D GEMMs and the reference as one program
+  def run(x, w, x3, wb):
+    (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, ft)
+    y = _ref(a, b, 16, 8, 8, (ga, gb))
+    gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1))
+    y3 = dot(x3, w, (((2,), (0,)), ((), ())))
+    yb = dot(x3, wb, (((2,), (1,)), ((0,), (0,))))
+    (a3, ga3), (b3, gb3) = _parts(x3, F.nvfp4(axis=2)), _parts(wb, ft)
+    want_yb = [_ref(a3[i], b3[i], 16, 8, 8, (ga3, gb3)) for i in range(2)]
+    return y, _ref(gq, b.T, 16, 8, 8, (gg, gb)), y3, yb, want_yb
+
+  y, want_gx, y3, yb, want_yb = run(x, w, x3, wb)
+  assert _same(val, jnp.sum(jnp.sin(y)))
+  assert _same(gx, want_gx)
   assert _same(y3.reshape(8, 20), y)
-  (a3, ga3), (b3, gb3) = _parts(x3, F.nvfp4(axis=2)), _parts(wb, ft)
   for i in range(2):
-    assert _same(yb[i], _ref(a3[i], b3[i], 16, 8, 8, (ga3, gb3)))
+    assert _same(yb[i], want_yb[i])
 
 
 def test_mxfp8_policy_gemms():
@@ -282,12 +311,18 @@ def test_mxfp8_policy_gemms():
   x, w = _wide(rng, (6, 64), 3.0), _wide(rng, (64, 40), 3.0)
   policy = jaxlp.mx_policy(F.E4M3FN, 32, grad_fmt=F.E5M2, block_dot="exact")
   val, (gx, gw) = _vg(policy, x, w)
-  y = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 0)), 32,
-           18, 18)
+
+  @jax.jit  # the reference as one program
+  def want(x, w):
+    y = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 0)), 32,
+             18, 18)
+    g = jnp.cos(y)
+    dx = _ref(F.quantize(g, F.mx(F.E5M2, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 1)).T, 32,
+              32, 18)
+    dw = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 0)).T, F.quantize(g, F.mx(F.E5M2, 32, 0)), 6,
+              18, 32)  # M = 6: one block
+    return y, dx, dw
+
+  y, dx, dw = want(x, w)
   assert _same(val, jnp.sum(jnp.sin(y)))
-  g = jnp.cos(y)
-  dx = _ref(F.quantize(g, F.mx(F.E5M2, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 1)).T, 32,
-            32, 18)
-  dw = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 0)).T, F.quantize(g, F.mx(F.E5M2, 32, 0)), 6,
-            18, 32)  # M = 6: one block
   assert _same(gx, dx) and _same(gw, dw)

@@ -1,6 +1,7 @@
 """jaxlp.ops.conv_general_dilated: exactness for every conv geometry, HBFP views, MX axes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,19 +54,26 @@ CASES = {
 }
 
 
+@functools.cache
+def _plain_case(case):
+  """(x, w, dy, the plain conv's vjp) of a geometry: computed once for the three policies."""
+  xs, ws, kw = CASES[case]
+  x, w = representable(0, xs), representable(1, ws)
+  plain = lambda a, b: lax.conv_general_dilated(a, b, dimension_numbers=NHWC, **kw)
+  dy = representable(2, jax.eval_shape(plain, x, w).shape)
+  return x, w, dy, tuple(np.asarray(v) for v in vjp_all(plain, x, w, dy))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("pol", ["float", "hbfp", "mx"])
 def test_representable_operands_equal_plain_conv(case, pol):
-  xs, ws, kw = CASES[case]
+  kw = CASES[case][2]
   policy = {"float": float_policy(E4M3FN, E5M2), "hbfp": hbfp_policy(7, 4, "tiled"),
             "mx": mx_policy(E4M3FN, 2)}[pol]
   cg = conv_general_dilated(policy)
-  x, w = representable(0, xs), representable(1, ws)
-  plain = lambda a, b: lax.conv_general_dilated(a, b, dimension_numbers=NHWC, **kw)
-  y_shape = jax.eval_shape(plain, x, w).shape
-  dy = representable(2, y_shape)
+  x, w, dy, want = _plain_case(case)
   got = vjp_all(lambda a, b: cg(a, b, dimension_numbers=NHWC, **kw), x, w, dy)
-  assert_same(got, vjp_all(plain, x, w, dy))
+  assert_same(got, want)
 
 
 def test_identity_policy_is_plain_lax_with_positional_args():
@@ -91,14 +99,18 @@ def test_hbfp_conv_matches_independent_computation():
   dy = jax.random.normal(jax.random.key(2), (3, 6, 6, 7)) * 1e-2
   cg = conv_general_dilated(hbfp_policy(7, 4, weight_man_bits=7))
   got = vjp_all(lambda a, b: cg(a, b, **kw), x, w, dy)
-  xq = jax.jit(lambda t: quantize(t, hbfp_batched(7)))(x)
-  wq = jax.jit(lambda t: _oihw_tiled(t, hbfp(7, 4)))(w)
-  dyq = jax.jit(lambda t: quantize(t, hbfp_batched(7)))(dy)
-  # the OIHW view matters: tiling the HWIO array as given gives a different weight
-  w_hwio_tiled = jax.jit(lambda t: quantize(t, hbfp(7, 4)))(w)
+
+  @jax.jit  # the independent computation as one program
+  def want(x, w, dy):
+    xq, wq, dyq = quantize(x, hbfp_batched(7)), _oihw_tiled(w, hbfp(7, 4)), quantize(
+        dy, hbfp_batched(7))
+    y, pull = jax.vjp(lambda a, b: lax.conv_general_dilated(a, b, **kw), xq, wq)
+    # the OIHW view matters: tiling the HWIO array as given gives a different weight
+    return (y, *pull(dyq)), wq, quantize(w, hbfp(7, 4))
+
+  want_vjp, wq, w_hwio_tiled = want(x, w, dy)
   assert not np.array_equal(wq, w_hwio_tiled)
-  want = vjp_all(lambda a, b: lax.conv_general_dilated(a, b, **kw), xq, wq, dyq)
-  assert_same(got, want)
+  assert_same(got, want_vjp)
 
 
 def test_hbfp_main_tiles_activations_in_nchw_view():
@@ -110,9 +122,14 @@ def test_hbfp_main_tiles_activations_in_nchw_view():
   got = vjp_all(lambda a, b: cg(a, b, **kw), x, w, dy)
   nchw = lambda t: jnp.transpose(quantize(jnp.transpose(t, (0, 3, 1, 2)), hbfp(5, 3)),
                                  (0, 2, 3, 1))
-  xq, wq, dyq = (jax.jit(nchw)(x), jax.jit(lambda t: _oihw_tiled(t, hbfp(5, 3)))(w),
-                 jax.jit(nchw)(dy))
-  assert_same(got, vjp_all(lambda a, b: lax.conv_general_dilated(a, b, **kw), xq, wq, dyq))
+  conv = lambda a, b: lax.conv_general_dilated(a, b, **kw)
+
+  @jax.jit  # the independent computation as one program
+  def want_vjp(x, w, dy):
+    y, pull = jax.vjp(conv, nchw(x), _oihw_tiled(w, hbfp(5, 3)))
+    return (y, *pull(nchw(dy)))
+
+  assert_same(got, want_vjp(x, w, dy))
 
 
 def test_mx_conv_blocks_along_channels_then_batch():
@@ -164,10 +181,14 @@ def test_contraction_layout_blocks_activations_per_pixel_along_channels():
   pol = DotPolicy(lhs=fmt, rhs=fmt, grad=fmt, layout="contraction")
   got = vjp_all(lambda a, b: conv_general_dilated(pol)(a, b, **kw), x, w, dy)
   per_pixel = BlockFormat(5, axis=3, block_size=4, exponent="hbfp")
-  xq, wq, dyq = (jax.jit(lambda t: quantize(t, per_pixel))(x),
-                 jax.jit(lambda t: _oihw_tiled(t, fmt))(w),
-                 jax.jit(lambda t: quantize(t, per_pixel))(dy))
-  assert_same(got, vjp_all(lambda a, b: lax.conv_general_dilated(a, b, **kw), xq, wq, dyq))
+
+  @jax.jit  # the independent computation as one program
+  def want(x, w, dy):
+    y, pull = jax.vjp(lambda a, b: lax.conv_general_dilated(a, b, **kw), quantize(x, per_pixel),
+                      _oihw_tiled(w, fmt))
+    return (y, *pull(quantize(dy, per_pixel)))
+
+  assert_same(got, want(x, w, dy))
   auto = vjp_all(lambda a, b: conv_general_dilated(dataclasses.replace(pol, layout="auto"))(
       a, b, **kw), x, w, dy)
   assert not np.array_equal(auto[0], got[0])

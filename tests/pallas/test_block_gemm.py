@@ -16,6 +16,7 @@ from jaxlp.pallas._block_gemm import block_gemm
 # would compile on its own)
 _ref = jax.jit(BS.block_dot_reference, static_argnums=(2, 3, 4))
 _routes = jax.jit(PB.tile_routes, static_argnums=(2, 3, 4), static_argnames=("block_m", "block_n"))
+_quantize = jax.jit(F.quantize, static_argnums=1)
 
 
 def _wide(rng, shape, spread=4.0):
@@ -45,8 +46,8 @@ def test_interpret_matches_reference(fa, fb, g, shape, route):
     x = x.at[2, :].set(2.0**90)  # an overflowing row
     if not tiled:  # (in a tile, a NaN would spread to every row of the tile)
       x = x.at[1, 3].set(jnp.inf)  # a NaN block
-  a = F.quantize(x, fa)
-  b = F.quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
+  a = _quantize(x, fa)
+  b = _quantize(_wide(rng, (K, N)) * (2.0**60 if g > 1 else 1.0), fb)
   ba, bb = BS.significand_bits(fa), BS.significand_bits(fb)
   ref = _ref(a, b, g, ba, bb)
   out = block_gemm(a, b, g, ba, bb, interpret=True, route=route)
@@ -69,11 +70,16 @@ def test_pallas_operand_preparation_has_the_jnp_bits(R, K, g):
   x[1, :] = 0.0
   x[2, :g] = -0.0
   x[3, :5] = 2.0**-149
-  a = F.quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
+  a = _quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
   rows = -(-R // 16) * 16
-  k, q = PB._prepare_one(a, g, 7, rows)
-  want_v = PB._bf16_values(k, q, -(-g // 16) * 16, 1)
-  v, got_q = PB.prep_bf16_rows(a, g, 7, 1, rows, interpret=True)
+
+  @jax.jit  # the jnp side and the kernel, one program each
+  def want(a):
+    k, q = PB._prepare_one(a, g, 7, rows)
+    return PB._bf16_values(k, q, -(-g // 16) * 16, 1), q
+
+  want_v, q = want(a)
+  v, got_q = jax.jit(lambda a: PB.prep_bf16_rows(a, g, 7, 1, rows, interpret=True))(a)
   assert np.array_equal(np.asarray(got_q), np.asarray(q))
   assert np.array_equal(np.asarray(v).view(np.uint16), np.asarray(want_v).view(np.uint16))
 
@@ -85,8 +91,8 @@ def test_pallas_preparation_and_gpu_auto_keep_the_gemm_bits(M, K, N, g):
   rng = np.random.default_rng(M)
   x = rng.normal(size=(M, K)) * np.exp2(rng.integers(-60, 60, size=(M, 1)))
   x[0, 1], x[2, :] = np.nan, 0.0
-  a = F.quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
-  b = F.quantize(_wide(rng, (K, N)), F.BlockFormat(7, axis=0, block_size=g))
+  a = _quantize(jnp.asarray(x, jnp.float32), F.BlockFormat(7, axis=1, block_size=g))
+  b = _quantize(_wide(rng, (K, N)), F.BlockFormat(7, axis=0, block_size=g))
   ref = _ref(a, b, g, 7, 7)
   assert _same(block_gemm(a, b, g, 7, 7, interpret=True, prep="pallas"), ref)
   assert _same(BD.block_dot_gpu_auto(a, b, g, 7, 7, interpret=True), ref)
@@ -112,9 +118,15 @@ def test_fast_scaling_equals_scale_exact_on_its_range():
   q = np.concatenate([[PB.FAST_Q_MIN, PB.FAST_Q_MAX, 0, -1, 1],
                       rng.integers(PB.FAST_Q_MIN, PB.FAST_Q_MAX + 1, 200)]).astype(np.int32)
   nn, qq = (jnp.asarray(v) for v in np.meshgrid(n, q))
-  fast = nn.astype(jnp.float32) * B.from_bits(B.pow2_bits(qq))
-  assert _same(fast, BS.scale_exact(nn, qq))
-  assert _same(BS.flush(fast), fast)  # normal or +0.0: accumulate's flush is the identity
+
+  @jax.jit  # one program (eagerly, every operation would compile on its own)
+  def run(nn, qq):
+    fast = nn.astype(jnp.float32) * B.from_bits(B.pow2_bits(qq))
+    return fast, BS.scale_exact(nn, qq), BS.flush(fast)
+
+  fast, exact, flushed = run(nn, qq)
+  assert _same(fast, exact)
+  assert _same(flushed, fast)  # normal or +0.0: accumulate's flush is the identity
 
 
 def test_interpret_mixes_fast_and_exact_tiles():
@@ -129,8 +141,8 @@ def test_interpret_mixes_fast_and_exact_tiles():
   x[30, 72:] *= 2.0**110  # partials beyond FAST_Q_MAX
   w = rng.normal(size=(K, N))
   w[48:72, :4] *= 2.0**-20
-  a = F.quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
-  b = F.quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
+  a = _quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
+  b = _quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
   ref = _ref(a, b, g, 7, 7)
   for bm in (16, 32):
     routes = np.asarray(_routes(a, b, g, 7, 7, block_m=bm, block_n=16))
@@ -145,8 +157,8 @@ def test_bf16_route_is_taken_on_ordinary_data():
   rng = np.random.default_rng(3)
   for fa, fb, g in ((F.hbfp(7, 24), F.hbfp(7, 24), 24),
                     (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
-    a = F.quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
-    b = F.quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
+    a = _quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
+    b = _quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
     assert np.asarray(_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
     ref = _ref(a, b, g, 7, 7)
     assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=16, block_n=16), ref)
@@ -161,9 +173,9 @@ def test_bf16_route_exponent_boundary(qa_min):
   x[:, 0] = 2.0**(qa_min + 6)  # the block max fixes qa = qa_min (7 bits: q = floor(log2) - 6)
   w = rng.uniform(-1, 1, size=(32, 16)) * 2.0**6
   w[0, :] = 2.0**6
-  a = F.quantize(jnp.asarray(x, jnp.float32), F.mx("int8", 32, 1))
-  b = F.quantize(jnp.asarray(w, jnp.float32), F.mx("int8", 32, 0))
-  _, qa, _, qb = PB._prepare(a, b, 32, 7, 7, 16, 16)
+  a = _quantize(jnp.asarray(x, jnp.float32), F.mx("int8", 32, 1))
+  b = _quantize(jnp.asarray(w, jnp.float32), F.mx("int8", 32, 0))
+  _, qa, _, qb = jax.jit(lambda a, b: PB._prepare(a, b, 32, 7, 7, 16, 16))(a, b)
   assert int(qa.min()) == qa_min and int(qb.max()) == 0
   taken = bool(_routes(a, b, 32, 7, 7)[0, 0])
   assert taken == (qa_min >= PB.BF16_Q_MIN)
@@ -188,8 +200,8 @@ def test_bf16_route_needs_exact_float32_block_sums():
   assert PB.bf16_route_ok(1024, 7, 7) and not PB.bf16_route_ok(1025, 7, 7)
   assert PB.bf16_route_ok(2**18, 3, 3) and not PB.bf16_route_ok(24, 8, 7)
   rng = np.random.default_rng(5)
-  a = F.quantize(jnp.asarray(rng.normal(size=(16, 1100)), jnp.float32), F.BlockFormat(7, axis=1))
-  b = F.quantize(jnp.asarray(rng.normal(size=(1100, 16)), jnp.float32), F.BlockFormat(7, axis=0))
+  a = _quantize(jnp.asarray(rng.normal(size=(16, 1100)), jnp.float32), F.BlockFormat(7, axis=1))
+  b = _quantize(jnp.asarray(rng.normal(size=(1100, 16)), jnp.float32), F.BlockFormat(7, axis=0))
   assert not np.asarray(_routes(a, b, 1100, 7, 7)).any()
   ref = _ref(a, b, 1100, 7, 7)
   assert _same(block_gemm(a, b, 1100, 7, 7, interpret=True), ref)
@@ -206,10 +218,16 @@ def test_nonzero_blocks_is_any_nonzero_significand(g):
   x = rng.choice(vals, size=(40, 53))
   x[::3] = 0.0  # all-zero rows and blocks
   x[1::3, : 53 // 2] = -0.0
-  for bits in (3, 7):
-    k, _ = BS.split_significands(jnp.asarray(x), g, bits)
-    np.testing.assert_array_equal(np.asarray(PB._nonzero_blocks(jnp.asarray(x), g)),
-                                  np.asarray(jnp.any(k != 0, axis=-1)))
+
+
+  @jax.jit  # one program (eagerly, every operation would compile on its own)
+  def run(x):
+    return PB._nonzero_blocks(x, g), [jnp.any(BS.split_significands(x, g, bits)[0] != 0,
+                                              axis=-1) for bits in (3, 7)]
+
+  mask, want = run(jnp.asarray(x))
+  for w in want:
+    np.testing.assert_array_equal(np.asarray(mask), np.asarray(w))
 
 
 def test_rejects_bad_route_and_tiles():
@@ -232,12 +250,18 @@ def test_fp8_block_gemm_matches_the_xla_fp8_mode(elem, kind, g, shape):
   rng = np.random.default_rng(6)
   fa, fb = F.mx(elem, g, 1), F.mx(elem, g, 0)
   x = rng.normal(size=(M, K)) * np.exp2(rng.integers(-8, 9, size=(1, K)))  # blocks differ
-  a = F.quantize(jnp.asarray(x, jnp.float32), fa)
-  b = F.quantize(jnp.asarray(rng.normal(size=(K, N)), jnp.float32), fb)
-  a8, sa = BD._fp8_scaled(a, kind, g, True)
-  b8, sb = BD._fp8_scaled(b.T, kind, g, True)
-  out = np.asarray(PB.fp8_block_gemm(a8, sa, b8, sb, interpret=True, block_m=16, block_n=16))
-  xla = np.asarray(BD.fp8_dot(a, b, fa, fb, g))
+  a = _quantize(jnp.asarray(x, jnp.float32), fa)
+  b = _quantize(jnp.asarray(rng.normal(size=(K, N)), jnp.float32), fb)
+
+
+  @jax.jit  # the kernel and the XLA route as one program
+  def run(a, b):
+    a8, sa = BD._fp8_scaled(a, kind, g, True)
+    b8, sb = BD._fp8_scaled(b.T, kind, g, True)
+    return (PB.fp8_block_gemm(a8, sa, b8, sb, interpret=True, block_m=16, block_n=16),
+            BD.fp8_dot(a, b, fa, fb, g))
+
+  out, xla = (np.asarray(v) for v in run(a, b))
   exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   scale = np.abs(exact).max()
   assert np.abs(out - exact).max() / scale < 4e-7
