@@ -85,11 +85,22 @@ def _holds_lock(d, pid):
     return False
 
 
+def _sigint_default():
+  """In the child, before ``exec``: SIGINT at its default action, as a shell leaves it for a
+  command run in the foreground. A child inherits an ignored SIGINT (and Python then keeps it
+  ignored, as ``nohup`` wants): a test run started in the background by a non-interactive shell
+  (``pytest ... &``) has SIGINT ignored, and so had every ``jaxlp`` started here, which then
+  trained on after the test's SIGINT (measured twice: the stacks below showed the loop still
+  saving checkpoints 300 s later)."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _jaxlp(args):
   # -X faulthandler: a process that does not end can be made to print every thread's Python
   # stack (SIGABRT, see _end_after_sigint); nothing else changes
   return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "jaxlp"] + args, env=ENV,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          preexec_fn=_sigint_default)
 
 
 def _end_after_sigint(p, timeout=300):
