@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -422,6 +423,15 @@ def _seeds(text):
   return seeds
 
 
+def _row_labels(text: str) -> tuple:
+  """``--rows``: row labels separated by commas; a comma followed by a space belongs to a
+  label (``HBFP8, narrow weights``)."""
+  labels = tuple(re.split(r",(?! )", text))
+  if not all(labels):
+    raise argparse.ArgumentTypeError(f"expected comma-separated row labels, got {text!r}")
+  return labels
+
+
 def _cmd_reproduce(args) -> int:
   from jaxlp.training import CLAIMS, reproduce
 
@@ -434,10 +444,12 @@ def _cmd_reproduce(args) -> int:
   names = list(CLAIMS) if args.claim == "all" else [args.claim]
   if args.claim != "all" and args.claim not in CLAIMS:
     raise ValueError(f"unknown claim {args.claim!r}; choose from {', '.join(CLAIMS)} or all")
+  if args.claim == "all" and args.rows is not None:
+    raise ValueError("--rows names rows of one claim; give the claim, not all")
   for name in names:
     reproduce(name, seeds=args.seeds, out=args.out, data_dir=args.data_dir, toy=args.toy,
               overwrite=args.overwrite, plots=not args.no_plot, epochs=args.epochs,
-              max_steps=args.max_steps)
+              max_steps=args.max_steps, rows=args.rows)
   return 0
 
 
@@ -583,6 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--max-steps", type=_int(1), default=None, metavar="N",
                   help="a reduced run: at most N steps per epoch; the report marks the "
                        "settings reduced (for a machine too slow for their size)")
+  pr.add_argument("--rows", type=_row_labels, default=None, metavar="LABEL[,LABEL...]",
+                  help="train only these rows of the claim (labels as in its table, exactly; "
+                       "', ' is part of a label) and each setting's fp32 baseline; settings "
+                       "with none of them are skipped (unless fp32 is named). The report says "
+                       "it is a subset. Finished runs are reused: remove a row's run folders "
+                       "to train it again")
   pr.add_argument("--overwrite", action="store_true",
                   help="replace run folders whose configuration differs")
   pr.add_argument("--no-plot", action="store_true", help="skip the PNG plots")

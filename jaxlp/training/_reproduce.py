@@ -329,7 +329,7 @@ def _stats(xs):
 def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
               data_dir: str | None = None, toy: bool = False, overwrite: bool = False,
               plots: bool = True, stream=None, epochs: int | None = None,
-              max_steps: int | None = None) -> dict[str, Any]:
+              max_steps: int | None = None, rows=None) -> dict[str, Any]:
   """Train every row of claim ``name`` for every seed and judge the claim.
 
   Finished runs in ``out`` are reused (resumed: a run with the same configuration continues to
@@ -358,10 +358,21 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
       run trains ``epochs`` epochs (None: the setting's) of at most ``max_steps`` steps
       (None: all). The verdicts are those of the reduced runs; the setting's name in the
       report says so, and the summary records both under ``reduced``.
+    rows: row labels (``Row.label``, matched exactly; ``fp32`` names the baselines):
+      train the fp32 baseline and only these rows of each setting (None: every row), for
+      example one row again after a change without retraining the others (finished runs are
+      reused: remove the row's run folders first, or give ``overwrite`` if its flags
+      changed). A setting with none of the named rows is skipped, its baseline too, unless
+      ``fp32`` is named. A setting's loss-gap table (``Setting.gap``) needs both its rows
+      named and is left out otherwise (finished runs of them are reused, so naming them costs
+      little). The summary records the selection under ``rows``; the printed header and
+      ``REPORT.md`` say the table is a subset (the same call without ``rows`` writes the
+      whole table, training only the rows not yet run).
 
   Returns:
     The summary (also written to ``out/name/summary.json``): the claim, its statement,
-    ``metric`` and margin, and per setting the rows with ``label``, ``flags``, ``claim``,
+    ``metric`` and margin, the row selection ``rows`` (None: all), and per setting that ran
+    (``index``: its place in the claim, from 0) the rows with ``label``, ``flags``, ``claim``,
     ``seeds``, ``final_test_accuracy`` (one per seed), ``mean``, ``sd``, ``delta_points``
     (mean minus the fp32 mean, in points), ``wire_mb`` (mean over seeds of the run's wire
     bytes) and ``verdict``. Perplexity claims have ``final_perplexity`` and
@@ -373,7 +384,8 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
 
   Raises:
     ValueError: an unknown ``name``; no seeds; ``epochs`` or ``max_steps`` below 1 or with
-      ``toy``; ``out/name`` in use by another reproduce; or
+      ``toy``; ``rows`` empty or with a label that is no row of the claim (the message lists
+      the labels); ``out/name`` in use by another reproduce; or
       an error of :func:`jaxlp.training.train` (a run folder with another configuration,
       without ``overwrite``; a damaged checkpoint).
     KeyboardInterrupt: Ctrl-C (``jaxlp.training._runs.Interrupted`` naming the run folder);
@@ -391,6 +403,14 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
     ...               stream=io.StringIO())
     >>> [(r["label"], r["verdict"]) for r in s["settings"][0]["rows"]]
     [('fp32', 'baseline'), ('E5M2', 'toy run: no verdict')]
+
+    Only some rows (``jaxlp reproduce NAME --rows LABEL,...``); a label of no row is refused:
+
+    >>> reproduce(mine, rows=["E4M3"], out=tempfile.mkdtemp())
+    Traceback (most recent call last):
+    ...
+    ValueError: jaxlp reproduce e5m2: rows (--rows): no row is labelled 'E4M3';
+    the rows are 'fp32', 'E5M2'
   """
   if isinstance(name, Claim):
     claim = name
@@ -418,6 +438,7 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
   if claim.metric not in METRICS:
     raise ValueError(f"jaxlp reproduce: Claim.metric must be one of {METRICS}, got "
                      f"{claim.metric!r}")
+  rows = _selected_rows(claim, rows)
   margin_key = "margin_points" if claim.metric == "accuracy" else "margin_percent"
   summary: dict[str, Any] = {"claim": name, "system": claim.system,
                              "statement": claim.statement, "metric": claim.metric,
@@ -425,9 +446,26 @@ def reproduce(name, *, seeds=(0, 1, 2), out: str = "runs/reproduce",
                              "seeds": list(seeds), "toy": toy, "data_dir": data_dir,
                              "reduced": ({"epochs": epochs, "max_steps_per_epoch": max_steps}
                                          if epochs or max_steps else None),
-                             "settings": []}
+                             "rows": None if rows is None else list(rows), "settings": []}
   with RunLock(os.path.join(out, name)):  # one reproduce of a claim per output folder
     return _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary)
+
+
+def _selected_rows(claim: Claim, rows) -> tuple | None:
+  """``rows`` checked against the claim's row labels (one label: a str), without repeats;
+  None for every row."""
+  if rows is None:
+    return None
+  rows = tuple(dict.fromkeys((rows,) if isinstance(rows, str) else rows))
+  if not rows:
+    raise ValueError("jaxlp reproduce: rows (--rows) names no row; give at least one label, "
+                     "or leave it out for every row")
+  labels = ["fp32"] + list(dict.fromkeys(r.label for s in claim.settings for r in s.rows))
+  bad = [r for r in rows if r not in labels]
+  if bad:
+    raise ValueError(f"jaxlp reproduce {claim.name}: rows (--rows): no row is labelled "
+                     f"{', '.join(map(repr, bad))}; the rows are {', '.join(map(repr, labels))}")
+  return rows
 
 
 def _reduced_label(reduced, base) -> str:
@@ -443,10 +481,20 @@ def _reduced_label(reduced, base) -> str:
 def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summary):
   name = claim.name
   reduced = summary["reduced"] or {}
+  selected = summary["rows"]
   stream.write(f"jaxlp reproduce {name}: {claim.system}\n  claim: {claim.statement}\n")
+  subset = _subset_note(selected)
+  if subset:
+    stream.write(f"  {subset}\n")
   for si, setting in enumerate(claim.settings):
     base = dict(setting.full) if data_dir is not None else dict(setting.base)
     rows = (Row("fp32", {}, claim=False),) + tuple(setting.rows)
+    if selected is not None:
+      rows = rows[:1] + tuple(r for r in rows[1:] if r.label in selected)
+      if len(rows) == 1 and "fp32" not in selected:
+        stream.write(f"\n  setting {si + 1}: {setting.name}: skipped (none of its rows "
+                     "selected)\n")
+        continue
     from jaxlp.training._models import LM_MODELS
 
     toy_what = ("the same model at width 1, 1 layer, windows of 8" if base.get("model") in
@@ -478,16 +526,20 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
                    f"  wire {results[-1]['wire_mb']:.1f} MB\n")
       stream.flush()
     _judge(results, claim, toy)
-    summary["settings"].append({"name": label, "base": base, "rows": results})
-    if setting.gap is not None:
+    summary["settings"].append({"name": label, "index": si, "base": base, "rows": results})
+    missing = [g for g in setting.gap or () if g not in [r.label for r in rows]]
+    if setting.gap is not None and not missing:
       add_gap(results, *setting.gap)
       summary["settings"][-1]["gap"] = list(setting.gap)
+    elif setting.gap is not None:
+      stream.write(f"    no loss-gap table: --rows leaves out {' and '.join(missing)}\n")
   folder = os.path.join(out, name)
   os.makedirs(folder, exist_ok=True)
   table = report_table(summary)
-  for si, s in enumerate(summary["settings"]):
+  for s in summary["settings"]:
     if s.get("gap"):
-      table += f"\nSetting {si + 1}, final training loss:\n\n" + gap_table(s, *s["gap"])
+      table += f"\nSetting {s['index'] + 1}, final training loss:\n\n" + \
+          gap_table(s, *s["gap"])
   stream.write("\n" + table)
   with open(os.path.join(folder, "REPORT.md"), "w") as f:
     what = (f"{claim.margin}% above fp32 (final test perplexity against fp32's of the same "
@@ -495,6 +547,7 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
             f"{claim.margin} points below fp32 (mean final test accuracy")
     size = ("Reduced runs (the settings' size did not fit the machine): the verdicts are "
             "those of runs shorter than the settings'.\n\n" if reduced else "")
+    size += f"{subset[0].upper()}{subset[1:]}\n\n" if subset else ""
     f.write(f"# jaxlp reproduce {name}\n\n{claim.system}\n\nClaim: {claim.statement}\n\n"
             f"Margin: {what} over seeds {', '.join(map(str, seeds))}).\n\n{size}{table}")
   with open(os.path.join(folder, "summary.json"), "w") as f:
@@ -502,13 +555,26 @@ def _reproduce(claim, seeds, out, data_dir, toy, overwrite, plots, stream, summa
   if plots:
     from jaxlp.training._plot import plot_runs  # noqa: PLC0415 -- matplotlib is optional
 
-    for si, s in enumerate(summary["settings"]):
-      paths = plot_runs([r["dirs"][0] for r in s["rows"]], os.path.join(folder, f"s{si}"),
+    for s in summary["settings"]:
+      sdir = os.path.join(folder, f"s{s['index']}")
+      paths = plot_runs([r["dirs"][0] for r in s["rows"]], sdir,
                         labels=[r["label"] for r in s["rows"]])
       if s.get("gap"):
-        paths += plot_gap(s, os.path.join(folder, f"s{si}"), *s["gap"])
+        paths += plot_gap(s, sdir, *s["gap"])
       stream.write(f"plots: {', '.join(paths)}\n")
   return summary
+
+
+def _subset_note(selected) -> str:
+  """The line saying the table holds only the rows ``selected`` (``--rows``); empty for all."""
+  if selected is None:
+    return ""
+  named = [r for r in selected if r != "fp32"]
+  if not named:
+    return "the table is a subset: only each setting's fp32 baseline (--rows fp32)"
+  skipped = "" if "fp32" in selected else "; settings with none of them are skipped"
+  return (f"the table is a subset: only the rows {', '.join(map(repr, named))} (--rows) and "
+          f"each setting's fp32 baseline{skipped}")
 
 
 def _judge(results: list[dict], claim: Claim, toy: bool) -> None:
