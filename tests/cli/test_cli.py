@@ -88,18 +88,22 @@ def test_bad_input_exits_2(argv, capsys):
   assert "error" in err
 
 
-def test_help_is_complete():
+def test_help_is_complete(capsys):
+  # the command's entry point (``python -m jaxlp``) in a process of its own; the subcommand's
+  # help is the same parser's, in process
   out = subprocess.run([sys.executable, "-m", "jaxlp", "--help"], capture_output=True, text=True)
   assert out.returncode == 0
   for cmd in ("train", "compare", "plot", "plan", "bench", "formats"):
     assert cmd in out.stdout
-  out = subprocess.run([sys.executable, "-m", "jaxlp", "train", "--help"], capture_output=True,
-                       text=True)
+  with pytest.raises(SystemExit) as e:
+    main(["train", "--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
   for flag in ("--model", "--data", "--data-dir", "--nodes", "--grad-exp", "--grad-man",
                "--grad-format", "--order", "--aps", "--kahan", "--lars", "--compress", "--hbfp",
                "--tile", "--policy", "--epochs", "--batch-size", "--lr", "--seed", "--out",
                "--resume"):
-    assert flag in out.stdout, flag
+    assert flag in text, flag
 
 
 def test_bench_is_the_benchmarks_front_door(capsys):
@@ -186,12 +190,14 @@ def _train_on_4_cpu_devices(args):
 @pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"],
                                    ["--compress", "onebit:algorithm=ring,min_size=512"]])
 def test_real_devices_equal_emulation(tmp_path, flags):
-  """Workers spread over 4 (forced CPU) devices x 2 emulated = the same run on one device
-  (both runs on the CPU backend, see _train_on_4_cpu_devices)."""
+  """Workers spread over 2 (forced CPU) devices x 2 emulated = the same run on one device
+  (both runs on the CPU backend, see _train_on_4_cpu_devices). (4 workers: the 1-bit ring's
+  steps grow with the workers; 8 cost the onebit case a third more CPU time, for the same
+  property.)"""
   runs, states = [], []
-  for d in ("1", "4"):
+  for d in ("1", "2"):
     out = str(tmp_path / d)
-    _train_on_4_cpu_devices(["train", "--nodes", "8", "--devices", d, "--out", out] + FAST
+    _train_on_4_cpu_devices(["train", "--nodes", "4", "--devices", d, "--out", out] + FAST
                             + flags)
     runs.append([(m["train_loss"], m["test_accuracy"]) for m in _metrics(out)])
     states.append(_checkpoint_state(out))
@@ -202,15 +208,15 @@ def test_real_devices_equal_emulation(tmp_path, flags):
     # per-device forward passes; with jax 0.12 it differed in the last bit (1.7664451003 vs
     # 1.7664451897) while every parameter was the same.
     _assert_same_state(*states)
-    for (l1, a1), (l4, a4) in zip(runs[0], runs[1]):
-      assert l4 == pytest.approx(l1, rel=1e-6) and a4 == a1
+    for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
+      assert l2 == pytest.approx(l1, rel=1e-6) and a2 == a1
   else:
     # plain lax.psum: XLA's fp32 summation order differs between the two layouts; and the
     # per-worker gradients themselves come from batched (vmap) vs per-device matmuls, whose
     # last bits differ -- compressed_allreduce's own layout-independence is tested in
     # tests/parallel/compress (the 1-bit scale is an fp32 mean, so it carries those bits).
-    for (l1, a1), (l4, a4) in zip(runs[0], runs[1]):
-      assert l4 == pytest.approx(l1, rel=1e-5) and a4 == pytest.approx(a1, abs=0.01)
+    for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
+      assert l2 == pytest.approx(l1, rel=1e-5) and a2 == pytest.approx(a1, abs=0.01)
 
 
 def test_bad_devices_is_a_clear_error(capsys):
