@@ -237,9 +237,17 @@ def test_policy_and_dispatch_validation():
 
 
 def _vg(policy, x, w, dn=DN, key=None):
+  """The forward output and the gradients of sum(sin(y)). The output is returned itself
+  (not only the loss) so the forward check compares bits, not a sum whose reduction order
+  XLA may choose differently in two programs."""
   f = jaxlp.dot_general(policy, key=key)
-  return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w, dn))),
-                                    argnums=(0, 1)))(x, w)
+
+  def loss(x, w):
+    y = f(x, w, dn)
+    return jnp.sum(jnp.sin(y)), y
+
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+  return y, grads
 
 
 def test_nvfp4_policy_gemms():
@@ -253,7 +261,7 @@ def test_nvfp4_policy_gemms():
   policy = jaxlp.DotPolicy(lhs=f, rhs=f, grad=jaxlp.Quant(f, "stochastic"), dlhs_rhs=f,
                            drhs_lhs=f, block_dot="exact")
   key = jax.random.key(3)
-  val, (gx, gw) = _vg(policy, x, w, key=key)
+  y_out, (gx, gw) = _vg(policy, x, w, key=key)
 
   @jax.jit  # the reference as one program
   def want(x, w, key):
@@ -266,7 +274,7 @@ def test_nvfp4_policy_gemms():
     return y, _ref(gq, wq.T, 16, 8, 8, (gg, gw_)), _ref(xq.T, gq, 1, 8, 8, (gx_, gg))
 
   y, want_gx, want_gw = want(x, w, key)
-  assert _same(val, jnp.sum(jnp.sin(y)))
+  assert _same(y_out, y)
   assert _same(gx, want_gx)
   assert _same(gw, want_gw)
 
@@ -280,7 +288,7 @@ def test_nvfp4_weight_tiles_and_nd_operands():
   x, w = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0)
   f, ft = F.nvfp4(), F.nvfp4(tile=16)
   policy = jaxlp.DotPolicy(lhs=f, rhs=ft, grad=f, block_dot="exact")
-  val, (gx, gw) = _vg(policy, x, w)
+  y_out, (gx, gw) = _vg(policy, x, w)
   # N-D activations: the bits of the 2-D GEMM on the reshape; batch dimensions
   # ('bik,bkn->bin'): one GEMM per batch index, with the tensors' own scales
   x3, wb = x.reshape(2, 4, 48), _wide(rng, (2, 48, 20), 2.0)
@@ -298,7 +306,7 @@ def test_nvfp4_weight_tiles_and_nd_operands():
     return y, _ref(gq, b.T, 16, 8, 8, (gg, gb)), y3, yb, want_yb
 
   y, want_gx, y3, yb, want_yb = run(x, w, x3, wb)
-  assert _same(val, jnp.sum(jnp.sin(y)))
+  assert _same(y_out, y)
   assert _same(gx, want_gx)
   assert _same(y3.reshape(8, 20), y)
   for i in range(2):
@@ -310,7 +318,7 @@ def test_mxfp8_policy_gemms():
   rng = np.random.default_rng(7)
   x, w = _wide(rng, (6, 64), 3.0), _wide(rng, (64, 40), 3.0)
   policy = jaxlp.mx_policy(F.E4M3FN, 32, grad_fmt=F.E5M2, block_dot="exact")
-  val, (gx, gw) = _vg(policy, x, w)
+  y_out, (gx, gw) = _vg(policy, x, w)
 
   @jax.jit  # the reference as one program
   def want(x, w):
@@ -324,5 +332,5 @@ def test_mxfp8_policy_gemms():
     return y, dx, dw
 
   y, dx, dw = want(x, w)
-  assert _same(val, jnp.sum(jnp.sin(y)))
+  assert _same(y_out, y)
   assert _same(gx, dx) and _same(gw, dw)
