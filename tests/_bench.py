@@ -6,6 +6,16 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: The environment entry that makes a smoke run's subprocess compile with XLA's optimizations
+#: off (JAX's ``jax_disable_most_optimizations``, read from this variable when JAX starts; the
+#: in-process runs get the same from the ``fast_compile`` fixture of tests/conftest.py). A smoke
+#: run checks that a script runs end to end and prints what it claims, not its speed, and its
+#: time is mostly XLA's compiles: with this, the smoke tests took 17% less CPU time in all
+#: (2-core VM, 2026-11-29: 862 s -> 715 s), 20-40% less on training steps. The scripts'
+#: defaults are unchanged; benchmarks/loopback.py and sharded.py --smoke set the same in their
+#: worker processes.
+FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
 
 def benchmark_path(name: str) -> str:
   """The file of benchmark or tool ``name``: ``benchmarks/<name>.py``, else

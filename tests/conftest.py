@@ -76,6 +76,25 @@ def cpu_devices():
     yield devs
 
 
+@pytest.fixture
+def fast_compile():
+  """XLA's optimizations off in this process for one test (``jax_disable_most_optimizations``;
+  restored after it): for the benchmark scripts' smoke runs, whose time is mostly compiling
+  (tests/_bench.py, ``FAST_COMPILE``: the same for a subprocess).
+
+  The flag is not part of JAX's in-memory jit cache keys, so the programs compiled under it
+  would be reused by later tests in this worker (unoptimized, and XLA:CPU's multiply-add
+  contraction may differ from an optimized compile): the caches are cleared after the test.
+  (The persistent cache keys by the compile options, so its entries do not mix.)"""
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+    jax.clear_caches()
+
+
 # Tests whose longest case took 12 s or more in a full run on the 2-core CI VM (2026-11-28,
 # ``-n 2``), longest first. They are moved to the front of the run, so that pytest-xdist hands
 # them out first and the two workers finish together (longest-first scheduling): in that run
@@ -116,7 +135,6 @@ _SCHEDULE_FIRST = (
     "tests/test_layers_bench_smoke.py::test_layers_benchmark_gemm_census",
     "tests/cli/test_cli.py::test_real_devices_equal_emulation",
     "tests/parallel/compress/test_compress_allreduce.py::test_ring_vmap_shard_map_and_mixed_axes_identical",
-    "tests/test_block_gemm_bench_smoke.py::test_block_gemm_bench_tiles_flag",
     "tests/parallel/test_psum.py::test_stochastic_same_in_vmap_shard_map_and_oracle",
     "tests/cli/test_portable.py::test_the_exact_mlp_step_computes_its_portable_arithmetic_about_once",
     "tests/test_docs.py::test_api_reference_builds_without_warnings",
@@ -473,8 +491,6 @@ _SLOW = (
     "tests/test_layers_bench_smoke.py::test_a_failing_trace_is_reported_not_raised",
     "tests/test_layers_bench_smoke.py::test_gemm_census_counts_every_call_of_a_repeated_shape",
     "tests/test_layers_bench_smoke.py::test_hbfp8_w7_operands_are_exact_in_bfloat16",
-    "tests/test_layers_bench_smoke.py::test_layers_benchmark_census_top_times_only_the_largest_gemms",
-    "tests/test_layers_bench_smoke.py::test_layers_benchmark_exact_policies_and_block_route",
     "tests/test_layers_bench_smoke.py::test_layers_benchmark_gemm_census",
     "tests/test_layers_bench_smoke.py::test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each",
     "tests/test_layers_bench_smoke.py::test_layers_benchmark_small",

@@ -5,11 +5,13 @@ import pathlib
 import subprocess
 import sys
 
+from _bench import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_quantize_benchmark_small():
-  env = dict(os.environ)
+  env = dict(os.environ, **FAST_COMPILE)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
   r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize.py"), "--small",

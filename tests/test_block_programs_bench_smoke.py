@@ -6,6 +6,8 @@ import jax
 import pytest
 from _bench import load_benchmark
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_block_programs_small(capsys):
   mod = load_benchmark("block_programs")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from _bench import FAST_COMPILE
 
 pytest.importorskip("torch", reason="the DDP hook benchmark needs torch")
 
@@ -14,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_ddp_hooks_bench_runs():
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env = dict(os.environ, PYTHONPATH=str(ROOT), **FAST_COMPILE)
   r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_hooks.py"), "--steps", "1",
                       "--batch", "2", "--methods", "fp16"], capture_output=True, text=True,
                      timeout=600, env=env, check=False)

@@ -4,6 +4,8 @@ reduction with its three stages timed, and bad options refused."""
 import pytest
 from _bench import load_benchmark
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_engine_compile_tiny(capsys):
   mod = load_benchmark("engine_compile")

@@ -8,7 +8,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from _bench import load_benchmark
+from _bench import FAST_COMPILE, load_benchmark
 
 
 def _tampered_copy(src, dst):
@@ -33,8 +33,10 @@ def _tampered_copy(src, dst):
   (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def test_two_cpu_runs_agree_and_a_changed_run_differs(tmp_path, capsys):
+def test_two_cpu_runs_agree_and_a_changed_run_differs(tmp_path, capsys, monkeypatch):
   mod = load_benchmark("exact_train_check")
+  for k, v in FAST_COMPILE.items():  # for the two jaxlp train processes
+    monkeypatch.setenv(k, v)
   # the exact HBFP8 command at a smaller size (2 workers, 2 steps of 512): the check is the same
   assert mod.main(["--first", "cpu", "--second", "cpu", "--out", str(tmp_path), "--",
                    "--nodes", "2", "--batch-size", "512", "--width", "4"]) == 0

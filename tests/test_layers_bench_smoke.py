@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/layers.py --small (MLP, the default policies; a bad --policies is
-refused)."""
+"""Smoke test of benchmarks/layers.py --small (MLP, the default policies, in a subprocess; the
+exact policies, the GEMM census and the trace in this process; bad options are refused)."""
 
 import json
 import os
@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from _bench import load_benchmark
+from _bench import FAST_COMPILE, load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _refused(capsys, *args):
@@ -25,16 +27,23 @@ def _refused(capsys, *args):
 
 
 def test_layers_benchmark_small(tmp_path):
+  """The default policies, as a command; with --no-command-buffers, which must act before JAX
+  starts a backend (so in a fresh process: see
+  test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_after) and says so
+  in the header (it changes nothing off a GPU)."""
   out = tmp_path / "layers.json"
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **FAST_COMPILE)
   r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-                      "--models", "mlp", "--steps", "2", "--json", str(out)],
-                     capture_output=True, text=True, env=env, timeout=120)
+                      "--models", "mlp", "--steps", "2", "--no-command-buffers", "--json",
+                      str(out)],
+                     capture_output=True, text=True, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = json.loads(out.read_text())
   assert [row["policy"] for row in rows] == ["fp32", "tf32", "hbfp8", "mxfp8", "float_e4m3"]
   assert all(row["step_ms"] > 0 and row["overhead"] > 0 for row in rows)
   assert "| mlp (batch 32) | hbfp8 |" in r.stdout
+  assert ", XLA:GPU command buffers OFF" in r.stdout.splitlines()[0]
 
 
 def test_layers_benchmark_refuses_an_unknown_policy(capsys):
@@ -42,38 +51,22 @@ def test_layers_benchmark_refuses_an_unknown_policy(capsys):
   assert "--policies: unknown policy 'hbfp9'" in err and "hbfp8_tiled_exact" in err
 
 
-def test_layers_benchmark_exact_policies_and_block_route(tmp_path, capsys):
-  """The per-sample HBFP8 exact policy runs (CPU: the reference), --block-route and
-  --fp8-impl are accepted (they only pick GPU kernels) and bad values are refused."""
-  out = tmp_path / "layers.json"
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-          "--models", "mlp", "--steps", "1"]
-  r = subprocess.run(base + ["--policies", "fp32,hbfp8,hbfp8_exact", "--block-route", "auto",
-                             "--fp8-impl", "pallas", "--json", str(out)], capture_output=True,
-                     text=True, env=env, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
-  rows = {row["policy"]: row for row in json.loads(out.read_text())}
-  assert rows["hbfp8_exact"]["step_ms"] > 0
-  assert "--block-route: invalid choice: 'bf16'" in _refused(capsys, "--block-route", "bf16")
-  assert "--fp8-impl: invalid choice: 'cublas'" in _refused(capsys, "--fp8-impl", "cublas")
-
-
 def test_layers_benchmark_gemm_census(tmp_path, capsys):
   """--gemm-census lists the exact GEMMs of one step (traced, not run): for the small MLP
   (784-128-128-10 here, batch 32) with the per-sample HBFP8 exact policy, each layer's
   forward, input-gradient and weight-gradient GEMM, their FLOPs summed; --small times them
   (the CPU reference); with --gpu-impl auto (the library's default, given explicitly) it times
-  the operand preparation (the Pallas kernel, interpreted here); a census without an exact
+  the operand preparation (the Pallas kernel, interpreted here) of the GEMMs that "auto" runs
+  by the kernel; --census-top N times only the N largest GEMMs by FLOP (the others read "not
+  measured", and the summary names the GFLOP that were timed); a census without an exact
   policy, or with two --gpu-impl, is refused."""
   out = tmp_path / "census.json"
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-          "--models", "mlp", "--steps", "1", "--gemm-census"]
-  r = subprocess.run(base + ["--policies", "fp32,hbfp8_exact", "--gpu-impl", "auto", "--json",
-                             str(out)],
-                     capture_output=True, text=True, env=env, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
+  mod = load_benchmark("layers")
+  # --census-top 7 of the 8 distinct GEMMs: the 7th is the one that "auto" runs by the kernel
+  # (the others as batched XLA int8 dots), so its operand preparation is timed; the 8th is not
+  mod.main(["--small", "--models", "mlp", "--steps", "1", "--gemm-census", "--policies",
+            "fp32,hbfp8_exact", "--gpu-impl", "auto", "--census-top", "7", "--json", str(out)])
+  text = capsys.readouterr().out
   (row,) = json.loads(out.read_text())
   assert row["policy"] == "hbfp8_exact" and row["gemms"] == 9
   dims = [(32, 784, 128), (32, 128, 128), (32, 128, 10)]  # (batch, in, out) per layer
@@ -81,7 +74,14 @@ def test_layers_benchmark_gemm_census(tmp_path, capsys):
   assert abs(row["gflop"] * 1e9 - flop) < 1
   assert row["exact_ms"] > 0 and row["f32_ms"] > 0 and row["prep_ms"] > 0
   assert row["first_call_s"] > 0
-  assert "| 32 | 784 | 128 | 24 | 33 | 7/7 | 1 |" in r.stdout  # the first forward GEMM
+  assert "| 32 | 784 | 128 | 24 | 33 | 7/7 | 1 |" in text  # the first forward GEMM
+  rows = [ln for ln in text.splitlines() if " | 7/7 | " in ln]
+  assert len(rows) == 8  # 9 GEMMs, two of one shape
+  timed = [ln for ln in rows if "not measured" not in ln]
+  assert len(timed) == 7 and rows[:7] == timed  # the largest come first
+  assert rows[0].split(" | ")[9] == "- (xla_int8)" and float(rows[6].split(" | ")[9]) > 0
+  assert rows[7].startswith("| 128 | 32 | 10 | 1 | 32 | 7/7 | 1 | 0.00 | not measured |")
+  assert "GFLOP timed" in text
   err = _refused(capsys, "--steps", "1", "--gemm-census", "--policies", "fp32,hbfp8")
   assert "--gemm-census: --policies names no exact policy" in err
   err = _refused(capsys, "--steps", "1", "--gemm-census", "--policies", "hbfp8_exact",
@@ -119,41 +119,24 @@ def test_hbfp8_w7_operands_are_exact_in_bfloat16():
   assert not bool(jnp.all(x.astype(jnp.bfloat16).astype(jnp.float32) == x))
 
 
-def test_layers_benchmark_census_top_times_only_the_largest_gemms():
-  """--census-top N times only the N largest GEMMs by FLOP; the others read "not measured",
-  and the summary names the GFLOP that were timed."""
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-                      "--models", "mlp", "--steps", "1", "--gemm-census", "--policies",
-                      "hbfp8_exact", "--census-top", "2"],
-                     capture_output=True, text=True, env=env, timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
-  rows = [ln for ln in r.stdout.splitlines() if " | 7/7 | " in ln]
-  assert len(rows) == 8  # 9 GEMMs, two of one shape
-  timed = [ln for ln in rows if "not measured" not in ln]
-  assert len(timed) == 2 and rows[:2] == timed  # the two largest come first
-  assert "| 784 | 32 | 128 | 1 | 32 | 7/7 | 1 | 0.01 | not measured |" in r.stdout
-  assert "GFLOP timed" in r.stdout
-
-
 def test_layers_benchmark_trace_top_says_where_the_step_time_goes(capsys):
   """--trace-top N traces the steps and prints the N most expensive XLA ops and source lines
-  in ms per step; a negative N is refused."""
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  in ms per step; a negative N is refused. Without an fp32 row there is no ratio: "-" in the
+  table, None in the rows."""
+  mod = load_benchmark("layers")
   # the MLP (5 s here; the small ResNet-18 took 50 s): the mechanism is the same
-  base = [sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-          "--models", "mlp", "--policies", "hbfp8_exact", "--steps", "1"]
-  r = subprocess.run(base + ["--trace-top", "4"], capture_output=True, text=True, env=env,
-                     timeout=300)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert "# trace: CPU thread time, " in r.stdout
+  (row,) = mod.main(["--small", "--models", "mlp", "--policies", "hbfp8_exact", "--steps", "1",
+                     "--trace-top", "4"])
+  out = capsys.readouterr().out
+  assert "# trace: CPU thread time, " in out
   ops = re.findall(r"^\| (\S+)(?: \(nesting\))? \| ([\d.]+) \| ([\d.]+)% \| (.+?) \| (.+?) \|$",
-                   r.stdout, re.M)
+                   out, re.M)
   assert len(ops) == 4 and all(float(ms) > 0 for _, ms, _, _, _ in ops)
-  srcs = re.findall(r"^\| (\S+\.py:\d+ \(.*?\)) \| ([\d.]+) \| ([\d.]+)% \|$", r.stdout, re.M)
+  srcs = re.findall(r"^\| (\S+\.py:\d+ \(.*?\)) \| ([\d.]+) \| ([\d.]+)% \|$", out, re.M)
   assert len(srcs) == 4
   assert any(s.startswith(("_conv.py:", "_block_dot.py:", "_block.py:", "_dot_general.py:"))
              for s, _, _ in srcs), srcs  # jaxlp's own frames
+  assert row["overhead"] is None and "| hbfp8_exact | " in out and "| - (no fp32 row) |" in out
   assert "--trace-top must be >= 0" in _refused(capsys, "--policies", "hbfp8_exact",
                                                 "--trace-top", "-1")
 
@@ -195,13 +178,8 @@ def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_aft
   started the helper refuses (the flag would be ignored silently)."""
   import jax
 
+  # layers.py --no-command-buffers runs in test_layers_benchmark_small
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "layers.py"), "--small",
-                      "--models", "mlp", "--policies", "fp32", "--steps", "1",
-                      "--no-command-buffers"], capture_output=True, text=True, env=env,
-                     timeout=120)
-  assert r.returncode == 0, r.stderr[-3000:]
-  assert ", XLA:GPU command buffers OFF" in r.stdout and "| mlp (batch 32) | fp32 |" in r.stdout
   # the helper's effect, in a process whose backend has not started: the flag joins XLA_FLAGS
   # once, after what was there
   path = os.path.join(ROOT, "benchmarks", "_trace.py")
@@ -222,44 +200,61 @@ def test_no_command_buffers_sets_xla_flags_before_the_backend_and_is_refused_aft
 def test_layers_benchmark_gpu_impl_times_each_exact_policy_with_each(capsys):
   """--gpu-impl pallas,auto: one row per implementation for each exact policy (one for the
   others), each timed with a policy whose gpu_impl is that one (the library's defaults stay
-  as they are); a bad or repeated name is refused."""
+  as they are); --block-route and --fp8-impl are accepted (they only pick GPU kernels: the
+  CPU runs the per-sample HBFP8 exact policy's reference); bad values are refused."""
   from jaxlp.ops import _block_dot
 
   defaults = (_block_dot.GPU_IMPL, _block_dot.GPU_ROUTE, _block_dot.FP8_GPU_IMPL)
   mod = load_benchmark("layers")
   rows = mod.main(["--small", "--models", "mlp", "--policies", "fp32,hbfp8_exact",
-                   "--gpu-impl", "auto,pallas", "--steps", "1"])
+                   "--gpu-impl", "auto,pallas", "--block-route", "auto", "--fp8-impl", "pallas",
+                   "--steps", "1"])
   assert [r["policy"] for r in rows] == ["fp32", "hbfp8_exact [auto]", "hbfp8_exact [pallas]"]
+  assert all(r["step_ms"] > 0 for r in rows)
   assert (_block_dot.GPU_IMPL, _block_dot.GPU_ROUTE, _block_dot.FP8_GPU_IMPL) == defaults
   # the CPU runs the reference with either: the same loss
   assert rows[1]["loss"] == rows[2]["loss"]
-  # without an fp32 row there is no ratio: "-" in the table, None in the JSON rows
-  capsys.readouterr()
-  (row,) = mod.main(["--small", "--models", "mlp", "--policies", "hbfp8", "--steps", "1"])
-  assert row["overhead"] is None and "| - (no fp32 row) |" in capsys.readouterr().out
+  # a run without an fp32 row: test_layers_benchmark_trace_top_says_where_the_step_time_goes;
   # the census with --gpu-impl auto (its operand preparation timed):
   # test_layers_benchmark_gemm_census
+  capsys.readouterr()
   for bad in ("pallas,pallas", "xla"):
     with pytest.raises(SystemExit):
       mod.main(["--small", "--gpu-impl", bad])
     assert "--gpu-impl" in capsys.readouterr().err
+  assert "--block-route: invalid choice: 'bf16'" in _refused(capsys, "--block-route", "bf16")
+  assert "--fp8-impl: invalid choice: 'cublas'" in _refused(capsys, "--fp8-impl", "cublas")
 
 
 def test_gemm_census_counts_every_call_of_a_repeated_shape():
   """The census records each exact GEMM where the layer calls it, before the jitted dispatch
   (whose trace cache made every repeated shape count once: the full ResNet-18 step listed 36
-  GEMMs and 222 GFLOP instead of 63 and 490): the small ResNet-18 makes 3 GEMMs (forward,
-  input and weight gradients) per convolution and dense layer, and repeats shapes."""
+  GEMMs and 222 GFLOP instead of 63 and 490): a network of convolutions with batch norm makes
+  3 GEMMs (forward, input and weight gradients) per convolution and dense layer, repeated
+  shapes included. Here a 3-conv network with two convolutions of one shape (tracing the small
+  ResNet-18's exact step took 10 s of CPU for the same mechanism); the small ResNet-18 of
+  ``--models resnet18`` is built and its layers counted."""
   import collections
 
+  import flax.linen as nn
   import jax
 
+  class Convs(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+      for _ in range(3):  # 3 -> 4 channels, then 4 -> 4 twice: one GEMM shape repeats
+        x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Conv(4, (3, 3))(x)))
+      return nn.Dense(10)(x.mean(axis=(1, 2)))
+
   mod = load_benchmark("layers")
+  x = jax.numpy.ones((2, 6, 6, 3))
+  calls = mod.exact_gemms(Convs(), x, jax.numpy.arange(2), mod.POLICIES["hbfp8_exact"][0])
+  assert len(calls) == 3 * 4  # 3 convs and the dense layer
+  # the 3 GEMMs of the two 4 -> 4 convs twice each, the other 6 once
+  assert sorted(collections.Counter(calls).values()) == [1] * 6 + [2] * 3
   model, x, labels = mod.make_case("resnet18", True)
-  calls = mod.exact_gemms(model, x, labels, mod.POLICIES["hbfp8_exact"][0])
+  assert x.shape == (8, 32, 32, 3) and labels.shape == (8,)
   params = mod.numpy_init(model, x)["params"]
   kernels = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
              if "kernel" in jax.tree_util.keystr(p)]
   assert len(kernels) == 21  # 17 3x3 convs, 3 shortcut 1x1 convs, the dense layer
-  assert len(calls) == 3 * len(kernels)
-  assert max(collections.Counter(calls).values()) > 1

@@ -6,6 +6,8 @@ from _bench import load_benchmark
 
 pytest.importorskip("optax", reason="the tool trains jaxlp.training's CNN (examples extra)")
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_recipe_grads_small(capsys):
   mod = load_benchmark("recipe_grads")

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _bench import FAST_COMPILE
+
 ROOT = Path(__file__).parent.parent
 
 
 def test_reduce_benchmark_small(tmp_path):
-  env = dict(os.environ)
+  env = dict(os.environ, **FAST_COMPILE)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env.pop("XLA_FLAGS", None)
   # reduce.py forces 8 host devices but only *defaults* JAX_PLATFORMS to cpu: under an

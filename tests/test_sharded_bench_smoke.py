@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 
+from _bench import FAST_COMPILE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_sharded_bench_smoke():
-  env = dict(os.environ)
+  env = dict(os.environ, **FAST_COMPILE)
   env.pop("XLA_FLAGS", None)  # the conftest's 8 forced devices: each worker wants ONE
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharded.py"), "--smoke"],

@@ -4,6 +4,8 @@ its ratio to the copy row, and bad options are refused."""
 import pytest
 from _bench import load_benchmark
 
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_sparse_select_bench_small(capsys):
   mod = load_benchmark("sparse_select")
