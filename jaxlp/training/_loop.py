@@ -668,16 +668,17 @@ class Trainer:
                if ends else ())
       self.qmodel = quantize_model(self.model, policy, rules=rules)
       self.apply_model = self.qmodel.apply
-    # one program for every run (op by op, a quantized model compiled hundreds of programs,
-    # the portable MLP/CNN 2.5-3.5x the CPU time of one, measured), so an fp32 run and a
-    # quantized run of the same model start from the same program's bits on every backend
-    init = jax.jit(lambda k, x: self.model.init(k, x, train=False))
-    init_dev = _portable.init_device() if self.portable else None
-    # before allocating: the shapes of the plain model (a policy or the portable layers
-    # change no parameter), traced abstractly
+    # The parameters are those of the plain model: a policy or the portable layers change no
+    # parameter (names, shapes, initial values; the same bits, checked for every built-in
+    # classifier), so the plain model is initialised, as one jitted program for every run:
+    # not the quantized forward pass (its compile), not op by op (the portable MLP/CNN took
+    # 2.5-3.5x the CPU time of one program, measured), and an fp32 run and a quantized run of
+    # one model start from one program's bits on every backend.
     plain = M.build(cfg.model, self.ds.num_classes, width=int(cfg.width))
-    _check_memory(cfg, jax.eval_shape(lambda k, x: plain.init(k, x, train=False), init_key, x0),
-                  ndev)
+    init = jax.jit(lambda k, x: plain.init(k, x, train=False))
+    init_dev = _portable.init_device() if self.portable else None
+    # before allocating: the shapes, traced abstractly
+    _check_memory(cfg, jax.eval_shape(init, init_key, x0), ndev)
     with _device_memory(cfg, "initialising the model"):
       if init_dev is not None:  # the CPU's erf_inv defines the initial weights
         with jax.default_device(init_dev):

@@ -171,6 +171,28 @@ def test_width_is_used_by_every_model():
   assert n["mlp", 16] == 8 * 8 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10  # the default
 
 
+def test_a_policy_or_the_portable_layers_change_no_parameter():
+  """The trainer initialises the plain model for every run (jaxlp.training._loop): a model
+  built with a policy's dot_general / conv_general_dilated, or with the portable layers,
+  has the plain model's parameters, bit for bit."""
+  import jax
+
+  from jaxlp.training import build_model
+
+  pol = jaxlp.hbfp_policy(7, 24)
+  x = jnp.zeros((2, 8, 8, 1))
+
+  def init(m):
+    v = jax.jit(lambda k, x: m.init(k, x, train=False))(jax.random.key(3), x)
+    return [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(v)]
+
+  for model in ("mlp", "cnn"):
+    plain = init(build_model(model, 10, width=1))
+    assert init(build_model(model, 10, width=1, portable=True)) == plain, model
+    assert init(build_model(model, 10, width=1, dot_general=jaxlp.dot_general(pol),
+                            conv_general_dilated=jaxlp.conv_general_dilated(pol))) == plain
+
+
 def test_nonfinite_steps_counts_a_nan_loss():
   t = Trainer(TrainConfig(nodes=2, batch_size=32, max_steps_per_epoch=2, quiet=True))
   t.ds.y_train[:] = 99  # out of range (loaders refuse this; the count must still see it)
