@@ -68,17 +68,28 @@ NAMED = {"E4M3": F.E4M3, "BF16": F.BF16, "QPF52": F.qpytorch_float(5, 2),
          "QPFX140": QPyTorchFixedPoint(6, 140, clamp=False)}
 
 
-def crafted(n_random, seed=0):
-  """Every exponent field x 16 fractions (ties, half-ulps, extremes), both signs; one kernel
-  block (2048) of normal values within 2**-20..2**20 and zeros, where the kernels' float fast
-  paths run (a block holding a subnormal or an overflow takes the bit-level path); then
-  ``n_random`` random bit patterns: float32 (as a CPU tensor)."""
+#: Elements per program in Triton's interpreter (``cpu``): the interpreter runs the programs
+#: one after another, every op of a program once on NumPy arrays of BLOCK elements, so its
+#: time goes with the number of programs more than with their size (8192: half the programs
+#: of the kernels' BLOCK = 2048 on these patterns, the kernels' CPU time 41 -> 26 s). The
+#: kernels take BLOCK as a constexpr; on a GPU (``cuda``) they run with their own. The
+#: whole-tensor block kernel keeps the kernels' BLOCK in the interpreter too, so that its
+#: loop over the tensor runs more than once.
+INTERPRETER_BLOCK = 8192
+
+
+def crafted(n_random, seed=0, block=T.BLOCK):
+  """Every exponent field x 16 fractions (ties, half-ulps, extremes), both signs (8192: whole
+  programs of ``block`` elements, ``block`` a multiple of 2048 up to 8192); one program
+  (``block`` elements: 2048 normal values within 2**-20..2**20 and zeros, repeated) where the
+  kernels' float fast paths run (a program holding a subnormal or an overflow takes the
+  bit-level path); then ``n_random`` random bit patterns: float32 (as a CPU tensor)."""
   rng = np.random.default_rng(seed)
   c = (np.repeat(np.arange(256, dtype=np.uint32), FRACS.size) << 23) | np.tile(FRACS, 256)
   normal = rng.standard_normal(2048) * np.exp2(rng.integers(-20, 20, 2048))
   normal[::97] = 0.0
   normal[1::97] = -0.0
-  normal = normal.astype(np.float32).view(np.uint32)
+  normal = np.tile(normal.astype(np.float32).view(np.uint32), block // 2048)
   r = rng.integers(0, 2**32, n_random, dtype=np.uint64).astype(np.uint32)
   return torch.from_numpy(np.concatenate([c, c | np.uint32(0x80000000), normal, r])
                           .view(np.float32))
@@ -128,47 +139,61 @@ def whole_block_cases(device, fmt, rounding, w, x, ok_so_far):
 
 def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=None,
           roundings=None) -> list[str]:
-  x0 = crafted(n_random)
+  block = INTERPRETER_BLOCK if device == "cpu" else T.BLOCK
+  x0 = crafted(n_random, block=block)
   words = np.array([123, 4567], np.uint32)
   bad = []
   checked = 0
-  for fmt in FORMATS if formats is None else formats:
-    if device == "cpu" and not interpretable(fmt):
-      continue
-    for rounding in roundings_checked(device, fmt):
-      if roundings is not None and rounding not in roundings:
+  saved = T.BLOCK
+  try:
+    for fmt in FORMATS if formats is None else formats:
+      if device == "cpu" and not interpretable(fmt):
         continue
-      for dtype in dtypes:
-        x = inputs(fmt, x0).to(dtype)
-        w = words if rounding == "stochastic" else None
-        xd = x.to(device)
-        got = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w)
-        if got is None:
-          bad.append(f"no kernel for {fmt!r} {rounding} {dtype}")
-          continue
-        if got.device != xd.device or got.dtype != dtype or got.shape != x.shape:
-          bad.append(f"{fmt!r} {rounding} {dtype}: got {got.device} {got.dtype} {got.shape}")
-          continue
-        ref = Q.jax_route(x, fmt, rounding, w)
-        d = differences(got, ref)
-        if isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1:
-          bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0)
-        if isinstance(fmt, QPyTorchFixedPoint):
-          gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
-          rm = Q.jax_route(x, fmt, rounding, w, True)
-          d = np.union1d(d, differences(gm[0], rm[0]))
-          if not torch.equal(gm[1].cpu(), rm[1]):
-            bad.append(f"{fmt!r} {rounding} {dtype}: clamp masks differ")
-        checked += 1
-        if d.size:
-          i = d[0]
-          xi = x.reshape(-1)[i:i + 1].float().numpy().view(np.uint32)[0]
-          bad.append(f"{fmt!r} {rounding} {dtype}: {d.size} differ, first at {i} "
-                     f"(x bits {xi:#010x}: {got.reshape(-1)[i].item()!r} vs "
-                     f"{ref.reshape(-1)[i].item()!r})")
+      whole = isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1
+      T.BLOCK = saved if whole else block
+      checked += check_format(device, fmt, x0, words, dtypes, roundings, bad)
+  finally:
+    T.BLOCK = saved
   if not checked:
     bad.append("nothing checked")
   return bad
+
+
+def check_format(device, fmt, x0, words, dtypes, roundings, bad) -> int:
+  """:func:`check` for one format: appends its problems to ``bad``; returns the cases run."""
+  checked = 0
+  for rounding in roundings_checked(device, fmt):
+    if roundings is not None and rounding not in roundings:
+      continue
+    for dtype in dtypes:
+      x = inputs(fmt, x0).to(dtype)
+      w = words if rounding == "stochastic" else None
+      xd = x.to(device)
+      got = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w)
+      if got is None:
+        bad.append(f"no kernel for {fmt!r} {rounding} {dtype}")
+        continue
+      if got.device != xd.device or got.dtype != dtype or got.shape != x.shape:
+        bad.append(f"{fmt!r} {rounding} {dtype}: got {got.device} {got.dtype} {got.shape}")
+        continue
+      ref = Q.jax_route(x, fmt, rounding, w)
+      d = differences(got, ref)
+      if isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1:
+        bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0)
+      if isinstance(fmt, QPyTorchFixedPoint):
+        gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
+        rm = Q.jax_route(x, fmt, rounding, w, True)
+        d = np.union1d(d, differences(gm[0], rm[0]))
+        if not torch.equal(gm[1].cpu(), rm[1]):
+          bad.append(f"{fmt!r} {rounding} {dtype}: clamp masks differ")
+      checked += 1
+      if d.size:
+        i = d[0]
+        xi = x.reshape(-1)[i:i + 1].float().numpy().view(np.uint32)[0]
+        bad.append(f"{fmt!r} {rounding} {dtype}: {d.size} differ, first at {i} "
+                   f"(x bits {xi:#010x}: {got.reshape(-1)[i].item()!r} vs "
+                   f"{ref.reshape(-1)[i].item()!r})")
+  return checked
 
 
 def main(argv) -> bool:
