@@ -18,10 +18,12 @@ from jaxlp import formats as F
 from jaxlp import parallel as JP
 
 W = 4
-# rows layout (8 % 4 == 0), a flattened + padded leaf (10 values), a scalar
+# rows layout (8 % 4 == 0), a flattened + padded leaf (10 values), a scalar (float32, not a
+# weakly typed Python float: the steps' outputs are strongly typed, and a weak first input made
+# every two-step run below compile its program twice)
 PARAMS = {"dense": {"kernel": jnp.linspace(-1.0, 1.0, 8 * 6).reshape(8, 6),
                     "bias": jnp.linspace(0.5, -0.5, 10)},
-          "scale": jnp.asarray(1.5)}
+          "scale": jnp.asarray(1.5, jnp.float32)}
 
 
 def _loss(p, x):
@@ -111,7 +113,10 @@ def test_user_shard_map_over_devices_times_vmap_equals_vmap(cpu_devices):
                               check_vma=False))
   shards = tx.stack_shards(PARAMS, W)
   state = jax.vmap(functools.partial(tx.init, num_workers=W))(shards)
-  x = _batch()
+  # the inputs placed as the outputs come back, so that the second step reuses the executable
+  # (from single-device inputs it compiled the same program twice)
+  shards, state, x = jax.device_put((shards, state, _batch()),
+                                    jax.sharding.NamedSharding(mesh, P("dev")))
   for _ in range(2):
     shards, state = run(shards, state, x)
   _assert_tree_bits(tx.unstack_shards(shards), ref)

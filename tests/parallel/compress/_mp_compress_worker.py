@@ -3,9 +3,9 @@ the in-process reference.
 
 Run as a script it is one process of a loopback ``jax.distributed`` job (gloo CPU collectives,
 2 CPU devices per process): it runs every case of :data:`CASES` (``compressed_allreduce`` under
-``jit(shard_map)`` over all devices of the job, :data:`STEPS` steps carrying the state) and
-saves the rows of its own devices to an npz. Imported (by the test), it only defines the table
-and :func:`run_case`, and touches no environment.
+``jit(shard_map)`` over all devices of the job, :data:`STEPS` steps carrying the state; all
+cases in one program) and saves the rows of its own devices to an npz. Imported (by the test),
+it only defines the table and :func:`run_cases`, and touches no environment.
 
 Usage: python _mp_compress_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
 """
@@ -53,8 +53,8 @@ COMPRESSORS = {
 }
 
 # THE case table: (compressor name, algorithm[, extra compressed_allreduce kwargs]).
-# One line per case. Each case costs one XLA
-# compile (~1-7 s of CPU) in each of the 3 processes: keep the table short.
+# One line per case. Each case adds its compressor's code to the one program compiled in each
+# of the 3 processes (~1-7 s of CPU per case, less in one program): keep the table short.
 CASES = (
     ("cgx4", "sra"),
     ("cgx4", "sra", {"bucket_mb": 0.02}),  # fc + conv fused into one 4128-element bucket
@@ -114,34 +114,47 @@ def _local_rows(arr):
   return rows
 
 
-def run_case(case, devices):
-  """Runs one case on a 1-D mesh of ``devices``; returns {"stepN/<path>" or "state/<path>":
-  {global row: numpy row}} for the rows this process holds."""
-  name, algo, *rest = case
-  kw = dict(rest[0]) if rest else {}
-  comp = COMPRESSORS[name]
+def run_cases(cases, devices):
+  """Runs ``cases`` on a 1-D mesh of ``devices``, all in ONE program (one trace and one XLA
+  compile per process instead of one per case: the compile of the 15 small programs was most
+  of this test's time, about 50 s of CPU in each of the 3 processes, 35 s as one program; each
+  case is still its own ``compressed_allreduce`` on its own gradients and state, and the
+  multi-process job runs every case's collectives). Returns {case id: {"stepN/<path>" or
+  "state/<path>": {global row: numpy row}}} for the rows this process holds."""
   w = len(devices)
   mesh = Mesh(np.asarray(devices), ("i",))
-  params = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in shapes(case).items()}
-  st0 = jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (w,) + a.shape),
-                               init_compression_state(comp, params))
+  st0 = {}
+  for case in cases:
+    params = {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in shapes(case).items()}
+    st0[case_id(case)] = jax.tree_util.tree_map(
+        lambda a: np.broadcast_to(np.asarray(a), (w,) + a.shape),
+        init_compression_state(COMPRESSORS[case[0]], params))
 
   def body(g, s):
     g, s = jax.tree_util.tree_map(lambda a: a[0], (g, s))
-    o, s = compressed_allreduce(g, s, "i", comp, min_size=MIN_SIZE, algorithm=algo, **kw)
-    return jax.tree_util.tree_map(lambda a: a[None], (o, s))
+    out = {}
+    for case in cases:
+      name, algo, *rest = case
+      cid = case_id(case)
+      out[cid] = compressed_allreduce(g[cid], s[cid], "i", COMPRESSORS[name], min_size=MIN_SIZE,
+                                      algorithm=algo, **(dict(rest[0]) if rest else {}))
+    return jax.tree_util.tree_map(lambda a: a[None], out)
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"),
                             check_vma=False))
   st = jax.tree_util.tree_map(lambda a: _global(mesh, a), st0)
-  res = {}
+  res = {case_id(c): {} for c in cases}
   for step in range(STEPS):
-    g = jax.tree_util.tree_map(lambda a: _global(mesh, a), grads_np(step, w, shapes(case)))
-    out, st = f(g, st)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-      res[f"step{step}/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(st)[0]:
-    res[f"state/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
+    g = {case_id(c): jax.tree_util.tree_map(lambda a: _global(mesh, a),
+                                            grads_np(step, w, shapes(c))) for c in cases}
+    out = f(g, st)
+    st = {cid: o[1] for cid, o in out.items()}
+    for cid, (o, _) in out.items():
+      for path, leaf in jax.tree_util.tree_flatten_with_path(o)[0]:
+        res[cid][f"step{step}/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
+  for cid, s in st.items():
+    for path, leaf in jax.tree_util.tree_flatten_with_path(s)[0]:
+      res[cid][f"state/{jax.tree_util.keystr(path)}"] = _local_rows(leaf)
   return res
 
 
@@ -153,12 +166,11 @@ def main():
   devices = jax.devices()
   print(f"process {pid}: {len(devices)} devices, {jax.local_device_count()} local", flush=True)
   arrays = {}
-  for case in CASES:
-    cid = case_id(case)
-    for key, rows in run_case(case, devices).items():
+  for cid, res in run_cases(CASES, devices).items():
+    for key, rows in res.items():
       for r, a in rows.items():
         arrays[f"{cid}|{key}|{r}"] = a
-    print(f"process {pid}: {cid} done", flush=True)
+  print(f"process {pid}: {len(CASES)} cases done", flush=True)
   np.savez(out, **arrays)
   jp.shutdown()
 

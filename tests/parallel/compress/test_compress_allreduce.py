@@ -40,45 +40,79 @@ def _state(comp, w=W, params=None):
 
 
 def _run_vmap(comp, g=None, st=None, **kw):
-  f = lambda g, s: compressed_allreduce(g, s, "i", comp, **kw)  # noqa: E731
-  fn = jax.jit(jax.vmap(f, axis_name="i"))
+  fn = _run_vmap_fn(lambda g, s: compressed_allreduce(g, s, "i", comp, **kw))
   return fn if g is None else fn(g, st)
+
+
+def _run_vmap_fn(f):
+  return jax.jit(jax.vmap(f, axis_name="i"))
 
 
 def _cpu_mesh(n, name, **kw):
   return jax.make_mesh((n,), (name,), devices=jax.devices("cpu")[:n], **kw)
 
 
-def _run_shard_map(comp, g=None, st=None, **kw):
+def _run_shard_map_fn(per_worker):
+  """jit(shard_map) over the 8 CPU devices of ``per_worker(g, s)`` (one worker's values)."""
   mesh = _cpu_mesh(W, "i")
   def f(g, s):
     g = jax.tree_util.tree_map(lambda a: a[0], g)
     s = jax.tree_util.tree_map(lambda a: a[0], s)
-    o, s = compressed_allreduce(g, s, "i", comp, **kw)
-    return jax.tree_util.tree_map(lambda a: a[None], (o, s))
+    return jax.tree_util.tree_map(lambda a: a[None], per_worker(g, s))
   sm = jax.shard_map(f, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"),
                      check_vma=False)
   shard = jax.sharding.NamedSharding(mesh, P("i"))
   fn = jax.jit(sm)
-  run = lambda g, st: fn(*jax.device_put((g, st), shard))  # noqa: E731
-  return run if g is None else run(g, st)
+  return lambda g, st: fn(*jax.device_put((g, st), shard))
 
 
 COMPS = [C.cgx(4, 128), C.cgx(2, 64, stochastic=True), C.qsgd(7, 128), C.onebit(), C.tbq(0.2),
          C.terngrad(), C.terngrad("hipress", 4), C.dgc(0.05, sample_rate=0.1),
          C.graddrop(0.9), C.topk(0.05), C.randomk(0.05), C.powersgd(2, start_iter=1),
          C.cast("bf16"), C.cast("E4M3FN")]
+# The cases run by the `ways` fixture, {key: (compressor, algorithm)}: every compressor of COMPS
+# (key: its index) with "auto" (CGX: SRA) and onebit's compressed ring (ppermute), for
+# test_ring_vmap_shard_map_and_mixed_axes_identical.
+WAYS = dict({str(i): (c, "auto") for i, c in enumerate(COMPS)}, ring=(C.onebit(), "ring"))
+WAYS_KW = dict(min_size=100)
+# the tests that share the `ways` fixture run in one pytest-xdist worker (it is computed once)
+ways_group = pytest.mark.xdist_group("compress_allreduce_ways")
 
 
-@pytest.mark.parametrize("comp", COMPS, ids=lambda c: type(c).__name__)
-def test_identical_on_workers_and_vmap_equals_shard_map(comp, cpu_devices):
-  g = _grads()
-  st = _state(comp)
-  kw = dict(min_size=100)
-  fv, fs = _run_vmap(comp, **kw), _run_shard_map(comp, **kw)
-  g2 = jax.tree_util.tree_map(lambda a: 0.5 * a, g)
-  ov, sv = fv(g2, fv(g, st)[1])  # two steps
-  os_, ss = fs(g2, fs(g, st)[1])
+def _all_ways(axis):
+  """Every case of WAYS, each its own compressed_allreduce on the same gradients and its own
+  state: {key: (output, state)}."""
+  return lambda g, s: {k: compressed_allreduce(g, s[k], axis, comp, algorithm=alg, **WAYS_KW)
+                       for k, (comp, alg) in WAYS.items()}
+
+
+@pytest.fixture(scope="module")
+def ways():
+  """Two steps (residuals carried) of every case of WAYS under a named vmap and under
+  shard_map over the 8 CPU devices: (inputs, vmap results, shard_map results), results as
+  {key: (output, state)} of the second step. All cases are ONE vmap program and ONE shard_map
+  program (one compile each instead of one per compressor: compile was most of these tests'
+  time); the default device is pinned to a CPU device as by the cpu_devices fixture."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    g = _grads()
+    g2 = jax.tree_util.tree_map(lambda a: 0.5 * a, g)
+    st = {k: _state(comp) for k, (comp, _) in WAYS.items()}
+    res = []
+    for f in (_run_vmap_fn(_all_ways("i")), _run_shard_map_fn(_all_ways("i"))):
+      o = f(g, st)
+      res.append(f(g2, {k: v[1] for k, v in o.items()}))
+    return (g, g2, st), res[0], res[1]
+
+
+@ways_group
+@pytest.mark.parametrize("i", range(len(COMPS)),
+                         ids=[f"{type(c).__name__}{sum(type(d) is type(c) for d in COMPS[:i])}"
+                              if sum(type(d) is type(c) for d in COMPS) > 1 else type(c).__name__
+                              for i, c in enumerate(COMPS)])
+def test_identical_on_workers_and_vmap_equals_shard_map(i, ways):
+  (g, _, _), vm, sm = ways
+  ov, sv = vm[str(i)]
+  os_, ss = sm[str(i)]
   for a, b in zip(jax.tree_util.tree_leaves((ov, sv)), jax.tree_util.tree_leaves((os_, ss)),
                   strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -149,21 +183,18 @@ def test_cgx_ring_matches_formula(w, n):
     np.testing.assert_array_equal(np.asarray(out[r]), want[:n])
 
 
-# cgx: COMPS[0] with "auto" (= "sra") and test_identical_on_workers...'s min_size, so that its
-# vmap and shard_map programs are that test's (one compile for both, the persistent cache)
-@pytest.mark.parametrize("comp,alg", [(C.onebit(), "ring"), (COMPS[0], "auto")],
-                         ids=["onebit-ring", "cgx-sra"])
-def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg, cpu_devices):
+# cgx: COMPS[0] with "auto" (= "sra"); both cases' vmap and shard_map runs are the `ways`
+# fixture's (the same gradients, states and min_size)
+@ways_group
+@pytest.mark.parametrize("key", ["ring", "0"], ids=["onebit-ring", "cgx-sra"])
+def test_ring_vmap_shard_map_and_mixed_axes_identical(key, ways, cpu_devices):
   """The ring (ppermute) and SRA (all_to_all) paths give the same bits under vmap, shard_map
   and a (mesh axis, vmap axis) pair, over two steps with residuals."""
-  g = _grads(4)
-  g2 = jax.tree_util.tree_map(lambda a: 0.5 * a, g)
-  kw = dict(min_size=100, algorithm=alg)
-  results = []
-  for runner in (_run_vmap, _run_shard_map, _run_mixed):
-    f = runner(comp, **kw)
-    o, s = f(g, _state(comp))
-    results.append(f(g2, s))
+  (g, g2, st), vm, sm = ways
+  comp, alg = WAYS[key]
+  f = _run_mixed(comp, algorithm=alg, **WAYS_KW)
+  o, s = f(g, st[key])
+  results = [vm[key], sm[key], f(g2, s)]
   for a, b, c in zip(*(jax.tree_util.tree_leaves(r) for r in results), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
@@ -174,20 +205,18 @@ def test_ring_vmap_shard_map_and_mixed_axes_identical(comp, alg, cpu_devices):
   assert err < 1.0, (alg, err)
 
 
-# cgx: COMPS[0] with "auto" (= "sra"), so that its vmap program is
-# test_identical_on_workers...'s (the persistent cache compiles it once). One case: pmap is a
-# fourth way to run the same per-device code (its collectives are shard_map's, compared with
-# vmap for every compressor above); CGX's SRA uses all_to_all and all_gather.
-@pytest.mark.parametrize("comp,alg", [(COMPS[0], "auto")], ids=["cgx"])
-def test_pmap_equals_vmap(comp, alg, cpu_devices):
+# One case: pmap is a fourth way to run the same per-device code (its collectives are
+# shard_map's, compared with vmap for every compressor above); CGX's SRA uses all_to_all and
+# all_gather. The reference is the `ways` fixture's vmap run of COMPS[0] (cgx, "auto" = "sra").
+@ways_group
+def test_pmap_equals_vmap(ways, cpu_devices):
   """The same code under jax.pmap over 8 CPU devices gives vmap's bits."""
-  g = _grads(6)
-  st = _state(comp)
-  kw = dict(min_size=100, algorithm=alg)
-  ov = _run_vmap(comp, g, st, **kw)
-  op = jax.pmap(lambda g, s: compressed_allreduce(g, s, "i", comp, **kw), axis_name="i",
-                devices=cpu_devices[:W])(g, st)
-  for a, b in zip(jax.tree_util.tree_leaves(ov), jax.tree_util.tree_leaves(op), strict=True):
+  (g, g2, st), vm, _ = ways
+  comp, alg = WAYS["0"]
+  f = jax.pmap(lambda g, s: compressed_allreduce(g, s, "i", comp, algorithm=alg, **WAYS_KW),
+               axis_name="i", devices=cpu_devices[:W])
+  op = f(g2, f(g, st["0"])[1])
+  for a, b in zip(jax.tree_util.tree_leaves(vm["0"]), jax.tree_util.tree_leaves(op), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

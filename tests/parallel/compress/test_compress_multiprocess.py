@@ -2,7 +2,8 @@
 bit-identical results on all 4 devices, and the same bits (outputs of every step and the final
 state) as the same jit(shard_map) on a 4-device mesh of this process's forced CPU devices.
 
-One worker launch runs every case of ``_mp_compress_worker.CASES`` (compile dominates)."""
+One worker launch runs every case of ``_mp_compress_worker.CASES``, all cases in one program
+in each process (compile dominates: one compile instead of one per case)."""
 
 import os
 import socket
@@ -67,7 +68,7 @@ def results(tmp_path_factory):
     devices = jax.devices("cpu")[:W]
     assert len(devices) == W, f"need {W} CPU devices (tests/conftest.py forces 8)"
     with jax.default_device(devices[0]):
-      ref = {mpw.case_id(c): mpw.run_case(c, devices) for c in mpw.CASES}
+      ref = mpw.run_cases(mpw.CASES, devices)
     deadline = time.monotonic() + 240
     for p in procs:
       try:
