@@ -60,6 +60,9 @@ def main(argv=None):
   params = {"w1": jax.random.normal(k1, (64, 64)) * 0.1, "b1": jnp.zeros(64),
             "w2": jax.random.normal(k2, (64, 10)) * 0.1, "b2": jnp.zeros(10)}
   opt_state = tx.init(params)
+  # replicated on the mesh from the start, as every step returns them: one compile of `step`
+  # (uncommitted arrays would make the second step's inputs differ from the first's)
+  params, opt_state = jax.device_put((params, opt_state), jax.NamedSharding(mesh, P()))
   rng = np.random.default_rng(0)
   per = 4
   for _ in range(steps):
