@@ -79,14 +79,17 @@ def cpu_devices():
 @pytest.fixture
 def fast_compile():
   """XLA's optimizations off in this process for one test (``jax_disable_most_optimizations``;
-  restored after it): for the benchmark scripts' smoke runs, whose time is mostly compiling
-  (tests/_bench.py, ``FAST_COMPILE``: the same for a subprocess).
+  restored after it): for the smoke runs of the benchmark scripts and the README's snippets,
+  whose time is mostly compiling (tests/_bench.py, ``FAST_COMPILE``: the same for a
+  subprocess).
 
-  The flag is not part of JAX's in-memory jit cache keys, so the programs compiled under it
-  would be reused by later tests in this worker (unoptimized, and XLA:CPU's multiply-add
-  contraction may differ from an optimized compile): the caches are cleared after the test.
-  (The persistent cache keys by the compile options, so its entries do not mix.)"""
+  The flag is not part of JAX's in-memory jit cache keys, so JAX's in-memory caches are
+  cleared before the test (every program it runs is compiled under the flag, so its bits are
+  compared only among programs compiled alike) and after it (later tests of this worker do not
+  reuse unoptimized programs; XLA:CPU's multiply-add contraction may differ from an optimized
+  compile). The persistent cache keys by the compile options, so its entries do not mix."""
   before = jax.config.read("jax_disable_most_optimizations")
+  jax.clear_caches()
   jax.config.update("jax_disable_most_optimizations", True)
   try:
     yield

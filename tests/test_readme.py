@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 
-import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,9 +18,6 @@ README = open(os.path.join(ROOT, "README.md")).read()
 # test_pallas_matmul.py) and all_gather(reduce_scatter) == psum (tests/parallel/test_sharded.py).
 @pytest.mark.usefixtures("fast_compile")
 def test_readme_python_snippets_run():
-  # the flag is not in JAX's in-memory cache keys: drop the programs earlier tests of this
-  # worker compiled normally, so that every program of the snippets is compiled here
-  jax.clear_caches()
   blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
   assert len(blocks) >= 5
   ns: dict = {}

@@ -105,10 +105,7 @@ def ways():
 
 
 @ways_group
-@pytest.mark.parametrize("i", range(len(COMPS)),
-                         ids=[f"{type(c).__name__}{sum(type(d) is type(c) for d in COMPS[:i])}"
-                              if sum(type(d) is type(c) for d in COMPS) > 1 else type(c).__name__
-                              for i, c in enumerate(COMPS)])
+@pytest.mark.parametrize("i", range(len(COMPS)), ids=[type(c).__name__ for c in COMPS])
 def test_identical_on_workers_and_vmap_equals_shard_map(i, ways):
   (g, _, _), vm, sm = ways
   ov, sv = vm[str(i)]
