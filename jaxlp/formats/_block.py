@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -325,15 +326,20 @@ class BlockFormat:
 
     mx, expand = blocks(x)
 
-    def general(x, mx):
+    def general(x, mx, rand):
       params = _fenced_params(self._block_params(mx), mx, expand, stack=True)
       return B.from_bits(self._round_with_params(B.to_bits(x), params, rounding, rand,
                                                  rand_bits))
 
     if not mx.size:
-      return general(x, mx)
+      return general(x, mx, rand)
+    # Each path is traced once and shared by the branches that run it (a nested jit is traced
+    # once per input types; the compiled program is the same): the platform conditional below
+    # traces every branch, and vmap and differentiation transform every branch again.
+    general = jax.jit(general)
+    block_max = jax.jit(lambda x: blocks(x)[0])
 
-    def cpu(x, mx):
+    def cpu(x, mx, rand):
       # As MX's (:meth:`MXFormat._quantize_f32`): the block max in a conditional of its own
       # (its predicate is always true, which no compiler can tell; the other branch is never
       # taken), so that it reads the operand from memory instead of recomputing its producers
@@ -344,10 +350,10 @@ class BlockFormat:
       # The untaken branches return values computed from the operand (the block max, the
       # operand itself), not constants: under shard_map a constant is not "varying" over the
       # mesh axes as the operand is, and cond wants both branches' types equal.
-      mx = lax.cond(pred, lambda x: blocks(x)[0], lambda x: blocks(x)[0], x)
-      return lax.cond(pred, general, lambda x, mx: x, x, mx)
+      mx = lax.cond(pred, block_max, block_max, x)
+      return lax.cond(pred, general, lambda x, mx, rand: x, x, mx, rand)
 
-    return lax.platform_dependent(x, mx, cpu=cpu, default=general)
+    return lax.platform_dependent(x, mx, rand, cpu=cpu, default=general)
 
 
 def hbfp(man_bits: int, tile: int = 0, *, eps: float = 1e-8) -> BlockFormat:
@@ -644,9 +650,13 @@ class MXFormat:
       params = _fenced_params(self._block_params(mx, rounding), mx, expand)
       return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
 
+    # as in BlockFormat._quantize_f32: the exact path and the block max traced once each
+    @jax.jit
     def exact(x, mx):
       params = _fenced_params(self._block_params(mx, rounding), mx, expand, stack=True)
       return B.from_bits(self._round_nearest(B.to_bits(x), params))
+
+    block_max = jax.jit(lambda x: blocks(x)[0])
 
     def fast(x, mx):
       params = self._fast_params(mx, self._block_params(mx, rounding))[:-1]
@@ -664,8 +674,7 @@ class MXFormat:
       # (passing both paths' parameters into the conditional made its element loops 2x
       # slower, measured).
       w = B.to_bits(x.reshape(-1)[0])
-      mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), lambda x: blocks(x)[0],
-                    lambda x: blocks(x)[0], x)
+      mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), block_max, block_max, x)
       regular = self._fast_params(mx, self._block_params(mx, rounding))[-1]
       return lax.cond(jnp.all(regular), fast, exact, x, mx)
 
