@@ -650,17 +650,21 @@ class MXFormat:
       params = _fenced_params(self._block_params(mx, rounding), mx, expand)
       return B.from_bits(self._round_with_params(bits, params, rounding, rand, rand_bits))
 
-    # as in BlockFormat._quantize_f32: the exact path and the block max traced once each
+    # Each piece traced once, in a nested jit shared by the branches below (XLA inlines
+    # them: the compiled program is the same): the platform conditional traces both of its
+    # branches, the CPU one both paths, and vmap and differentiation transform every branch
+    # again; the block parameters alone are ~180 equations, used by three branches.
+    block_max = jax.jit(lambda x: blocks(x)[0])
+    block_params = jax.jit(lambda mx: self._block_params(mx, rounding))
+    fast_params = jax.jit(lambda mx: self._fast_params(mx, block_params(mx)))
+
     @jax.jit
     def exact(x, mx):
-      params = _fenced_params(self._block_params(mx, rounding), mx, expand, stack=True)
+      params = _fenced_params(block_params(mx), mx, expand, stack=True)
       return B.from_bits(self._round_nearest(B.to_bits(x), params))
 
-    block_max = jax.jit(lambda x: blocks(x)[0])
-
     def fast(x, mx):
-      params = self._fast_params(mx, self._block_params(mx, rounding))[:-1]
-      params = _fenced_params(params, mx, expand, stack=True)
+      params = _fenced_params(fast_params(mx)[:-1], mx, expand, stack=True)
       return B.from_bits(self._round_nearest_float(B.to_bits(x), *params))
 
     def cpu(x, mx):
@@ -675,7 +679,7 @@ class MXFormat:
       # slower, measured).
       w = B.to_bits(x.reshape(-1)[0])
       mx = lax.cond(B.fmix32(w) != B.fmix32(w ^ B.u32(1)), block_max, block_max, x)
-      regular = self._fast_params(mx, self._block_params(mx, rounding))[-1]
+      regular = fast_params(mx)[-1]
       return lax.cond(jnp.all(regular), fast, exact, x, mx)
 
     return lax.platform_dependent(x, mx, cpu=cpu, default=exact)
