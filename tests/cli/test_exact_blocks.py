@@ -34,10 +34,15 @@ def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys
 def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run():
   """Documented (README, "Block formats on tensor cores"): on the digits MLP every
   sum of block products fits float32's 24 bits, so the exact block dots give the same bits
-  as today's emulation: the same logits from the same parameters (``--policy mxint8`` here;
-  ``--hbfp 8`` with 3 workers, a schedule and weight decay, over 2 epochs, in
-  tests/cli/test_portable.py). The exact run's loss, softmax, sums and update use the portable
-  arithmetic (``jaxlp.training._portable``): within a few ulps of XLA's, the same accuracy."""
+  as today's emulation: the same logits from the same parameters (``--policy mxint8`` here).
+  The training runs of the exact MLP (``--hbfp 8`` with 3 workers, a schedule and weight
+  decay, over 2 epochs: the same init and logits, then the portable loss, softmax, sums and
+  update within a few ulps of XLA's, the same accuracy) are in tests/cli/test_portable.py; the
+  portable arithmetic does not depend on the block format, MXINT8's exact block dots give
+  their definition's forward and both gradients in tests/ops/test_block_dot.py
+  (test_dot_general_mxint8_requantizes_along_each_contraction) and train a language model in
+  tests/cli/test_text.py: an MXINT8 run here traced two more training steps for no path of
+  its own."""
   import jax
   import numpy as np
 
@@ -53,9 +58,6 @@ def test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run():
   lx = np.asarray(jax.jit(t_exact.model.apply)({"params": t_exact.params}, x))
   le = np.asarray(jax.jit(t_emu.model.apply)({"params": t_emu.params}, x))
   assert lx.tobytes() == le.tobytes()
-  m_exact, m_emu = t_exact.run_epoch(), t_emu.run_epoch()
-  np.testing.assert_allclose(m_exact["train_loss"], m_emu["train_loss"], rtol=2e-6)
-  assert m_exact["test_accuracy"] == m_emu["test_accuracy"]
 
 
 @pytest.mark.parametrize("args,needle", [

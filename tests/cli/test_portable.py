@@ -337,7 +337,11 @@ def test_portable_cnn_has_flax_params_and_the_exact_logits():
   a = build_model("cnn", 10, width=2, **kw)
   b = build_model("cnn", 10, width=2, portable=True, **kw)
   x = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (4, 8, 8, 1)).astype(f32))
-  pa, pb = jax.jit(a.init)(jax.random.key(0), x), jax.jit(b.init)(jax.random.key(0), x)
+  # initialised without the policy (a dot_general/conv hook makes no parameter; the Trainer
+  # initialises the plain model too): init traces the forward pass, and the quantized one
+  # costs as much as the apply below
+  pa, pb = (jax.jit(build_model("cnn", 10, width=2, portable=p).init)(jax.random.key(0), x)
+            for p in (False, True))
   assert jax.tree_util.tree_structure(pa) == jax.tree_util.tree_structure(pb)
   for u, v in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
     _same_bits(u, v)
@@ -352,7 +356,8 @@ def test_portable_run_with_workers_schedule_and_decay_agrees_with_optax_closely(
   float32's 24 bits, so the exact block dots give the emulation's bits: the same initial
   parameters and the same logits from them. The portable loss, softmax, sums and update stay
   within a few ulps of XLA's over the first epoch, with the same accuracy, and within float32
-  rounding after the second. (``--policy mxint8``: tests/cli/test_exact_blocks.py.)"""
+  rounding after the second. (``--policy mxint8``'s init and logits:
+  tests/cli/test_exact_blocks.py.)"""
   from jaxlp.training._loop import _policy
 
   cfg = dict(hbfp=8, nodes=3, batch_size=48, epochs=2, width=1, max_steps_per_epoch=3,

@@ -169,20 +169,30 @@ def test_lstm_train_and_resume_equal_one_run(tmp_path):
       "lstm", "text", "bytes", "adam", 8)
 
 
+# The compressors' and the low-precision sums' cases run with elementwise (or no) policies:
+# the block policies cost 10-20x as many traced equations per matmul, and their paths on the
+# language models are run elsewhere: HBFP8 (--hbfp 8 --weight-man 16) and E5M2 training of the
+# LSTM and
+# BERT in tests/cli/test_reproduce.py (toy rows), HBFP8's forward and backward of all three
+# models below (test_lm_step_has_no_unquantized_matmul_under_hbfp8) and the transformer's
+# HBFP8 (exact) step in tests/test_sequence_bench_smoke.py, MXFP8's LSTM gradients there and
+# MX blocks in attention in tests/flax_integration/test_whole_model.py; MX (mxint8) training
+# of a language model in the last case here.
 @pytest.mark.parametrize("model, flags", [
-    ("transformer", ["--policy", "hbfp8", "--compress", "cgx:bits=4"]),
-    ("lstm", ["--hbfp", "8", "--weight-man", "16", "--grad-exp", "4", "--grad-man", "3",
-              "--aps", "--kahan"]),
-    ("bert", ["--policy", "mxfp8", "--compress", "powersgd:rank=1"]),
+    ("transformer", ["--policy", "e4m3", "--compress", "cgx:bits=4"]),
+    ("bert", ["--policy", "bf16", "--compress", "powersgd:rank=1"]),
     ("transformer", ["--policy", "e5m2", "--compress", "dgc:ratio=0.01", "--momentum", "0",
                      "--tokens", "words"]),
-    # exact integer block dots on every (batch, sequence, features) GEMM; a folder's bytes
-    ("lstm", ["--policy", "mxint8", "--exact-blocks", "--grad-format", "E5M2", "--tokens",
-              "bytes"]),
+    # exact integer block dots on every (batch, sequence, features) GEMM, low-precision sums
+    # (APS, Kahan); a folder's bytes. (A named --grad-format: tests/cli/test_shard.py; APS and
+    # Kahan were a case of their own, a second LSTM run traced, compiled and run.)
+    ("lstm", ["--policy", "mxint8", "--exact-blocks", "--grad-exp", "4", "--grad-man", "3",
+              "--aps", "--kahan", "--tokens", "bytes"]),
 ])
 def test_every_policy_and_reduction_runs_on_the_language_models(tmp_path, model, flags):
-  """The CNNs' quantization policies, low-precision sums (APS, Kahan) and compressors on the
-  language models (words from a folder for one of them): a finite perplexity and wire bytes."""
+  """The CNNs' quantization policies (elementwise, a recipe's BF16, MX with exact block dots),
+  low-precision sums (APS, Kahan) and compressors on the language models (words from a folder
+  for one of them): a finite perplexity and wire bytes."""
   out = str(tmp_path / "run")
   data = ["--data-dir", _corpus(tmp_path)] if "--tokens" in flags else []
   assert main(["train", "--model", model, "--out", out] + data + TINY + flags) == 0
