@@ -17,10 +17,11 @@ from jaxlp.training import CLAIMS, reproduce  # noqa: E402
 # traces and compiles a whole quantized training step and its evaluation): nvfp4 its two claim
 # rows (the recipe has all its pieces at once: 2-D weight tiles, SR, RHT, BF16 ends), the
 # language models HBFP8 (the claim's system) and E5M2 (the cheapest row: the MX rows took 3-4x
-# its time; MXFP8 (rceil) trains in the nvfp4 case, MXFP8 on BERT in tests/cli/test_text.py).
+# its time; MXFP8 (rceil) trains in the nvfp4 case, MXINT8 an LSTM in tests/cli/test_text.py).
 # The rows left out are other --policy names through the same trainer path (recipe_policy / the
-# presets, then quantize_model): mxfp8, e4m3 and e5m2 train a language model in
-# tests/cli/test_text.py; bf16, nvfp4 and mxfp4 map to their policies in
+# presets, then quantize_model): e4m3, e5m2 and bf16 train a language model in
+# tests/cli/test_text.py; mxfp8 differs from the trained MXFP8 (rceil) row by its scale rule
+# alone (tests/formats/test_mx_rules.py); bf16, nvfp4 and mxfp4 map to their policies in
 # tests/ops/test_recipes.py (test_train_policy_names), whose plain-NVFP4 GEMMs (forward, dlhs,
 # drhs) are checked bit for bit there too.
 TOY_ROWS = {
