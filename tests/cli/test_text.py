@@ -171,9 +171,9 @@ def test_lstm_train_and_resume_equal_one_run(tmp_path):
 
 # The compressors' and the low-precision sums' cases run with elementwise (or no) policies:
 # the block policies cost 10-20x as many traced equations per matmul, and their paths on the
-# language models are run elsewhere: HBFP8 (--hbfp 8 --weight-man 16) and E5M2 training of the
-# LSTM and BERT in tests/cli/test_reproduce.py (toy rows), HBFP8's forward and backward of all three
-# models below (test_lm_step_has_no_unquantized_matmul_under_hbfp8) and the transformer's
+# language models are run elsewhere: HBFP8 (--hbfp 8 --weight-man 16) and E5M2 training of
+# the LSTM and BERT in tests/cli/test_reproduce.py (toy rows), HBFP8's forward and backward of
+# all three models below (test_lm_step_has_no_unquantized_matmul_under_hbfp8) and the transformer's
 # HBFP8 (exact) step in tests/test_sequence_bench_smoke.py, MXFP8's LSTM gradients there and
 # MX blocks in attention in tests/flax_integration/test_whole_model.py; MX (mxint8) training
 # of a language model in the last case here.
