@@ -1,11 +1,12 @@
 """The non-finite policy of every reduction (jaxlp/parallel/_compressed.py's module docstring).
 
-For all 11 compressors (both 16-bit casts), per leaf and with ``bucket_mb`` fusion, under a
-named ``vmap``, and for variants with their own overflow-free code paths (CGX's 1-bit ring and
-stochastic all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant, DGC's
-clipping); under ``shard_map`` over 4 of the 8 forced CPU devices (W = 4) for one compressor
-per collective pattern (CGX's SRA: all_to_all + all_gather; TopK: all_gather of sparse pairs;
-bf16: the ring of ppermutes). The policy's cross-worker step (the finite flags of the units,
+For all 11 compressors (both 16-bit casts), per leaf (fp16 also with ``bucket_mb`` fusion),
+under a named ``vmap``, and for variants with their own overflow-free code paths (CGX's 1-bit
+ring and stochastic all-gather, 1-bit's two means, TernGrad's clipping and HiPress variant,
+DGC's clipping; the all-gather and the two means bucketed); under ``shard_map`` over 4 of the
+8 forced CPU devices (W = 4), per leaf and bucketed, for one compressor per collective pattern
+(CGX's SRA: all_to_all + all_gather; TopK: all_gather of sparse pairs; bf16: the ring of
+ppermutes). The policy's cross-worker step (the finite flags of the units,
 all-gathered) is the same code for every compressor, and vmap and shard_map give the same bits
 for every compressor in test_compress_allreduce.py::test_identical_on_workers_and_vmap_...:
 
@@ -23,10 +24,11 @@ for every compressor in test_compress_allreduce.py::test_identical_on_workers_an
 * finite ordinary inputs (normal data, times 1e18 and 1e-30) keep the bits of the code
   before the policy (digests recorded from commit c057d97).
 
-One jitted program per (compressor, mode) runs every input family (an unnamed ``vmap`` over
-the cases) for its bucketings. ``psum`` and ``reduce_gradients`` without a compressor follow
-the same rule (one case each). The state checks of ``compressed_allreduce`` (a state of the
-wrong type, of another compressor, of other shapes) raise one clear error.
+One jitted program per group of entries (GROUPS) and mode runs every input family (an unnamed
+``vmap`` over the cases) for each entry's bucketings. ``psum`` and ``reduce_gradients``
+without a compressor follow the same rule (one case each). The state checks of
+``compressed_allreduce`` (a state of the wrong type, of another compressor, of other shapes)
+raise one clear error.
 """
 
 import functools
@@ -66,6 +68,13 @@ ENTRIES = {
 }
 # the entries also run under shard_map (module docstring: one per collective pattern)
 SHARD_MAP = ("cgx", "topk", "bf16")
+# fused into a bucket (bucket_mb) under vmap as well: the unit rule (a bad value or an
+# overflow NaNs the whole bucket and keeps its state) is the engine's, the same code for every
+# compressor; fp16 is the one entry whose finite inputs overflow the format inside a bucket.
+# The other families' buckets: under shard_map (cgx, topk, bf16) and the variants with their
+# own bucket_mb (cgx3_stochastic_allgather, onebit_pos_neg); a bucket is one more encode per
+# program, most of an entry's compile time
+BUCKETED = ("fp16",)
 # finite cases that may overflow (then a NaN unit, the policy): fp16 cannot hold 1e18 or
 # 3e38; PowerSGD's sums M Q over a row and over the workers are not divided by W
 MAY_OVERFLOW = {"fp16": {"large", "big_same", "big_random", "huge"},
@@ -87,13 +96,15 @@ OPTS = dict(min_size=1, skip_vectors=False)
 
 
 def _bucketings(name, mode):
-  """{label: bucket_mb} of an entry in a mode (0.01 MB holds both leaves)."""
+  """{label: bucket_mb} of an entry in a mode (0.01 MB holds both leaves): per leaf, and
+  fused into one bucket under shard_map and for the entries in BUCKETED (under vmap) or with
+  their own ``bucket_mb``."""
   kw = ENTRIES[name][1]
   if "bucket_mb" in kw:
     return {"bucket": kw["bucket_mb"]}
-  if ENTRIES[name][2] != BOTH:
-    return {"per_leaf": None}
-  return {"per_leaf": None, "bucket": 0.01}
+  if mode == "shard_map" or name in BUCKETED:
+    return {"per_leaf": None, "bucket": 0.01}
+  return {"per_leaf": None}
 
 
 def _inputs(seed):
@@ -116,19 +127,22 @@ def _inputs(seed):
   return {k: jnp.asarray(v) for k, v in first.items()}
 
 
-def _program(name, mode):
-  """``run(first, states)``: per bucketing, one step on every case (an unnamed vmap) from the
-  same state. Results have a leading worker axis, then the case axis."""
-  comp, kw, _ = ENTRIES[name]
-  kw = {k: v for k, v in kw.items() if k != "bucket_mb"}
-  bucketings = _bucketings(name, mode)
+def _program(names, mode):
+  """``run(first, states)`` (dicts by entry name): per entry and bucketing, one step on every
+  case (an unnamed vmap) from the same state, all entries in one jitted program (one compile:
+  XLA's per-program cost is most of these tests' time). Results have a leading worker axis,
+  then the case axis."""
 
   def worker(first, states):
     res = {}
-    for label, bmb in bucketings.items():
-      step = functools.partial(compressed_allreduce, state=states[label], axis_name="w",
-                               compressor=comp, bucket_mb=bmb, **OPTS, **kw)
-      res[label] = jax.vmap(lambda g, step=step: step(g))(first)
+    for name in names:
+      comp, kw, _ = ENTRIES[name]
+      kw = {k: v for k, v in kw.items() if k != "bucket_mb"}
+      res[name] = {}
+      for label, bmb in _bucketings(name, mode).items():
+        step = functools.partial(compressed_allreduce, state=states[name][label],
+                                 axis_name="w", compressor=comp, bucket_mb=bmb, **OPTS, **kw)
+        res[name][label] = jax.vmap(lambda g, step=step: step(g))(first[name])
     return res
 
   if mode == "vmap":
@@ -191,13 +205,14 @@ def _cases_first(tree):
   return jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), tree)
 
 
-def run_entry(name, mode):
-  """The program's results, cases first: {bucketing: (outputs, states)}, the inputs and the
-  initial states."""
-  first = _inputs(seed=len(name))
-  states = _states(name, mode, seed=len(name) + 1)
-  res = _program(name, mode)(first, states)
-  return {k: tuple(_cases_first(t) for t in v) for k, v in res.items()}, first, states
+def run_entries(names, mode):
+  """Per entry name: the program's results, cases first ({bucketing: (outputs, states)}), the
+  inputs and the initial states."""
+  first = {n: _inputs(seed=len(n)) for n in names}
+  states = {n: _states(n, mode, seed=len(n) + 1) for n in names}
+  res = _program(names, mode)(first, states)
+  return {n: ({k: tuple(_cases_first(t) for t in v) for k, v in res[n].items()}, first[n],
+              states[n]) for n in names}
 
 
 def finite_digest(name, res):
@@ -214,19 +229,22 @@ def finite_digest(name, res):
 
 
 # finite_digest under vmap, recorded from the code before the non-finite policy and the
-# overflow-free ranges and norms (commit c057d97): where nothing overflows, not a bit changed
+# overflow-free ranges and norms (commit c057d97): where nothing overflows, not a bit changed.
+# The entries that are no longer bucketed under vmap (all but fp16 and the variants): the
+# digest of their per-leaf results, taken at 853e50f + c547b03 from the program whose per-leaf
+# and bucketed results still gave the c057d97 digest
 GOLDEN = {
-    "cgx": "fe7406d5cd26a135",
-    "qsgd": "1b53dabae9fe3b80",
-    "onebit": "c87fe7f79e20e1f8",
-    "tbq": "744455ba0e2e8cda",
-    "terngrad": "5773f04781b96aed",
-    "topk": "bfedc32537fb4700",
-    "randomk": "b156e00d2ea4e0e8",
-    "dgc": "5dee2f23a311a19c",
-    "graddrop": "ef1a5536acce1e13",
-    "powersgd": "a0a1c4011ce9afce",
-    "bf16": "f015b1b8f9b16624",
+    "cgx": "fb7286e8950a7472",
+    "qsgd": "58a88ebb029ea2b7",
+    "onebit": "88f6cdb761d700b9",
+    "tbq": "f59d234a825b966e",
+    "terngrad": "f65452ab613fd279",
+    "topk": "f28518950d568254",
+    "randomk": "e1c7033a9e06e682",
+    "dgc": "ff8e12af35a22f0f",
+    "graddrop": "a07b41ecf65d9ee5",
+    "powersgd": "5e319d3675e47f12",
+    "bf16": "4524c367166f711f",
     "fp16": "9adddfb436027565",
     "cgx1_ring": "337ab90555d54038",
     "cgx3_stochastic_allgather": "02422d9a502915cb",
@@ -237,11 +255,31 @@ GOLDEN = {
 }
 
 
-@pytest.mark.parametrize("name,mode", [(n, m) for n, e in ENTRIES.items() for m in e[2]
-                                       if m == "vmap" or n in SHARD_MAP])
-def test_nonfinite_policy(name, mode, cpu_devices):
+# the entries in one program per group (families with shared code together, the groups of
+# about equal compile time): every entry and mode as before, 5 compiles instead of 21
+GROUPS = {
+    "cgx": ("cgx", "cgx1_ring", "cgx3_stochastic_allgather"),
+    "qsgd_powersgd": ("qsgd", "powersgd"),
+    "onebit_tbq_terngrad": ("onebit", "onebit_pos_neg", "tbq", "terngrad", "terngrad_clip",
+                            "terngrad_hipress1"),
+    "sparse_casts": ("topk", "randomk", "dgc", "dgc_clip", "graddrop", "bf16", "fp16"),
+}
+
+
+def test_groups_hold_every_entry_once():
+  assert sorted(n for g in GROUPS.values() for n in g) == sorted(ENTRIES)
+
+
+@pytest.mark.parametrize("group,mode", [(g, "vmap") for g in GROUPS] + [("shard_map",
+                                                                          "shard_map")])
+def test_nonfinite_policy(group, mode, cpu_devices):
   del cpu_devices
-  res, first, states = run_entry(name, mode)
+  names = GROUPS[group] if mode == "vmap" else SHARD_MAP
+  for name, (res, first, states) in run_entries(names, mode).items():
+    _check_entry(name, mode, res, first, states)
+
+
+def _check_entry(name, mode, res, first, states):
   if mode == "vmap":
     assert finite_digest(name, res) == GOLDEN[name], "ordinary finite inputs changed bits"
   ia, ib = 0, 1  # leaf numbers (tree order)

@@ -61,12 +61,19 @@ def np_cgx(x, bits, bucket, r=None, nq=None):
   return out, np_pack(lev, bits), np.array(meta, np.float32)
 
 
-def _crafted(rng):
-  yield "random", rng.standard_normal(1000).astype(np.float32)
-  yield "grid ties", (rng.integers(0, 16, 1031) * 0.5).astype(np.float32)
+def _crafted(rng, bucket):
+  """The input families: random values (ending in a partial bucket), values on the level grid
+  (near ties), zeros, tiny values (1e-9), each family in whole buckets of one leaf ("mixed":
+  no bucket holds two families; one leaf instead of one per family, each leaf shape is
+  traced and compiled on its own), a single element and a leaf of 45."""
+  def whole(x):  # rounded up to whole buckets
+    return np.resize(x, -(-x.size // bucket) * bucket)
+  yield "mixed", np.concatenate([
+    whole((rng.standard_normal(300) * 1e-9).astype(np.float32)),
+    whole(np.zeros(77, np.float32)),
+    whole((rng.integers(0, 16, 1031) * 0.5).astype(np.float32)),
+    rng.standard_normal(1000).astype(np.float32)])
   yield "single", np.array([-2.5], np.float32)
-  yield "zeros", np.zeros(77, np.float32)
-  yield "tiny", (rng.standard_normal(300) * 1e-9).astype(np.float32)
   yield "n < bucket", rng.standard_normal(45).astype(np.float32)
 
 
@@ -74,7 +81,7 @@ def _crafted(rng):
 def test_cgx_equals_numpy_division(bits, bucket):
   rng = np.random.default_rng(bits)
   comps = [C.cgx(bits, bucket, skip_incomplete=skip) for skip in (False, True)]
-  named = list(_crafted(rng))
+  named = list(_crafted(rng, bucket))
 
   @jax.jit  # every input and both settings in one program (one compile); encode and decode
   def run(xs):  # together, as the engine runs them
@@ -173,12 +180,15 @@ def test_qsgd_encode_equals_the_numpy_definition(levels, bucket):
   rng = np.random.default_rng(levels)
   key = jax.random.key(levels)
   c = C.qsgd(levels, bucket)
-  for name, x in _crafted(rng):
-    p = jax.jit(lambda x, c=c: c.encode(x, (), key)[0])(jnp.asarray(x))
+  named = list(_crafted(rng, bucket))
+  # every input, with its noise, in one program (one compile)
+  got = jax.jit(lambda xs: [(c.encode(x, (), key)[0], uniform01(key, x.shape)) for x in xs])(
+    [jnp.asarray(x) for _, x in named])
+  for (name, x), (p, u) in zip(named, got, strict=True):
     norm = np.asarray(p["norm"])
     xb = np.pad(x, (0, norm.size * bucket - x.size)).reshape(norm.size, bucket)
     np.testing.assert_allclose(norm, np.sqrt((xb.astype(np.float64) ** 2).sum(1)), rtol=1e-6)
-    want = np_qsgd_levels(x, norm, np.asarray(_uniform01(key, (x.size,))), levels, bucket)
+    want = np_qsgd_levels(x, norm, np.asarray(u), levels, bucket)
     assert _bytes(p["codes"]) == _bytes(np_pack(want, c.bits)), name
 
 
@@ -189,11 +199,15 @@ def test_conv_shaped_leaf_equals_its_flat_vector(comp):
   decodes to the bits of the same values given flat."""
   x = np.random.default_rng(0).standard_normal((16, 8, 3, 3)).astype(np.float32)
   key = jax.random.key(2)
-  p4 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x))
-  p1 = jax.jit(lambda x: comp.encode(x, (), key)[0])(jnp.asarray(x.ravel()))
+
+  @jax.jit  # both shapes, encode and decode, in one program (one compile)
+  def run(x4, x1):
+    p4, p1 = comp.encode(x4, (), key)[0], comp.encode(x1, (), key)[0]
+    return p4, p1, comp.decode(p4, x4.shape), comp.decode(p1, x1.shape)
+
+  p4, p1, d4, d1 = run(jnp.asarray(x), jnp.asarray(x.ravel()))
   assert jax.tree_util.tree_map(_bytes, p4) == jax.tree_util.tree_map(_bytes, p1)
-  assert _bytes(_decode(comp, p4, x.shape)) == _bytes(
-    np.asarray(_decode(comp, p1, (x.size,))).reshape(x.shape))
+  assert _bytes(d4) == _bytes(np.asarray(d1).reshape(x.shape))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])

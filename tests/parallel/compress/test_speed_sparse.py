@@ -48,7 +48,6 @@ def ref_select(values, mag, thr, k_cap, k_now=None):
   return {"count": jnp.sum(valid, dtype=jnp.int32).reshape(1), "idx": idx, "val": val}, idx
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _both(v, thr, k_now, k_cap, exact, with_k_now, impl):
   kn = k_now if with_k_now else None
   t = -1.0 if exact else thr
@@ -59,19 +58,37 @@ def _both(v, thr, k_now, k_cap, exact, with_k_now, impl):
           zero_at(v, b[1]))
 
 
+# (k_cap, exact, with k_now): exact top-k (TopK; sample_rate=None) at a small and a large
+# k_cap, exact with a k_now (DGC's warm-up, which may keep none), thresholded without and with
+# a k_now; all in one jitted program per schedule (one compile: most of the time here is
+# XLA's per-program cost), run once per (threshold, k_now) pair
+VARIANTS = ((9, True, False), (400, True, False), (400, True, True), (400, False, False),
+            (400, False, True))
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _all(v, thr, k_exact, k_thr, impl):
+  return [_both(v, thr, k_exact if exact else k_thr, k_cap, exact, with_k, impl)
+          for k_cap, exact, with_k in VARIANTS]
+
+
 def _pairs(p):
   idx, val = np.asarray(p["idx"]), np.asarray(p["val"])
   o = np.argsort(idx, kind="stable")
   return int(p["count"][0]), idx[o].tobytes(), val[o].tobytes()
 
 
-def _check(v, thr, k_cap, k_now, exact, impl=None):
-  a, b, da, db, ra, rb = _both(v, jnp.float32(thr), jnp.int32(k_now or 0), k_cap, exact,
-                               k_now is not None, impl)
-  assert _pairs(a) == _pairs(b), (thr, k_cap, k_now, exact)
-  assert np.asarray(da).tobytes() == np.asarray(db).tobytes()
-  assert np.asarray(ra).tobytes() == np.asarray(rb).tobytes()
-  return np.asarray(b["idx"])[:int(b["count"][0])]
+def _check_all(v, thr, k_exact, k_thr, impl):
+  """Every variant at a threshold, a k_now for the exact and one for the thresholded
+  selection; returns the indices the new path selected per variant."""
+  got = []
+  for (a, b, da, db, ra, rb), var in zip(_all(v, jnp.float32(thr), jnp.int32(k_exact),
+                                              jnp.int32(k_thr), impl), VARIANTS, strict=True):
+    assert _pairs(a) == _pairs(b), (thr, k_exact, k_thr, var)
+    assert np.asarray(da).tobytes() == np.asarray(db).tobytes(), (thr, var)
+    assert np.asarray(ra).tobytes() == np.asarray(rb).tobytes(), (thr, var)
+    got.append(np.asarray(b["idx"])[:int(b["count"][0])])
+  return got
 
 
 def _inputs():
@@ -87,31 +104,28 @@ def _inputs():
 
 @pytest.mark.parametrize("impl", [None, "gpu", "radix"],
                          ids=["platform", "gpu_schedule", "radix_schedule"])
-@pytest.mark.parametrize("name,x", list(_inputs()), ids=lambda a: a if isinstance(a, str) else "")
-def test_selection_equals_full_top_k(name, x, impl):
+def test_selection_equals_full_top_k(impl):
   """Every schedule of the compaction path (on CPU, None is "cpu"; "gpu" is what a GPU
   compiles: a sort instead of the bisection, no conditional around it; "radix": no candidate
-  buffer, no conditional at all)."""
-  v = jnp.asarray(x.astype(np.float32))
-  mags = np.sort(np.nan_to_num(np.abs(np.asarray(v)), nan=0.0))[::-1]
-  for k_cap in (9, 400):
-    got = _check(v, 0.0, k_cap, None, True, impl)  # exact top-k (TopK; sample_rate=None)
-    if name == "normal":  # the compaction path was taken: ascending indices
-      assert (np.diff(got) > 0).all() and len(got) == k_cap
-    if k_cap == 9:  # (compile time) the other variants at k_cap = 400 only
-      continue
-    _check(v, 0.0, k_cap, k_cap // 3, True, impl)
-    _check(v, 0.0, k_cap, 0, True, impl)  # DGC's warm-up may keep none
+  buffer, no conditional at all), on every input family."""
+  k_cap = 400
+  for name, x in _inputs():
+    v = jnp.asarray(x.astype(np.float32))
+    mags = np.sort(np.nan_to_num(np.abs(np.asarray(v)), nan=0.0))[::-1]
     key = jax.random.key(k_cap)
     thr = sample_threshold(jnp.abs(v), key, k_cap / N, 0.01)
     want = ref_threshold(jnp.abs(v), key, k_cap / N, 0.01)
     assert np.asarray(thr).tobytes() == np.asarray(want).tobytes() or (
-      np.isnan(thr) and np.isnan(want))
+      np.isnan(thr) and np.isnan(want)), name
     # sampled, crafted: at the k-th magnitude (ties at the threshold), just above it (count ==
-    # k_cap or fewer), 0, and so low that the candidates overflow the buffer (fallback)
-    for t in (thr, mags[k_cap], mags[k_cap - 1], 0.0, mags[min(N - 1, 5 * k_cap + 2000)]):
-      _check(v, t, k_cap, None, False, impl)
-      _check(v, t, k_cap, k_cap // 2, False, impl)
+    # k_cap or fewer), 0, and so low that the candidates overflow the buffer (fallback); the
+    # exact selection with k_now = k_cap // 3 and 0 alternating
+    for i, t in enumerate((thr, mags[k_cap], mags[k_cap - 1], 0.0,
+                           mags[min(N - 1, 5 * k_cap + 2000)])):
+      got = _check_all(v, t, (k_cap // 3, 0)[i % 2], k_cap // 2, impl)
+      if name == "normal":  # the compaction path was taken: ascending indices
+        for g, k in zip(got[:2], (9, k_cap), strict=True):
+          assert (np.diff(g) > 0).all() and len(g) == k
 
 
 def test_sampled_threshold_nan_and_traced_keep():
@@ -133,10 +147,11 @@ def test_sparsifiers_under_vmap_match_per_worker():
   for comp in (C.topk(0.01), C.graddrop(0.99)):  # DGC: the same selection as GradDrop
     st = comp.init((N,))
     key = jax.random.key(5)
-    enc = jax.jit(lambda x, comp=comp, st=st, key=key: comp.encode(x, st, key))
-    batched = jax.jit(jax.vmap(lambda x, comp=comp, st=st, key=key: comp.encode(x, st, key)))(xs)
+    enc = lambda x, comp=comp, st=st, key=key: comp.encode(x, st, key)  # noqa: E731
+    # worker i alone and the batch in one program (one compile)
+    run = jax.jit(lambda xs, i, enc=enc: (enc(xs[i]), jax.vmap(enc)(xs)))
     for i in range(2):
-      p, s = enc(xs[i])
+      (p, s), batched = run(xs, i)
       pb = jax.tree_util.tree_map(lambda a, i=i: a[i], batched)
       assert _pairs(p) == _pairs(pb[0])
       for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(pb[1]),
@@ -145,14 +160,14 @@ def test_sparsifiers_under_vmap_match_per_worker():
 
 
 @pytest.mark.parametrize("make", [lambda: C.topk(0.01), lambda: C.dgc(0.01, sample_rate=0.05),
-                                  lambda: C.graddrop(0.99, sample_rate=0.05),
                                   lambda: C.dgc(0.01, sample_rate=0.05, schedule="radix")],
-                         ids=["topk", "dgc", "graddrop", "dgc_radix"])
+                         ids=["topk", "dgc", "dgc_radix"])
 def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
   """A SeCoPa plan cuts a leaf into pieces; the sparsifiers (a lax.cond in their encoder) are
   encoded one piece at a time (lax.map) instead of under vmap, which ran both branches; on
   the "radix" schedule (no conditional) under vmap. Each piece's payload and state equal that
-  piece encoded on its own."""
+  piece encoded on its own. (GradDrop: DGC's thresholded selection without momentum, the same
+  lax.map path.)"""
   from jaxlp.parallel import _aggregate as A  # noqa: PLC0415
   comp = make()
   assert comp._encode_branches == (comp.schedule != "radix")
@@ -160,13 +175,18 @@ def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
   x = jnp.asarray(np.random.default_rng(7).standard_normal(n).astype(np.float32))
   st = comp.init((n,))
   key = jax.random.key(3)
-  payload, new, c = jax.jit(lambda x, st: A._encode_pieces(comp, x, st, key, k))(x, st)
-  xs = A._pad_edge(x, k * c).reshape(k, c)
-  sts = A._split_state(st, k, c, n)
+  c = -(-n // k)  # the piece length
+
+  @jax.jit  # the pieces together and piece i alone in one program (one compile)
+  def run(x, st, i):
+    payload, new, _ = A._encode_pieces(comp, x, st, key, k)
+    xs = A._pad_edge(x, k * c).reshape(k, c)
+    one = jax.tree_util.tree_map(lambda a: a[i], A._split_state(st, k, c, n))
+    return payload, new, comp.encode(xs[i], one, jax.random.split(key, k)[i])
+
   states = []
-  for i, kk in enumerate(jax.random.split(key, k)):
-    one = jax.tree_util.tree_map(lambda a, i=i: a[i], sts)
-    p, s = jax.jit(comp.encode)(xs[i], one, kk)
+  for i in range(k):
+    payload, new, (p, s) = run(x, st, i)
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(payload), strict=True):
       assert np.asarray(a).tobytes() == np.asarray(b[i]).tobytes()
     states.append(s)
@@ -235,23 +255,32 @@ def test_a_compressor_on_the_radix_schedule_keeps_the_bits(make):
   """Three steps of each sparsifier, default schedule against "radix": the same decoded
   gradients and error-feedback state, bit for bit (DGC's warm-up: a traced k)."""
   x = jnp.asarray(np.random.default_rng(8).standard_normal(N).astype(np.float32))
-  runs = []
-  for sched in (None, "radix"):
-    comp = make(sched)
-    st = comp.init((N,))
-    enc = jax.jit(lambda x, st, comp=comp: comp.encode(x, st, jax.random.key(2)))
+  comps = [make(sched) for sched in (None, "radix")]
+
+  @jax.jit  # a step of both schedules in one program (one compile)
+  def step(x, sts):
     out = []
-    for i in range(3):
-      p, st = enc(x * (i + 1), st)
-      out.append(np.asarray(comp.decode(p, (N,))).tobytes())
-    runs.append((out, [np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(st)]))
+    for comp, st in zip(comps, sts, strict=True):
+      p, st = comp.encode(x, st, jax.random.key(2))
+      out.append((comp.decode(p, (N,)), st))
+    return out
+
+  sts = [comp.init((N,)) for comp in comps]
+  runs = [([], []) for _ in comps]
+  for i in range(3):
+    res = step(x * (i + 1), sts)
+    sts = [st for _, st in res]
+    for r, (d, _) in zip(runs, res, strict=True):
+      r[0].append(np.asarray(d).tobytes())
+  for r, st in zip(runs, sts, strict=True):
+    r[1].extend(np.asarray(a).tobytes() for a in jax.tree_util.tree_leaves(st))
   assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("impl", ["cpu", "gpu", "radix"])
-def test_every_schedule_under_vmap_matches_per_row(impl):
-  """Under vmap (the engine's emulated workers) each schedule selects per row what it
-  selects alone (the fallback's conditional becomes a select there)."""
+def test_every_schedule_under_vmap_matches_per_row():
+  """Under vmap (the engine's emulated workers) each schedule ("cpu", "gpu", "radix") selects
+  per row what it selects alone (the fallback's conditional becomes a select there); every
+  schedule and the references in one program (one compile)."""
   rng = np.random.default_rng(4)
   xs = rng.standard_normal((3, N)).astype(np.float32)
   xs[1, : N // 2] = 0.0  # fewer candidates than k above a low threshold
@@ -260,12 +289,19 @@ def test_every_schedule_under_vmap_matches_per_row(impl):
   thr = jnp.asarray([0.5, 0.0, 1.0], jnp.float32)
   k_now = jnp.asarray([400, 150, 0], jnp.int32)
 
-  def one(x, t, kn):
+  def one(x, t, kn, impl):
     return (select_sparse(x, None, -1.0, 400, kn, impl=impl)[0],
             select_sparse(x, None, t, 400, kn, impl=impl)[0])
 
-  batched = jax.jit(jax.vmap(one))(xs, thr, k_now)
-  for i in range(3):
-    want = [ref_select(xs[i], jnp.abs(xs[i]), t, 400, k_now[i])[0] for t in (-1.0, thr[i])]
-    for b, r in zip(batched, want, strict=True):
-      assert _pairs(jax.tree_util.tree_map(lambda a, i=i: a[i], b)) == _pairs(r)
+  def run(xs, thr, k_now):
+    batched = {impl: jax.vmap(functools.partial(one, impl=impl))(xs, thr, k_now)
+               for impl in ("cpu", "gpu", "radix")}
+    want = [[ref_select(xs[i], jnp.abs(xs[i]), t, 400, k_now[i])[0] for t in (-1.0, thr[i])]
+            for i in range(3)]
+    return batched, want
+
+  batched, want = jax.jit(run)(xs, thr, k_now)
+  for impl, b2 in batched.items():
+    for i in range(3):
+      for b, r in zip(b2, want[i], strict=True):
+        assert _pairs(jax.tree_util.tree_map(lambda a, i=i: a[i], b)) == _pairs(r), (impl, i)
