@@ -22,7 +22,8 @@ for every compressor in test_compress_allreduce.py::test_identical_on_workers_an
   sign -- except where a format cannot hold the value (fp16, also for 1e18) or PowerSGD's
   unscaled products overflow: then a NaN unit with its state kept (the policy).
 * finite ordinary inputs (normal data, times 1e18 and 1e-30) keep the bits of the code
-  before the policy (digests recorded from commit c057d97).
+  before the policy (digests recorded from commit c057d97; see GOLDEN for the entries that
+  now run per leaf only).
 
 One jitted program per group of entries (GROUPS) and mode runs every input family (an unnamed
 ``vmap`` over the cases) for each entry's bucketings. ``psum`` and ``reduce_gradients``
@@ -45,26 +46,25 @@ from jaxlp import parallel as PL
 from jaxlp.parallel import compressed_allreduce, init_compression_state
 
 W = 4
-# name -> (compressor, engine options, modes): the 11 compressors (both 16-bit casts) under
-# vmap and shard_map (per leaf and bucketed); variants whose overflow-free code paths differ
-# under vmap only (per leaf, or bucketed when "bucket_mb" is given)
-BOTH = ("vmap", "shard_map")
+# name -> (compressor, engine options): the 11 compressors (both 16-bit casts), then variants
+# whose overflow-free code paths differ (bucketed when "bucket_mb" is given); the modes and
+# bucketings each runs in: SHARD_MAP, BUCKETED and _bucketings below
 ENTRIES = {
-    "cgx": (C.cgx(4, 64), {}, BOTH), "qsgd": (C.qsgd(15, 64), {}, BOTH),
-    "onebit": (C.onebit(), {}, BOTH), "tbq": (C.tbq(0.5), {}, BOTH),
-    "terngrad": (C.terngrad(), {}, BOTH), "topk": (C.topk(0.1), {}, BOTH),
-    "randomk": (C.randomk(0.25), {}, BOTH),
-    "dgc": (C.dgc(0.1, sample_rate=0.5), {}, BOTH),
-    "graddrop": (C.graddrop(0.8, sample_rate=0.5), {}, BOTH),
-    "powersgd": (C.powersgd(2), {}, BOTH), "bf16": (C.cast("bf16"), {}, BOTH),
-    "fp16": (C.cast("fp16"), {}, BOTH),
-    "cgx1_ring": (C.cgx(1, 50), dict(algorithm="ring"), ("vmap",)),
+    "cgx": (C.cgx(4, 64), {}), "qsgd": (C.qsgd(15, 64), {}),
+    "onebit": (C.onebit(), {}), "tbq": (C.tbq(0.5), {}),
+    "terngrad": (C.terngrad(), {}), "topk": (C.topk(0.1), {}),
+    "randomk": (C.randomk(0.25), {}),
+    "dgc": (C.dgc(0.1, sample_rate=0.5), {}),
+    "graddrop": (C.graddrop(0.8, sample_rate=0.5), {}),
+    "powersgd": (C.powersgd(2), {}), "bf16": (C.cast("bf16"), {}),
+    "fp16": (C.cast("fp16"), {}),
+    "cgx1_ring": (C.cgx(1, 50), dict(algorithm="ring")),
     "cgx3_stochastic_allgather": (C.cgx(3, 50, stochastic=True),
-                                  dict(algorithm="allgather", bucket_mb=0.01), ("vmap",)),
-    "onebit_pos_neg": (C.onebit("pos_neg_means"), dict(bucket_mb=0.01), ("vmap",)),
-    "terngrad_clip": (C.terngrad(clip=2.5), {}, ("vmap",)),
-    "terngrad_hipress1": (C.terngrad("hipress", 1), dict(algorithm="allgather"), ("vmap",)),
-    "dgc_clip": (C.dgc(0.1, clip=1.0, sample_rate=0.5), {}, ("vmap",)),
+                                  dict(algorithm="allgather", bucket_mb=0.01)),
+    "onebit_pos_neg": (C.onebit("pos_neg_means"), dict(bucket_mb=0.01)),
+    "terngrad_clip": (C.terngrad(clip=2.5), {}),
+    "terngrad_hipress1": (C.terngrad("hipress", 1), dict(algorithm="allgather")),
+    "dgc_clip": (C.dgc(0.1, clip=1.0, sample_rate=0.5), {}),
 }
 # the entries also run under shard_map (module docstring: one per collective pattern)
 SHARD_MAP = ("cgx", "topk", "bf16")
@@ -136,7 +136,7 @@ def _program(names, mode):
   def worker(first, states):
     res = {}
     for name in names:
-      comp, kw, _ = ENTRIES[name]
+      comp, kw = ENTRIES[name]
       kw = {k: v for k, v in kw.items() if k != "bucket_mb"}
       res[name] = {}
       for label, bmb in _bucketings(name, mode).items():

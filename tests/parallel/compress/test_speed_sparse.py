@@ -175,11 +175,10 @@ def test_pieces_are_encoded_one_at_a_time_with_the_bits_of_each_piece(make):
   x = jnp.asarray(np.random.default_rng(7).standard_normal(n).astype(np.float32))
   st = comp.init((n,))
   key = jax.random.key(3)
-  c = -(-n // k)  # the piece length
 
   @jax.jit  # the pieces together and piece i alone in one program (one compile)
   def run(x, st, i):
-    payload, new, _ = A._encode_pieces(comp, x, st, key, k)
+    payload, new, c = A._encode_pieces(comp, x, st, key, k)  # c: the piece length
     xs = A._pad_edge(x, k * c).reshape(k, c)
     one = jax.tree_util.tree_map(lambda a: a[i], A._split_state(st, k, c, n))
     return payload, new, comp.encode(xs[i], one, jax.random.split(key, k)[i])
