@@ -1,12 +1,14 @@
 """Seconds to trace, lower and compile a compressed gradient reduction for a whole model.
 
 What a compressed reduction costs before its first step: the seconds to trace, lower and
-compile ``reduce_gradients(axis, compressor=...)``'s update for a whole model's gradients, with
+compile ``reduce_gradients(axis, compressor=...)``'s update for a whole model's gradients (and,
+as a second baseline, the low-precision ``reduce_gradients(axis, fmt=E4M3, kahan=True,
+aps=True)``, which sums every leaf in one bucket), with
 W workers emulated by a named ``vmap`` (as ``jaxlp train --workers W`` runs them), per leaf
 (the default) and with leaves fused into buckets (``bucket_mb``).
 
 Usage: python benchmarks/engine_compile.py [--model resnet18|vgg19|small|tiny] [--workers W]
-       [--only cgx4,qsgd7,topk,powersgd2] [--bucket-mb MB]
+       [--only e4m3-psum,cgx4,qsgd7,topk,powersgd2] [--bucket-mb MB]
 
 Each row is one program, traced, lowered and compiled once in this process (no persistent
 compilation cache is read or written: JAX's own cache is switched off for the run), after the
@@ -45,7 +47,9 @@ COMPRESSORS = {
     "powersgd2": lambda C: C.powersgd(2),
     "bf16": lambda C: C.cast("bf16"),
 }
-DEFAULT = "cgx4,qsgd7,topk,powersgd2"
+#: the low-precision psum's row (no compressor: ``reduce_gradients(fmt=E4M3, ...)``)
+LP_PSUM = "e4m3-psum"
+DEFAULT = f"{LP_PSUM},cgx4,qsgd7,topk,powersgd2"
 
 
 def _shapes(model):
@@ -85,7 +89,7 @@ def main(argv=None) -> int:
   ap.add_argument("--model", default="resnet18", choices=["resnet18", "vgg19", "small", "tiny"])
   ap.add_argument("--workers", type=int, default=4, help="emulated workers W (>= 2)")
   ap.add_argument("--only", default=DEFAULT,
-                  help=f"comma-separated compressors of {','.join(COMPRESSORS)}")
+                  help=f"comma-separated rows of {LP_PSUM},{','.join(COMPRESSORS)}")
   ap.add_argument("--bucket-mb", type=float, default=25.0,
                   help="the bucketed rows' bucket_mb (> 0)")
   args = ap.parse_args(argv)
@@ -94,10 +98,10 @@ def main(argv=None) -> int:
   if not args.bucket_mb > 0:
     ap.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
   names = [n for n in args.only.split(",") if n]
-  unknown = [n for n in names if n not in COMPRESSORS]
+  unknown = [n for n in names if n not in COMPRESSORS and n != LP_PSUM]
   if unknown or not names:
     ap.error(f"--only: unknown compressor(s) {unknown or names}; choose from "
-             f"{','.join(COMPRESSORS)}")
+             f"{','.join([LP_PSUM, *COMPRESSORS])}")
 
   import jax
 
@@ -114,14 +118,21 @@ def main(argv=None) -> int:
         "(min_size=1024, skip_vectors); seconds")
   print("| reduction | compressed leaves | buckets | trace | lower | compile | total |")
   print("|---|---|---|---|---|---|---|")
+  from jaxlp import formats as F
+
   rows = [("fp32 psum (reduce_gradients without a compressor)", None, None)]
-  for n in names:
+  if LP_PSUM in names:  # the low-precision psum: every leaf in one bucket
+    rows.append(("E4M3 ring psum + Kahan + APS (reduce_gradients(fmt=E4M3))", LP_PSUM, None))
+  for n in (n for n in names if n != LP_PSUM):
     rows += [(f"{n}, per leaf", COMPRESSORS[n](C), None),
              (f"{n}, bucket_mb={args.bucket_mb:g}", COMPRESSORS[n](C), args.bucket_mb)]
   with _no_persistent_cache(jax):
     for label, c, bmb in rows:
       if c is None:
         tx, leaves, nb = jp.reduce_gradients("i"), "-", "-"
+      elif c == LP_PSUM:
+        tx = jp.reduce_gradients("i", fmt=F.E4M3, order="ring", kahan=True, aps=True)
+        leaves, nb = len(shapes), 1
       else:
         tx = jp.reduce_gradients("i", compressor=c, bucket_mb=bmb)
         # the engine's own filters and buckets (what the program encodes)

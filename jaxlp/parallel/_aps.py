@@ -106,7 +106,12 @@ def aps_shift(x, axis_name, fmt, w: int):
   all-zero leaf (on every worker) has shift 0.
   """
   a, bad = local_exponent(x, w)
-  both = _axes.pmax(jnp.stack([a, bad.astype(jnp.int32)]), axis_name)
+  return shifts_of(_axes.pmax(jnp.stack([a, bad.astype(jnp.int32)]), axis_name), fmt)
+
+
+def shifts_of(both, fmt):
+  """``(shift, zero, non-finite)`` from the max-reduced ``(exponent, non-finite)`` int32 rows
+  ``both`` (2, ...): :func:`aps_shift` of one leaf, or of many leaves side by side."""
   a, bad = both[0], both[1] != 0
   zero = a == ZERO_EXPONENT
   shift = jnp.where(zero, 0, format_emax(fmt) - a).astype(jnp.int32)

@@ -179,6 +179,36 @@ def test_pytree_scalars_and_dtypes():
                       oracle.ring(gs, q))
 
 
+@pytest.mark.parametrize("order,kahan,aps,rounding", [
+    ("ring", True, True, "stochastic"), ("ring", False, False, "nearest"),
+    ("chain", True, True, "stochastic"), ("tree", False, True, "nearest"),
+    ("tree", False, False, "stochastic")])
+def test_a_tree_of_leaves_sums_each_leaf_as_alone(order, kahan, aps, rounding):
+  # psum sums the leaves side by side in one bucket: every leaf must still have the bits of
+  # its own sum (its chunks, noise keys, flat indices, APS shift and non-finite policy),
+  # with an empty leaf and leaves shorter than, equal to and longer than W in between
+  w, key = 3, jax.random.key(5)
+  rng = np.random.default_rng(11)
+  sizes = (7, 0, 1, 3, 10, 2)
+  gs = [(rng.normal(size=(w, n)) * 10.0 ** rng.integers(-6, 2)).astype(np.float32)
+        for n in sizes]
+  gs[4][1, 3] = np.inf  # this leaf is NaN everywhere, the others are not
+  fn = vmapped(lambda t: psum(t, "i", fmt=F.E4M3, order=order, kahan=kahan, aps=aps,
+                              rounding=rounding, key=key), w)
+  out = fn(gs)
+  for l, g in enumerate(gs):
+    if not g.size:
+      assert out[l].shape == (w, 0)
+      continue
+    q = oracle.Q(F.E4M3, rounding, key if rounding == "stochastic" else None, leaf=l)
+    summer = functools.partial(oracle.psum_full, order, q=q, kahan=kahan)
+    ref = oracle.aps_sum(g, F.E4M3, summer, q) if aps else summer(g)
+    if not np.all(np.isfinite(ref)):
+      ref = np.full_like(ref, np.nan)
+    assert_rows_equal(out[l], ref)
+  assert np.isnan(np.asarray(out[4])).all() and not np.isnan(np.asarray(out[0])).any()
+
+
 def test_native_identical_and_close():
   gs = data(8, 33, seed=9)
   out = np.asarray(sharded(lambda x: psum(x, "dev", fmt=F.BF16, order="native"))(gs))
