@@ -13,24 +13,55 @@ pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
 from jaxlp.cli import main  # noqa: E402
 from jaxlp.training import CLAIMS, reproduce  # noqa: E402
 
-# The three dearest claims train only some of their rows at toy size (--rows; every row
-# traces and compiles a whole quantized training step and its evaluation): nvfp4 its two claim
-# rows (the recipe has all its pieces at once: 2-D weight tiles, SR, RHT, BF16 ends), the
-# language models HBFP8 (the claim's system) and E5M2 (the cheapest row: the MX rows took 3-4x
-# its time; MXFP8 (rceil) trains in the nvfp4 case, MXINT8 an LSTM in tests/cli/test_text.py).
-# The rows left out are other --policy names through the same trainer path (recipe_policy / the
-# presets, then quantize_model): e4m3, e5m2 and bf16 train a language model in
-# tests/cli/test_text.py; mxfp8 differs from the trained MXFP8 (rceil) row by its scale rule
-# alone (tests/formats/test_mx_rules.py); bf16, nvfp4 and mxfp4 map to their policies in
-# tests/ops/test_recipes.py (test_train_policy_names), whose plain-NVFP4 GEMMs (forward, dlhs,
-# drhs) are checked bit for bit there too.
+# At toy size every claim trains only some of its rows (--rows; every row traces and compiles a
+# whole quantized training step and its evaluation, 3-10 CPU s each on the MLP, 15-30 s on the
+# language models), chosen so that each flag its rows set trains at least once here; the rows
+# left out set the same flags with other values (another format, bit width, ratio or mantissa
+# width) through the same trainer path, which check_config accepts for every row at both sizes
+# (test_full_scale_settings_use_the_seeds_models). Kept, per claim:
+# - cpd: E3M0+APS+Kahan (grad_exp/grad_man, aps, kahan: the 4-bit claim) and fp32+LARS (lars,
+#   lr); the E4M3/E5M2 rows are --grad-format names of the same chain-sum quantizer, trained
+#   with APS by the aps case (at toy size both claims train the same 2-worker MLP);
+# - aps: E4M3+APS (grad_format, aps: the claim row); E5M2 is the other format name;
+# - hbfp: HBFP8 (hbfp, tile, weight_man); HBFP12 differs by the mantissa width alone, the
+#   narrow-weights row by leaving weight_man out (--hbfp without it trains in tests/cli/
+#   test_flags.py, test_hbfp_tile_defines_the_run, and tests/cli/test_exact_blocks.py);
+# - cgx: cgx4; cgx2 is the same compressor at 2 bits (every CGX width and bucket through the
+#   engine: tests/parallel/compress/test_compress_allreduce.py);
+# - hipress: one claim row per setting, so each setting runs: TBQ, DGC 99% (momentum 0) and
+#   onebit (the 60-epoch setting); onebit (SRA) trains in tests/cli/test_onebit_defaults.py,
+#   TernGrad and GradDrop are other --compress names of the same trainer path, their
+#   compressors checked through the engine in tests/parallel/compress (test_engine_families,
+#   test_compress_allreduce);
+# - nvfp4: its two claim rows (the recipe has all its pieces at once: 2-D weight tiles, SR, RHT,
+#   BF16 ends; MXFP8 (rceil));
+# - hbfp-lstm, hbfp-bert: HBFP8 (the claim's system). The other rows are --policy names through
+#   the same trainer path (recipe_policy / the presets, then quantize_model): e4m3, e5m2 and
+#   bf16 train a language model in tests/cli/test_text.py, MXFP8 (rceil) trains in the nvfp4
+#   case; mxfp8 differs from it by its scale rule alone (tests/formats/test_mx_rules.py); bf16,
+#   nvfp4 and mxfp4 map to their policies in tests/ops/test_recipes.py
+#   (test_train_policy_names), whose plain-NVFP4 GEMMs (forward, dlhs, drhs) are checked bit for
+#   bit there too;
+# - ddp: both rows (its case also reuses finished runs and takes a subset of them).
 TOY_ROWS = {
+    "cpd": ("E3M0+APS+Kahan", "fp32+LARS"),
+    "aps": ("E4M3+APS",),
+    "hbfp": ("HBFP8",),
+    "cgx": ("cgx4",),
+    "hipress": ("TBQ", "DGC 99%", "onebit"),
     "nvfp4": ("NVFP4 recipe", "MXFP8 (rceil)"),
-    "hbfp-lstm": ("HBFP8 + 16-bit weights", "E5M2"),
-    "hbfp-bert": ("HBFP8 + 16-bit weights", "E5M2"),
+    "hbfp-lstm": ("HBFP8 + 16-bit weights",),
+    "hbfp-bert": ("HBFP8 + 16-bit weights",),
 }
 
 
+# The toy runs compile with XLA's optimizations off (tests/conftest.py, ``fast_compile``): much
+# of their time is XLA's compiles of each row's step and evaluation (BERT's HBFP8 row, under
+# cProfile: 70 of its 103 s), and with the flag the cases took 78 -> 56 CPU s (hbfp-bert),
+# 34 -> 26 (hbfp-lstm), 40 -> 31 (nvfp4) on the 2-core VM, 2026-11-30. They check that each
+# claim runs end to end and reports in range, never bits against a program compiled normally
+# (the ddp case's second report reuses the finished runs: nothing is recomputed).
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_every_claim_runs_at_toy_size(name, tmp_path, capsys):
   args = ["reproduce", name, "--toy", "--seeds", "0", "--out", str(tmp_path)]
@@ -99,6 +130,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
   assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.usefixtures("fast_compile")  # as the toy runs above
 def test_reduced_runs_are_marked_and_judged(tmp_path):
   """--epochs/--max-steps shrink every run of a claim (for a machine too slow for its size):
   the runs' configs say so, the setting's name and REPORT.md mark the runs reduced, and the
@@ -123,6 +155,7 @@ def test_reduced_runs_are_marked_and_judged(tmp_path):
     reproduce(mine, out=str(tmp_path), max_steps=0)
 
 
+@pytest.mark.usefixtures("fast_compile")  # as the toy runs above
 def test_rows_trains_only_the_named_rows(tmp_path):
   """``rows`` (``--rows``): each setting's fp32 and the named rows train, a setting with none
   of them is skipped (its run folders never made), the loss-gap table and the plots of a
@@ -202,14 +235,16 @@ def test_perplexity_verdicts_compare_each_seed_with_fp32():
       in table
 
 
+@pytest.mark.usefixtures("fast_compile")  # as the toy runs above
 def test_data_dir_runs_the_full_scale_settings(tmp_path, capsys):
-  """``--data-dir`` switches the settings to CIFAR-10 (here a tiny fake folder, at toy size)."""
+  """``--data-dir`` switches the settings to CIFAR-10 (here a tiny fake folder, at toy size;
+  fp32 and one row: the data path is the same for every row)."""
   from test_data import _write_cifar
 
   _write_cifar(str(tmp_path / "data"), n=20)
   out = tmp_path / "out"
   assert main(["reproduce", "cgx", "--toy", "--seeds", "0", "--no-plot", "--data-dir",
-               str(tmp_path / "data"), "--out", str(out)]) == 0
+               str(tmp_path / "data"), "--rows", "cgx4", "--out", str(out)]) == 0
   summary = json.loads((out / "cgx" / "summary.json").read_text())
   assert summary["data_dir"] == str(tmp_path / "data")
   setting = summary["settings"][0]
