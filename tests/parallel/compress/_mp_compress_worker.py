@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxlp.parallel.compressors as C  # noqa: E402
-from jaxlp.formats import FloatFormat  # noqa: E402
 from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state  # noqa: E402
 
 # Gradient pytree (shapes only): "fc" is compressed (>= MIN_SIZE elements, ndim > 1), "bias" (a
@@ -38,39 +37,29 @@ STEPS = 2
 
 COMPRESSORS = {
     "cgx4": C.cgx(4, 64),
-    "qsgd7": C.qsgd(7, 64),
     "onebit": C.onebit(),  # error feedback
-    "tbq": C.tbq(0.2),
-    "terngrad": C.terngrad(),
-    "dgc": C.dgc(0.05, sample_rate=0.1),
-    "graddrop": C.graddrop(0.9, sample_rate=0.1),
     "topk": C.topk(0.05),
-    "randomk": C.randomk(0.05),
     "powersgd2": C.powersgd(2, start_iter=1),  # step 0 plain mean, step 1 low rank
     "bf16": C.cast("bf16"),
-    "e4m3fn": C.cast("E4M3FN"),
-    "e3m3": C.cast(FloatFormat(3, 3)),  # no ml_dtypes twin: packed 7-bit codes
 }
 
 # THE case table: (compressor name, algorithm[, extra compressed_allreduce kwargs]).
 # One line per case. Each case adds its compressor's code to the one program compiled in each
 # of the 3 processes (~1-7 s of CPU per case, less in one program): keep the table short.
+# What crosses the processes is what the cases' collectives send, so one case per aggregation
+# family and collective (all_to_all, all_gather, ppermute) and wire type (u8, u16, int32, f32):
+# the compressor's own code is the same in one process and in several (every compressor's
+# shard_map bits are compared with vmap's, on 8 devices of one process, in
+# test_compress_allreduce.py::test_identical_on_workers_and_vmap_equals_shard_map). The
+# workers' global axis index (chunk owners, ring neighbours) is in every case.
 CASES = (
-    ("cgx4", "sra"),
-    ("cgx4", "sra", {"bucket_mb": 0.02}),  # fc + conv fused into one 4128-element bucket
-    ("qsgd7", "auto"),
-    ("onebit", "auto"),
-    ("onebit", "ring"),  # CGX compressed ring with error feedback
-    ("tbq", "auto"),
-    ("terngrad", "auto"),
-    ("dgc", "auto"),
-    ("graddrop", "auto"),
-    ("topk", "auto"),
-    ("randomk", "auto"),
-    ("powersgd2", "auto"),
-    ("bf16", "auto"),
-    ("e4m3fn", "auto"),
-    ("e3m3", "auto"),
+    # SRA (all_to_all, all_gather) of a fused bucket (fc + conv, 4128 elements): packed u8
+    # levels and f32 min/max
+    ("cgx4", "sra", {"bucket_mb": 0.02}),
+    ("onebit", "ring"),  # CGX compressed ring (ppermute) with error feedback
+    ("topk", "auto"),  # sparsifiers: all_gather of int32 indices and f32 values
+    ("powersgd2", "auto"),  # low rank: P and Q in f32, the plain mean before start_iter
+    ("bf16", "auto"),  # casts: 16-bit words (a ring in the narrow type)
 )
 
 

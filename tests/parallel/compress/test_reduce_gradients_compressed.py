@@ -1,5 +1,6 @@
 """`reduce_gradients(axis, compressor=...)` as an optax transform: init + several updates for
-every compressor (it crashed at the first update, and divided by W twice)."""
+a compressor of each kind of state and aggregation (it crashed at the first update, and
+divided by W twice)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +14,16 @@ from jaxlp.parallel import reduce_gradients
 from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
 
 W = 4
-# TBQ sends +-threshold per element and step: error feedback recovers the mean only where the
-# threshold exceeds the gradients (here N(0, 1)), hence 3.0.
+# The transform's plumbing (the state in the optax state, the step key, mean=True, the options)
+# is the same for every compressor: one per kind of compressor state and aggregation, each its
+# own program to compile: dense quantizers stateless and deterministic (cgx4), drawing from
+# the step key (qsgd) and with error feedback (onebit); sparsifiers with a residual (topk) and
+# with a sampled threshold and momentum state (dgc); PowerSGD's Q and error; a cast. (TBQ,
+# TernGrad, RandomK and GradDrop hold the same kinds of state as onebit, qsgd and topk;
+# every compressor's compressed_allreduce is in test_compress_allreduce.py.)
 COMPRESSORS = {
-    "cgx4": C.cgx(4, 128), "qsgd": C.qsgd(15, 128), "onebit": C.onebit(), "tbq": C.tbq(3.0),
-    "terngrad": C.terngrad(), "topk": C.topk(0.1), "randomk": C.randomk(0.1),
-    "dgc": C.dgc(0.1, momentum=0.0), "graddrop": C.graddrop(0.9), "powersgd2": C.powersgd(2),
-    "bf16": C.cast(F.BF16),
+    "cgx4": C.cgx(4, 128), "qsgd": C.qsgd(15, 128), "onebit": C.onebit(), "topk": C.topk(0.1),
+    "dgc": C.dgc(0.1, momentum=0.0), "powersgd2": C.powersgd(2), "bf16": C.cast(F.BF16),
 }
 
 
@@ -31,10 +35,9 @@ def _grads(seed=0):
 
 # the compressors whose first update is compared with compressed_allreduce bit for bit (a
 # second program to compile each): the plumbing (state, key, mean=True, options) is the same
-# for every compressor; one stateless deterministic (cgx4), one drawing from the step key
-# (qsgd), one with error feedback (onebit), one with a sampled threshold and momentum (dgc),
-# and PowerSGD (its Q)
-DIRECT = ("cgx4", "qsgd", "onebit", "dgc", "powersgd2")
+# for every compressor; one drawing from the step key (qsgd) and one with error feedback
+# (onebit). (PowerSGD's first update could be compared only to a tolerance: issue 14.)
+DIRECT = ("qsgd", "onebit")
 
 
 def _bits(a):
@@ -94,13 +97,8 @@ def _check_first_update(name, comp, opts, g, upds):
     return jax.lax.scan(body, cs, None, length=1)[1]
 
   first = jax.jit(jax.vmap(direct, axis_name="w"))(g)
-  for a, b in zip(jax.tree.leaves(upds), jax.tree.leaves(first)):
-    if name == "powersgd2":
-      # Known: PowerSGD's bits differ by a few ulps between two differently shaped XLA:CPU
-      # programs (here a 40-step and a 1-step scan), up to 1.1e-6 relative (issue 14).
-      np.testing.assert_allclose(a[0, 0], b[0, 0], rtol=1e-5, atol=1e-6)
-    else:
-      np.testing.assert_array_equal(_bits(a[0, 0]), _bits(b[0, 0]))
+  for a, b in zip(jax.tree.leaves(upds), jax.tree.leaves(first), strict=True):
+    np.testing.assert_array_equal(_bits(a[0, 0]), _bits(b[0, 0]))
 
 
 def test_reduce_gradients_compressor_in_an_optax_chain():
