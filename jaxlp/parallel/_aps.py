@@ -91,12 +91,23 @@ def local_exponent(x, w: int):
   An all-zero array gives :data:`ZERO_EXPONENT`. Maxima are taken on the bit patterns
   (exact for subnormals, which XLA's float max may flush).
   """
+  mx, bad = finite_max_bits(x)
+  return exponent_of_max(mx, w), bad
+
+
+def finite_max_bits(x):
+  """``(largest finite |x| as float32 bits, any non-finite)`` of an array (0 if empty)."""
   mag = B.to_bits(x.astype(jnp.float32)).reshape(-1) & B.u32(B.ABS_MASK)
   bad = jnp.any(mag >= B.u32(B.INF_BITS))
   fin = jnp.where(mag >= B.u32(B.INF_BITS), B.u32(0), mag)
-  mx = jnp.max(fin) if fin.size else B.u32(0)
-  a = jnp.where(mx == 0, jnp.int32(ZERO_EXPONENT), ceil_log2_times(mx, w))
-  return a.astype(jnp.int32), bad
+  return (jnp.max(fin) if fin.size else B.u32(0)), bad
+
+
+def exponent_of_max(mx, w: int):
+  """``ceil(log2(max * w))`` of the largest-magnitude bits ``mx`` (any shape, elementwise;
+  :data:`ZERO_EXPONENT` where ``mx`` is 0): :func:`local_exponent`'s second half, shared by
+  the leaves of a bucket."""
+  return jnp.where(mx == 0, jnp.int32(ZERO_EXPONENT), ceil_log2_times(mx, w)).astype(jnp.int32)
 
 
 def aps_shift(x, axis_name, fmt, w: int):

@@ -45,12 +45,13 @@ pre-cast. So chain and ring use the same per-worker keys; the tree rounding of n
 level ``lv`` (0-based) uses r = ``W + lv * W + p``; native's pre-cast uses the worker's r and
 the final rounding r = W. The noise therefore does not depend on devices vs emulation.
 
-Every definition above is per leaf; the implementation (chain, ring, tree) sums all the
-leaves of a tree at once, side by side in one bucket (ring: chunk c of the bucket is every
+Every definition above is per leaf; the implementation of chain, ring and tree sums all
+the leaves of a tree at once, side by side in one bucket (ring: chunk c of the bucket is every
 leaf's chunk c), each element with its own leaf's chunk, noise key, index and APS shift. So a
 tree costs one ring of W-1 hops (or one gather) and one traced sum, whatever its number of
-leaves: 8 leaves, ring + Kahan + APS over a named vmap of 4 workers traced, lowered and
-compiled in 5.0 s against 18.2 s leaf by leaf (2-core CPU VM, 2026-11-30).
+leaves (native goes leaf by leaf). 8 leaves, ring + Kahan + APS over a named vmap of 4
+workers: traced, lowered and compiled in 5.0 s against 18.2 s leaf by leaf (2-core CPU VM,
+2026-11-30).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from jaxlp._util import cdiv
 from jaxlp.formats import _bits as B
 from jaxlp.formats._quantize import check_format, is_elementwise, key_words, quantize_f32
 from jaxlp.parallel import _axes
-from jaxlp.parallel._aps import aps_shift, local_exponent, shifts_of
+from jaxlp.parallel._aps import aps_shift, exponent_of_max, finite_max_bits, shifts_of
 from jaxlp.parallel._arith import add_f32, scale_pow2, sub_f32
 from jaxlp.parallel._codec import codec_for
 
@@ -163,10 +164,11 @@ def _finite_or_nan(x):
   return jnp.where(jnp.isfinite(x), x, jnp.float32(jnp.nan))
 
 
-def _leaf_policy(res, shape, dtype):
+def _leaf_policy(res, shape, dtype, check=True):
   """The non-finite policy: a leaf with a non-finite value anywhere is NaN everywhere (every
-  worker holds the same ``res``, so every worker decides the same)."""
-  if res.size:
+  worker holds the same ``res``, so every worker decides the same); ``check=False``: decided
+  already (:func:`_unscaled`)."""
+  if check and res.size:
     res = jnp.where(jnp.all(jnp.isfinite(res)), res, jnp.float32(jnp.nan))
   return res.reshape(shape).astype(dtype)
 
@@ -273,8 +275,9 @@ def _bucket(leaves, axis_name, w, fmt, rounding, key, order, kahan, aps, pack):
 
   if aps:
     # one max-reduction for every leaf: (exponent, any non-finite) per leaf
-    local = jnp.stack([jnp.stack([a, bad.astype(jnp.int32)])
-                       for a, bad in (local_exponent(f, w) for f in flat)], axis=1)
+    # (the exponent's arithmetic once, on the vector of the leaves' maxima)
+    mx, bad = zip(*(finite_max_bits(f) for f in flat))
+    local = jnp.stack([exponent_of_max(jnp.stack(mx), w), jnp.stack(bad).astype(jnp.int32)])
     shifts, _, bad = shifts_of(_axes.pmax(local, axis_name), fmt)
     shift_e = per_element(shifts)
     # the flat index in its leaf of every element of the (W, S) ring bucket: c * length + pos
@@ -287,13 +290,24 @@ def _bucket(leaves, axis_name, w, fmt, rounding, key, order, kahan, aps, pack):
   else:
     g = _gather(x, axis_name, codec if aps else None)
     res = chain_sum(g, q, kahan, pos) if order == "chain" else tree_sum(g, q, w, pos)
-  if aps:
-    res = jnp.where(per_element(bad), jnp.float32(jnp.nan), scale_pow2(res, -shift_e))
   for j, l in enumerate(live):
     part = res[..., offsets[j]:offsets[j + 1]]
     part = part.reshape(-1)[:sizes[j]] if ring else part
-    out[l] = _leaf_policy(part, leaves[l].shape, leaves[l].dtype)
+    if aps:
+      part = _unscaled(part, shifts[j], bad[j])
+    out[l] = _leaf_policy(part, leaves[l].shape, leaves[l].dtype, check=not aps)
   return out
+
+
+def _unscaled(part, shift, bad):
+  """One leaf's APS sum ``part`` unscaled by ``2**-shift``, NaN everywhere if ``bad`` or if an
+  element of the result is not finite: read off the scaled sum (non-finite, or its largest
+  finite magnitude overflows when unscaled: the scaling is monotonic), so that XLA needs no
+  second copy of the unscaling to decide (it fuses one into every consumer of a cheap
+  elementwise result: the leaf's values and the leaf's check)."""
+  mx, nonfinite = finite_max_bits(part)
+  overflow = ~jnp.isfinite(scale_pow2(B.from_bits(mx), -shift))
+  return jnp.where(bad | nonfinite | overflow, jnp.float32(jnp.nan), scale_pow2(part, -shift))
 
 
 def _iota(n, start=0):
