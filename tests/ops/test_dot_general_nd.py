@@ -54,16 +54,18 @@ def _data(seed, *shapes, spread=2.0):
 
 
 ACC = Accum(mul=F.BF16, acc=F.cpd_float(5, 6))
+# One mode per N-D path. Not here, as the same path is checked elsewhere: the exact mode on
+# HBFP tiles and per-sample HBFP (test_layout_and_exact_mode_share_k_blocks: the same (B, S, F)
+# . (F, N) dot against block_dot_reference on the reshape, in both layouts) and on MXINT8
+# blocks (test_two_contracting_dims_blocks_along_the_last_one_padded: N-D operands, MX blocks
+# of 8, all three GEMMs against block_dot_reference on the canonical matrices), Kahan
+# accumulation (the same accumulator route as acc_naive / acc_chunked; the algorithm is
+# jaxlp.matmul's, tests/ops/test_matmul.py), the fp8 mode with per-tensor scales (the fp8
+# route of fp8_mx, whose MX blocks are the ones the N-D view must keep; a per-tensor scale
+# has no blocks).
 MODES = {
-    "exact_hbfp": jaxlp.hbfp_policy(7, 8, "tiled", block_dot="exact", layout="contraction"),
-    "exact_per_sample": jaxlp.hbfp_policy(7, 8, block_dot="exact", weight_man_bits=7,
-                                          layout="contraction"),
-    "exact_mxint8": jaxlp.mx_policy("int8", 8, block_dot="exact"),
     "fp8_mx": jaxlp.mx_policy(F.E4M3FN, 8, grad_fmt=F.E5M2, block_dot="fp8"),
-    "fp8_float": jaxlp.float_policy(F.E4M3, F.E5M2, block_dot="fp8"),
     "acc_naive": DotPolicy(lhs=F.E4M3, grad=F.E5M2, fwd_acc=ACC, dlhs_acc=ACC, drhs_acc=ACC),
-    "acc_kahan": DotPolicy(fwd_acc=Accum(acc=F.BF16, algorithm="kahan"),
-                           drhs_acc=Accum(mul=F.BF16, acc=F.FP16, algorithm="kahan")),
     "acc_chunked": DotPolicy(rhs=F.mx(F.E2M1FN, 4),
                              fwd_acc=Accum(acc=F.BF16, algorithm="chunked", chunk=4),
                              dlhs_acc=Accum(acc=F.FP16, algorithm="chunked", chunk=3)),
@@ -99,7 +101,7 @@ def test_dense_nd_equals_2d_gemm_on_the_reshape(mode):
 @functools.cache
 def _plain_dense(B, S, Fe, N):
   """The float32 dot's (y, dx, dw) on test_dense_nd_equals_2d_gemm_on_the_reshape's data: one
-  program for its ten modes."""
+  program for its five modes."""
   x, w, dy = _data(1, (B, S, Fe), (Fe, N), (B, S, N))
   return tuple(np.asarray(v) for v in vjp_fn(DotPolicy(), DENSE)(x, w, dy))
 
@@ -107,9 +109,12 @@ def _plain_dense(B, S, Fe, N):
 ATTN = (((3,), (3,)), ((0, 2), (0, 2)))  # 'bqhd,bkhd->bhqk'
 PV = (((3,), (1,)), ((0, 1), (0, 2)))  # 'bhqk,bkhd->bhqd'
 ROW8 = F.BlockFormat(7, tile=(1, 8), exponent="hbfp")
+# batch dimensions are one vmap of the 2-D GEMM for every block_dot mode (_dot_general's
+# _batched): the exact mode stands for fp8 too (whose 2-D GEMM is checked on N-D operands in
+# test_dense_nd_equals_2d_gemm_on_the_reshape[fp8_mx]; its batched lowering in
+# tests/ops/test_block_dot.py::test_batched_dot_general_lowers_for_cuda[fp8])
 BATCH_MODES = {
     "exact_rows": DotPolicy(lhs=ROW8, rhs=ROW8, grad=ROW8, block_dot="exact"),
-    "fp8_mx": jaxlp.mx_policy(F.E4M3FN, 8, grad_fmt=F.E5M2, block_dot="fp8"),
     "acc": DotPolicy(lhs=F.E4M3, grad=F.E5M2, fwd_acc=ACC, dlhs_acc=ACC,
                      drhs_acc=Accum(acc=F.FP16, algorithm="chunked", chunk=4)),
     "per_gemm": DotPolicy(lhs=F.mx(F.E4M3FN, 8), rhs=ROW8, grad=F.E5M2,
@@ -122,6 +127,8 @@ def _slice_loop(policy, dn2, x, w, dy, xs, ws, gs, out_shape):
   """The 2-D GEMMs per batch index: x[xs(i)] . w[ws(i)] with cotangent dy[gs(i)], in the
   contraction layout (the 2-D GEMMs' "auto" would take HBFPEmulator's view)."""
   run = vjp_fn(dataclasses.replace(policy, layout="contraction"), dn2)
+  # numpy slices: an eager slice of a jax array compiles a program per index
+  x, w, dy = np.asarray(x), np.asarray(w), np.asarray(dy)
   y, dx, dw = np.zeros(out_shape, np.float32), np.zeros(x.shape, np.float32), np.zeros(
       w.shape, np.float32)
   for i in np.ndindex(*out_shape[:2]):
@@ -202,11 +209,15 @@ def test_stochastic_accumulation_gets_a_key_per_gemm():
   y, dq, dk = vjp_fn(policy, ATTN, KEY)(q, k, g)
   mm = lambda a, b, i: jaxlp.matmul(a, b, acc=F.BF16, rounding="stochastic",
                                     key=jax.random.fold_in(KEY, 6 + i))
-  a = q.transpose(0, 2, 1, 3).reshape(4, 3, 16)
-  bt = k.transpose(0, 2, 1, 3).reshape(4, 8, 16)
-  assert_same((y,), (mm(a, bt.transpose(0, 2, 1), 0).reshape(2, 2, 3, 8),))
-  dq_ref = mm(g.reshape(4, 3, 8), bt, 1).reshape(2, 2, 3, 16).transpose(0, 2, 1, 3)
-  assert_same((dq,), (dq_ref,))
+
+  @jax.jit  # the reference as one program
+  def want(q, k, g):
+    a = q.transpose(0, 2, 1, 3).reshape(4, 3, 16)
+    bt = k.transpose(0, 2, 1, 3).reshape(4, 8, 16)
+    return (mm(a, bt.transpose(0, 2, 1), 0).reshape(2, 2, 3, 8),
+            mm(g.reshape(4, 3, 8), bt, 1).reshape(2, 2, 3, 16).transpose(0, 2, 1, 3))
+
+  assert_same((y, dq), want(q, k, g))
   _, _, dk2 = vjp_fn(policy, ATTN, jax.random.key(8))(q, k, g)
   assert not np.array_equal(_bits(y), _bits(vjp_fn(DotPolicy(), ATTN)(q, k, g)[0]))
   np.testing.assert_array_equal(dk, dk2)  # drhs: float32 autodiff, no noise
@@ -217,9 +228,20 @@ def test_stochastic_accumulation_gets_a_key_per_gemm():
 # ---------------------------------------------------------------------------------------
 def _quantized_lhs(fmt, layout, x):
   """Q(x) as the forward GEMM sees it (x . identity: every product and sum exact)."""
-  eye = jnp.eye(x.shape[-1], dtype=jnp.float32)
-  dn = (((x.ndim - 1,), (0,)), ((), ()))
-  return jax.jit(lambda a: jaxlp.dot_general(DotPolicy(lhs=fmt, layout=layout))(a, eye, dn))(x)
+  return _quantized_lhs_fn(fmt, layout)(x)
+
+
+@functools.cache
+def _quantized_lhs_fn(fmt, layout):
+  """:func:`_quantized_lhs`'s program: one per format and layout, for both arrays."""
+
+  @jax.jit
+  def run(x):
+    eye = jnp.eye(x.shape[-1], dtype=jnp.float32)
+    dn = (((x.ndim - 1,), (0,)), ((), ()))
+    return jaxlp.dot_general(DotPolicy(lhs=fmt, layout=layout))(x, eye, dn)
+
+  return run
 
 
 def test_exponent_sharing_per_layout():
@@ -284,18 +306,23 @@ def test_layout_and_exact_mode_share_k_blocks(layout, activations):
   geo = DG.dot_geometry(dims, layout)
   shapes = {"lhs": x.shape, "rhs": w.shape, "out": (2, 3, 24)}
   plan = DG.block_plan(policy, dims, shapes, geo)
-  qx = DG.quantize_operand(x, policy.lhs, None, "lhs", geo["lhs"])
-  qw = DG.quantize_operand(w, policy.rhs, None, "rhs", geo["rhs"])
-  qg = DG.quantize_operand(dy, policy.grad, None, "grad", geo["grad"])
   # the weight gradient contracts over the tokens: K-blocks of one token, or of one
   # sequence where hbfp_batched in the hbfp layout shares one exponent per sequence
   want = {"fwd": 24, "dlhs": 24, "drhs": 3 if (layout, activations) == ("hbfp", "per_sample")
           else 1}
   assert {k: v[1] for k, v in plan.items()} == want
   ref = lambda a, b, g: BS.block_dot_reference(a, b, g, 7, 7)
-  X, G = qx.reshape(6, 48), qg.reshape(6, 24)
-  assert_same((y, dx, dw), (ref(X, qw, 24).reshape(2, 3, 24),
-                            ref(G, qw.T, 24).reshape(2, 3, 48), ref(X.T, G, want["drhs"])))
+
+  @jax.jit  # the reference as one program
+  def reference(x, w, dy):
+    qx = DG.quantize_operand(x, policy.lhs, None, "lhs", geo["lhs"])
+    qw = DG.quantize_operand(w, policy.rhs, None, "rhs", geo["rhs"])
+    qg = DG.quantize_operand(dy, policy.grad, None, "grad", geo["grad"])
+    X, G = qx.reshape(6, 48), qg.reshape(6, 24)
+    return (ref(X, qw, 24).reshape(2, 3, 24), ref(G, qw.T, 24).reshape(2, 3, 48),
+            ref(X.T, G, want["drhs"]))
+
+  assert_same((y, dx, dw), reference(x, w, dy))
 
 
 def test_layout_validation_and_errors():

@@ -295,7 +295,10 @@ def test_grad_fp32_is_the_float32_gemms(kw):
   np.testing.assert_allclose(np.asarray(gb), _dot32(a.T, g), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", GRAD_CASES, ids=_IDS)
+# all but the CPDFloat Kahan case (3), whose pieces the others hold: Kahan (6, stochastic), mul
+# and acc formats (2, 5); grad="emulate" calls matmul with the same settings whatever they are
+@pytest.mark.parametrize("kw", [c for i, c in enumerate(GRAD_CASES) if i != 3],
+                         ids=[c for i, c in enumerate(_IDS) if i != 3])
 def test_grad_emulate_is_the_emulated_backward_gemms(kw):
   """grad="emulate": dA = matmul(g, B^T) and dB = matmul(A^T, g) with the same settings (keys
   fold_in(key, 1) and fold_in(key, 2)), d bias = g; the same bits under jit and vmap."""

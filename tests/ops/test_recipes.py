@@ -81,10 +81,11 @@ def test_weight_tiles_quantize_w_and_its_transpose_alike():
   def dx(pol):
     return jax.vjp(lambda a: jaxlp.dot_general(pol)(a, w, DIMS), x)[1](g)[0]
 
-  _same_bits(dx(reuse), dx(again))
+  dx_reuse = dx(reuse)
+  _same_bits(dx_reuse, dx(again))
   wq = F.quantize(w, fmt)
   want = jax.linear_transpose(lambda a: lax.dot_general(a, wq, DIMS), x)(g)[0]
-  _same_bits(dx(reuse), want)
+  _same_bits(dx_reuse, want)
 
 
 def test_weight_tiles_of_n_d_and_conv_kernels():
@@ -116,10 +117,11 @@ def test_weight_tiles_of_n_d_and_conv_kernels():
 
 
 # -- stochastic rounding only where chosen --------------------------------------------------
-def _recipe_gemms(pol, x, w, g, key):
-  """(y, dx, dw) of a Dense GEMM under ``pol``, each GEMM summed in jaxlp.matmul's
+def _recipe_run(pol, x, w, g):
+  """key -> (y, dx, dw) of a Dense GEMM under ``pol``, each GEMM summed in jaxlp.matmul's
   specified order (``Accum()``: fp32 products, a sequential fp32 sum over K), so that the
-  outputs are a bit-exact function of the quantized operands."""
+  outputs are a bit-exact function of the quantized operands. One jit for every key (of one
+  kind: one trace); the operands are constants of the program."""
   pol = dataclasses.replace(pol, fwd_acc=jaxlp.Accum(), dlhs_acc=jaxlp.Accum(),
                             drhs_acc=jaxlp.Accum())
 
@@ -128,14 +130,14 @@ def _recipe_gemms(pol, x, w, g, key):
     y, vjp = jax.vjp(lambda a, b: jaxlp.dot_general(pol, key=k)(a, b, DIMS), x, w)
     return (y, *vjp(g))
 
-  return run(key)
+  return run
 
 
 def _rebuilt(x, w, g, key, *, sr, tiles=True, rht=True):
   """The three GEMMs from explicitly quantized operands: slot i's noise from
   fold_in(key, i) (grad = 2, drhs_grad = 5), 1-D blocks along each GEMM's contraction axis,
   the transform along the batch for the weight gradient; jaxlp.matmul as in
-  :func:`_recipe_gemms`."""
+  :func:`_recipe_run`."""
   t = RHT(("drhs",))
   r = "stochastic" if sr else "nearest"
   k = lambda i: jax.random.fold_in(key, i) if sr else None
@@ -161,8 +163,8 @@ def test_stochastic_rounding_only_on_the_gradient_operands(sr, tiles, rht):
   g = jnp.asarray(RNG.standard_normal((32, 16)).astype(np.float32) * 1e-3)
   pol = jaxlp.nvfp4_recipe(weight_tiles=tiles, stochastic_gradients=sr, rht=rht)
   k1, k2 = jax.random.key(1), jax.random.key(2)
-  out1 = _recipe_gemms(pol, x, w, g, k1)
-  out2 = _recipe_gemms(pol, x, w, g, k2)
+  run = _recipe_run(pol, x, w, g)
+  out1, out2 = run(k1), run(k2)
   want = jax.jit(functools.partial(_rebuilt, sr=sr, tiles=tiles, rht=rht))(x, w, g, k1)
   for name, a, b in zip(("fwd", "dlhs", "drhs"), out1, want, strict=True):
     _same_bits(a, b, msg=name)
@@ -171,9 +173,9 @@ def test_stochastic_rounding_only_on_the_gradient_operands(sr, tiles, rht):
     assert np.array_equal(np.asarray(a), np.asarray(b)) == (not sr), name
   if sr:
     with pytest.raises(ValueError, match="no key"):
-      _recipe_gemms(pol, x, w, g, None)
+      run(None)
   else:  # no stochastic slot: no key needed
-    _same_bits(_recipe_gemms(pol, x, w, g, None)[2], out1[2])
+    _same_bits(run(None)[2], out1[2])
 
 
 # -- per-layer ends and training -----------------------------------------------------------

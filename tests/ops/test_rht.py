@@ -238,14 +238,15 @@ def test_rht_on_n_d_dot_general_and_attention_einsum():
   w = jnp.asarray(RNG.standard_normal((24, 8)).astype(np.float32))
   dims = (((2,), (0,)), ((), ()))
   f = lambda a, b: (jaxlp.dot_general(pol)(a, b, dims) ** 2).sum()
-  dw = jax.grad(f, argnums=1)(x, w)
-  ref = jax.grad(lambda a, b: (lax.dot_general(a, b, dims) ** 2).sum(), argnums=1)(x, w)
+  dw = jax.jit(jax.grad(f, argnums=1))(x, w)  # one program (eagerly: one per operation)
+  ref = jax.jit(jax.grad(lambda a, b: (lax.dot_general(a, b, dims) ** 2).sum(), argnums=1))(x, w)
   np.testing.assert_allclose(np.asarray(dw), np.asarray(ref), rtol=1e-5, atol=1e-3)
   # einsum with batch dims (attention scores): fwd transform along the head dim
   pol = jaxlp.DotPolicy(dlhs_rhs=None, drhs_lhs=None, drhs_grad=None, rht=RHT(("fwd",)))
   q = jnp.asarray(RNG.standard_normal((2, 8, 3, 16)).astype(np.float32))
   k = jnp.asarray(RNG.standard_normal((2, 8, 3, 16)).astype(np.float32))
-  got = jnp.einsum("bqhd,bkhd->bhqk", q, k, _dot_general=jaxlp.dot_general(pol))
+  got = jax.jit(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                                        _dot_general=jaxlp.dot_general(pol)))(q, k)
   np.testing.assert_allclose(np.asarray(got), np.asarray(jnp.einsum("bqhd,bkhd->bhqk", q, k)),
                              atol=5e-5)
 
