@@ -57,9 +57,9 @@ def test_interpret_matches_reference(fa, fb, g, shape, route):
     assert tiled or np.isnan(np.asarray(out)[1]).all()
 
 
-@pytest.mark.parametrize("R,K,g", [(37, 50, 24), (16, 64, 32), (33, 256, 64), (40, 100, 8),
-                                   (17, 2048, 1024)],
-                         ids=["hbfp8-ragged", "mxint8", "g64", "g8", "g1024"])
+# (K-blocks of 32, as MXINT8's, fill their window as those of 64 and 1024 do)
+@pytest.mark.parametrize("R,K,g", [(37, 50, 24), (33, 256, 64), (40, 100, 8), (17, 2048, 1024)],
+                         ids=["hbfp8-ragged", "g64", "g8", "g1024"])
 def test_pallas_operand_preparation_has_the_jnp_bits(R, K, g):
   """prep_bf16_rows (one Pallas kernel, interpreted) writes the bf16 values and block exponents
   that _prepare and _bf16_values compute in jnp: ragged rows and K-blocks, inf, NaN, all-zero
@@ -144,24 +144,24 @@ def test_interpret_mixes_fast_and_exact_tiles():
   a = _quantize(jnp.asarray(x, jnp.float32), F.hbfp(7, 24))
   b = _quantize(jnp.asarray(w, jnp.float32), F.hbfp(7, 24))
   ref = _ref(a, b, g, 7, 7)
-  for bm in (16, 32):
+  # the int8 route alone once: its bits do not depend on the route tiles
+  for bm, route in ((16, "auto"), (16, "int8"), (32, "auto")):
     routes = np.asarray(_routes(a, b, g, 7, 7, block_m=bm, block_n=16))
     assert routes.min() == 0 and routes.max() == 1  # both routes in one GEMM
-    for route in PB.ROUTES:
-      out = block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16, route=route)
-      assert _same(out, ref)
+    out = block_gemm(a, b, g, 7, 7, interpret=True, block_m=bm, block_n=16, route=route)
+    assert _same(out, ref)
 
 
 def test_bf16_route_is_taken_on_ordinary_data():
-  """N(0, 1) HBFP8 / MXINT8 operands: every tile takes the bf16 route, with the bits."""
+  """N(0, 1) HBFP8 / MXINT8 operands: every tile takes the bf16 route. (Its bits: on HBFP8's
+  N(0, 1) tiles in test_interpret_mixes_fast_and_exact_tiles, on MXINT8 tiles in
+  test_bf16_route_exponent_boundary and test_bf16_route_gives_positive_zero_...)"""
   rng = np.random.default_rng(3)
   for fa, fb, g in ((F.hbfp(7, 24), F.hbfp(7, 24), 24),
                     (F.mx("int8", 32, 1), F.mx("int8", 32, 0), 32)):
     a = _quantize(jnp.asarray(rng.normal(size=(40, 96)), jnp.float32), fa)
     b = _quantize(jnp.asarray(rng.normal(size=(96, 48)), jnp.float32), fb)
     assert np.asarray(_routes(a, b, g, 7, 7, block_m=16, block_n=16)).all()
-    ref = _ref(a, b, g, 7, 7)
-    assert _same(block_gemm(a, b, g, 7, 7, interpret=True, block_m=16, block_n=16), ref)
 
 
 @pytest.mark.parametrize("qa_min", [PB.BF16_Q_MIN, PB.BF16_Q_MIN - 1])
@@ -239,9 +239,8 @@ def test_rejects_bad_route_and_tiles():
 
 @pytest.mark.parametrize("elem,kind,g,shape", [
     (F.E4M3FN, "e4m3fn", 32, (40, 96, 36)),
-    (F.E5M2, "e5m2", 32, (17, 64, 33)),
-    (F.E4M3FN, "e4m3fn", 16, (20, 40, 24)),  # K-blocks padded to the fp8 MMA depth, ragged K
-], ids=["e4m3fn", "e5m2", "g16"])
+    (F.E5M2, "e5m2", 16, (20, 40, 24)),  # K-blocks padded to the fp8 MMA depth, ragged K
+], ids=["e4m3fn", "e5m2-g16"])
 def test_fp8_block_gemm_matches_the_xla_fp8_mode(elem, kind, g, shape):
   """The fp8 fast mode's kernel (interpret mode) against the XLA route of ``fp8_dot`` and a
   float64 product of the same operands: not bit-exact by design, but within float32

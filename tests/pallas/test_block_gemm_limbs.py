@@ -52,15 +52,17 @@ def test_interpret_matches_reference(fa, fb, g, prec):
   spa, spb = BS.significand_spec(fa), BS.significand_spec(fb)
   scales = None if sa is None else (sa, sb)
   ref = _ref(a, b, g, spa.bits, spb.bits, scales)
-  out = PL.limb_gemm(a, b, g, spa.bits, spb.bits, scales, interpret=True, block_m=16,
-                     block_n=16, prec=(spa.prec, spb.prec) if prec else None)
+  kw = dict(interpret=True, block_m=16, block_n=16,
+            prec=(spa.prec, spb.prec) if prec else None)
+  out = PL.limb_gemm(a, b, g, spa.bits, spb.bits, scales, **kw)
   assert _same(out, ref)
   assert np.isinf(np.asarray(ref)[0, 0]) or scales is not None
   if scales is not None:  # one tensor scale only, then a NaN one
     assert _same(PL.limb_gemm(a, b, g, 8, 8, (sa, None), interpret=True),
                  _ref(a, b, g, 8, 8, (sa, None)))
-    nan = (jnp.float32(jnp.nan), sb)
-    assert np.isnan(np.asarray(PL.limb_gemm(a, b, g, 8, 8, nan, interpret=True))).all()
+    # (the program above: NVFP4 has 8 significand bits, the scales are float32 scalars)
+    nan = (jnp.full_like(sa, jnp.nan), sb)
+    assert np.isnan(np.asarray(PL.limb_gemm(a, b, g, spa.bits, spb.bits, nan, **kw))).all()
 
 
 def test_plans():
