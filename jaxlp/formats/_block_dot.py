@@ -125,6 +125,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxlp._util import cdiv
@@ -349,24 +350,26 @@ def split_limbs(x, bits: int, W: int, nl: int):
   2**bits <= 2**(W nl)``, so it is at most ``2**W``). Computed from the float32 bits without
   forming ``k`` (``2**bits`` may exceed int32).
 
-  Returns ``(limbs, q, nonzero)``: ``nl`` int32 arrays of ``x``'s shape, the block exponents
-  (``NAN_Q`` for a block holding a non-finite value) and the nonzero mask of
+  Returns ``(limbs, q, nonzero)``: the limbs as one int32 array ``(nl, *x.shape)`` (limb
+  ``i`` is ``limbs[i]``; all limbs in one set of operations over the leading axis), the
+  block exponents (``NAN_Q`` for a block holding a non-finite value) and the nonzero mask of
   :func:`split_blocks`."""
   neg, mag, q, top = _block_exponents(x, bits)
   field = (mag >> 23).astype(jnp.int32)
   m = (mag & B.u32(B.FRAC_MASK)) | jnp.where(field > 0, B.u32(1 << 23), B.u32(0))
   e0 = jnp.where(field > 0, field - 150, -149)
   s = e0 - q[..., None]  # |k| = m * 2**s (exact: the low bits of m are zero where s < 0)
-  limbs = []
-  for i in range(nl):
-    mask = B.u32((1 << (W + 1 if i == nl - 1 else W)) - 1)
-    sh = s - W * i
-    left = (m << jnp.clip(sh, 0, 31).astype(jnp.uint32)) & mask  # wraps: low bits are right
-    right = (m >> jnp.clip(-sh, 0, 31).astype(jnp.uint32)) & mask
-    limb = jnp.where(sh >= 0, left, right).astype(jnp.int32)
-    limbs.append(jnp.where(neg, -limb, limb))
+  lead = (nl,) + (1,) * x.ndim
+  widths = np.full(nl, W)
+  widths[-1] = W + 1
+  mask = B.u32(((1 << widths) - 1).reshape(lead))
+  sh = s[None] - (W * np.arange(nl)).reshape(lead).astype(np.int32)
+  m = m[None]
+  left = (m << jnp.clip(sh, 0, 31).astype(jnp.uint32)) & mask  # wraps: low bits are right
+  right = (m >> jnp.clip(-sh, 0, 31).astype(jnp.uint32)) & mask
+  limbs = jnp.where(sh >= 0, left, right).astype(jnp.int32)
   q = jnp.where(top >= B.u32(B.INF_BITS), NAN_Q, q).astype(jnp.int32)
-  return limbs, q, top != 0
+  return jnp.where(neg[None], -limbs, limbs), q, top != 0
 
 
 def plan_limbs(x, bits: int, W: int, nl: int):
@@ -530,6 +533,23 @@ def limb_diagonals(dot, na: int, nb: int):
   return D
 
 
+def limb_diagonal_dots(la, lb):
+  """:func:`limb_diagonals` of the int32 dots of stacked limbs ``la`` (na, M, g) and ``lb``
+  (nb, N, g) as one int32 ``dot``: ``D`` (na + nb - 1, M, N), ``D[s] = sum_i la[i] .
+  lb[s - i]^T``, the contraction over ``(i, k)`` against ``lb`` shifted by ``i`` along its
+  limb axis (zero limbs outside). Exact: the same integers (``|D[s]| < 2**30``)."""
+  na, nb = la.shape[0], lb.shape[0]
+  M, g = la.shape[1], la.shape[2]
+  N = lb.shape[1]
+  S = na + nb - 1
+  lhs = jnp.moveaxis(la, 0, 1).reshape(M, na * g)
+  rhs = jnp.stack([jnp.pad(lb, ((i, na - 1 - i), (0, 0), (0, 0))) for i in range(na)],
+                  axis=2)  # (S, N, na, g): [s, :, i] = lb[s - i]
+  rhs = rhs.reshape(S, N, na * g)
+  D = lax.dot_general(lhs, rhs, (((1,), (2,)), ((), ())), preferred_element_type=jnp.int32)
+  return jnp.moveaxis(D, 1, 0)
+
+
 def _f32_from_int_bits(bits):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
@@ -636,8 +656,15 @@ def block_dot_reference(a, b, g: int, bits_a: int, bits_b: int, scales=None):
   Per K-block, inside a ``lax.scan`` over the K-blocks: where one int32 dot holds the
   significands' dot (:func:`int32_exact`) and there are no tensor scales, that dot scaled
   exactly (:func:`scale_exact`); otherwise the dots of limbs of the significands
-  (:func:`split_limbs`, :func:`limb_plan`), assembled as digits, multiplied by the tensor
-  scales' significands and rounded once (:func:`exact_partial`). Any backend.
+  (:func:`split_limbs`, :func:`limb_plan`; one int32 dot per K-block,
+  :func:`limb_diagonal_dots`), assembled as digits, multiplied by the tensor scales'
+  significands and rounded once (:func:`exact_partial`). Any backend.
+
+  Compile cost (XLA:CPU spends most of it per kernel, in LLVM): the first K-block's
+  partial is the scan's first step, selected instead of added (one compiled copy of the
+  partial); operands with the same significand bits are split in one pass (their rows
+  concatenated); the digit arithmetic stays unrolled and elementwise, which XLA fuses into
+  one kernel (loops and reductions over a stacked digit axis compiled slower).
   """
   a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   check_operands(a, b, g, bits_a, bits_b, limbs=True)
@@ -646,7 +673,11 @@ def block_dot_reference(a, b, g: int, bits_a: int, bits_b: int, scales=None):
   if nblk == 0:
     return jnp.zeros((M, N), jnp.float32)
   if scales is None and int32_exact(g, bits_a, bits_b):
-    ka, qa, kb, qb = operand_significands(a, b, g, bits_a, bits_b)
+    if bits_a == bits_b:
+      k, q = split_significands(jnp.concatenate([a, b.T]), g, bits_a)
+      ka, qa, kb, qb = k[:M], q[:M], k[M:], q[M:]
+    else:
+      ka, qa, kb, qb = operand_significands(a, b, g, bits_a, bits_b)
 
     def partial(ka_b, kb_b, qa_b, qb_b):
       return scale_exact(_int_dot(ka_b, kb_b), qa_b[:, None] + qb_b[None, :])
@@ -656,21 +687,27 @@ def block_dot_reference(a, b, g: int, bits_a: int, bits_b: int, scales=None):
     plan = limb_plan(g, bits_a, bits_b, whole=int32_exact(g, bits_a, bits_b))
     Gf, ea, eb, bad = scale_operands(scales)
     G = None if Gf is None else Gf(plan.W)
-    la, qa, _ = plan_limbs(_blocks(a, g), bits_a, plan.W, plan.na)
-    lb, qb, _ = plan_limbs(_blocks(b.T, g), bits_b, plan.W, plan.nb)
+    if bits_a == bits_b:
+      lab, qab, _ = plan_limbs(_blocks(jnp.concatenate([a, b.T]), g), bits_a, plan.W, plan.na)
+      la, qa, lb, qb = lab[:, :M], qab[:M], lab[:, M:], qab[M:]
+    else:
+      la, qa, _ = plan_limbs(_blocks(a, g), bits_a, plan.W, plan.na)  # (na, M, nblk, g)
+      lb, qb, _ = plan_limbs(_blocks(b.T, g), bits_b, plan.W, plan.nb)
     qa, qb = qa + ea, qb + eb
 
     def partial(la_b, lb_b, qa_b, qb_b):
-      D = limb_diagonals(lambda i, j: _int_dot(la_b[i], lb_b[j]), plan.na, plan.nb)
+      D = list(limb_diagonal_dots(la_b, lb_b))  # unrolled digits: one fused kernel
       return exact_partial(D, qa_b[:, None] + qb_b[None, :], plan, G, bad)
 
-    xs = (jnp.moveaxis(jnp.stack(la), 2, 0), jnp.moveaxis(jnp.stack(lb), 2, 0), qa.T, qb.T)
+    xs = (jnp.moveaxis(la, 2, 0), jnp.moveaxis(lb, 2, 0), qa.T, qb.T)
 
   def body(s, x):
-    return accumulate(s, partial(*x)), None
+    i, x = x
+    p = partial(*x)
+    # s = p_0 (no initial +0.0), then flush(fl32(s + p_b))
+    return jnp.where(i == 0, p, accumulate(s, p)), None
 
-  s0 = partial(*(x[0] for x in xs))
-  s, _ = lax.scan(body, s0, tuple(x[1:] for x in xs))
+  s, _ = lax.scan(body, jnp.zeros((M, N), jnp.float32), (jnp.arange(nblk), xs))
   return s
 
 
