@@ -413,9 +413,20 @@ def _feistel_sample(seed, n, k, impl):
   def walk(y, steps):  # straight-line code, no loop (test_gpu_schedule_gives_the_same_indices)
     return lax.fori_loop(0, steps, lambda _, y: step(y), y, unroll=True)
 
-  y = perm(lax.iota(jnp.uint32, k))
-  y = per_platform(impl, lambda y: y, lambda y: walk(y, k.bit_length() + 8), y)
-  y = lax.while_loop(lambda y: jnp.any(y >= n), step, y)
+  # CPU: the first perm is the loop's first step (every index), so perm is compiled once per
+  # sampling, not twice; GPU: perm and the unrolled walk, then the loop (rarely a step)
+  def first_in_loop(y):
+    return y, jnp.bool_(True)
+
+  def walked(y):
+    return walk(perm(y), k.bit_length() + 8), jnp.bool_(False)
+
+  def body(c):
+    y, first = c
+    return lax.select(lax.bitwise_or(lax.ge(y, bound), first), perm(y), y), jnp.bool_(False)
+
+  c = per_platform(impl, first_in_loop, walked, lax.iota(jnp.uint32, k))
+  y = lax.while_loop(lambda c: c[1] | jnp.any(c[0] >= n), body, c)[0]
   return y.astype(jnp.int32)
 
 
