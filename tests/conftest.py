@@ -183,6 +183,37 @@ _SCHEDULE_FIRST = (
 # :data:`_FAST_CASES`, a cheap case of some of its parametrized workhorses. A test not listed
 # is fast; a new slow test belongs here.
 _SLOW = (
+    # --- the fast tier's dearest single tests at 038ed99 (3.0-7.3 CPU s each in the full run of
+    # 853e50f; the tier took 5 min 30 s cold on the AMD EPYC VM, 2026-11-30); each function
+    # keeps other fast tests in its file ---
+    "tests/pallas/test_pallas_matmul.py::test_batched_and_dimension_numbers",
+    "tests/formats/test_block.py::test_blockformat_axis_blocks[1-None]",
+    "tests/ops/test_dot_general.py::test_stochastic_needs_key_and_key_is_data",
+    "tests/parallel/test_dgc_stages.py::test_stage_capacity_is_the_count_encode_selects",
+    "tests/parallel/test_aps.py::test_aps_zero_leaf_and_nonfinite",
+    "tests/parallel/compress/test_speed_dense.py::test_cgx_stochastic_noise_is_uniform01_over_the_quantized_elements",
+    "tests/formats/test_stochastic.py::test_jit_equals_eager_and_noise_depends_on_index_only",
+    "tests/pallas/test_block_gemm.py::test_bf16_route_needs_exact_float32_block_sums",
+    "tests/ops/test_rht.py::test_transform_cancels_in_the_product",
+    "tests/optim/test_optim.py::test_low_precision_moments_are_representable_and_fresh_noise_each_step",
+    "tests/formats/test_mx_rules.py::test_rules_differ_as_documented",
+    "tests/ops/test_dot_general_nd.py::test_exponent_sharing_per_layout",
+    "tests/ops/test_dot_general.py::test_quantization_is_in_the_compiled_graph_of_the_right_gemm[lhs-fwd-True]",
+    "tests/cli/test_reproduce.py::test_reduced_runs_are_marked_and_judged",
+    "tests/cli/test_portable.py::test_materialize_keeps_bits_and_computes_an_expression_once",
+    "tests/ops/test_rht.py::test_same_bits_under_jit_vmap_and_shard_map",
+    "tests/ops/test_rht.py::test_rht_on_n_d_dot_general_and_attention_einsum",
+    "tests/ops/test_recipes.py::test_weight_tiles_of_n_d_and_conv_kernels",
+    "tests/formats/test_nvfp4_integration.py::test_public_quantize_dispatch_equals_the_spec",
+    "tests/formats/test_stochastic.py::test_statistical_unbiasedness[block]",
+    "tests/optim/test_optim.py::test_master_weights_wide_and_narrow_from_the_same_fp32_update",
+    "tests/ops/test_conv.py::test_identity_policy_is_plain_lax_with_positional_args",
+    "tests/parallel/compress/test_compress_compressors.py::test_powersgd_recovers_exact_low_rank",
+    "tests/formats/test_properties.py::test_block_result_on_shared_grid",
+    "tests/cli/test_shard.py::test_compare_summary_reports_sharded_memory",
+    "tests/ops/test_block_dot.py::test_exact_differs_from_emulation_only_in_rounding",
+    "tests/formats/test_bits.py::test_top_bit_every_24_bit_integer",
+    "tests/optim/test_optim.py::test_master_weights_composes_with_lars_and_is_stochastic_with_key",
     # --- the heaviest functions left in the fast tier at b624d0c (2026-11-29: 998 s of test
     # time in 8 min 54 s); of a parametrized one the cheapest case stays (in _FAST_CASES) ---
     "tests/cli/test_cli.py::test_resume_equals_uninterrupted",
