@@ -83,10 +83,17 @@ class _Rounder:
 
   def __call__(self, x, idx, r, tag):
     if self.key is None:
-      return quantize_f32(x, self.fmt, self.rounding, jnp.zeros((), jnp.uint32), None)
-    k = jax.random.fold_in(jax.random.fold_in(self.key, r), tag)
-    k0, k1 = key_words(k)
-    return quantize_f32(x, self.fmt, self.rounding, B.hash_bits(k0, k1, idx), None)
+      return self._round(x, jnp.zeros((), jnp.uint32))
+    k0, k1 = _noise_words(self.key, r, tag)
+    return self._round(x, B.hash_bits(k0, k1, idx))
+
+  def _round(self, x, rand):
+    return quantize_f32(x, self.fmt, self.rounding, rand, None)
+
+
+def _noise_words(leaf_key, r, tag):
+  """The key words of the noise of worker (or node) ``r``'s rounding ``tag`` in a leaf."""
+  return key_words(jax.random.fold_in(jax.random.fold_in(leaf_key, r), tag))
 
 
 def _check(fmt, order, kahan, rounding, key):
@@ -190,33 +197,27 @@ def _native_leaf(leaf, axis_name, w, q, aps):
   return _leaf_policy(res, leaf.shape, leaf.dtype)
 
 
-class _BucketRounder:
+class _BucketRounder(_Rounder):
   """:class:`_Rounder` of a bucket of leaves laid side by side: the noise of each element
   under its own leaf's key (``leaf_id``: the position in ``leaf_nos`` of every element along
-  the bucket's last axis)."""
+  the bucket's last axis; None for a single leaf)."""
 
   def __init__(self, fmt, rounding, key, leaf_nos, leaf_id):
-    self.fmt, self.rounding = fmt, rounding
-    self.keys = None
-    if rounding == "stochastic":
-      self.keys = jax.vmap(jax.random.fold_in, (None, 0))(
-          key, jnp.asarray(leaf_nos, jnp.uint32))
-      self.leaf_id = leaf_id
+    self.fmt, self.rounding, self.leaf_id = fmt, rounding, leaf_id
+    self.key = None
+    if rounding == "stochastic":  # the leaves' keys, (leaves,)
+      self.key = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.asarray(leaf_nos, jnp.uint32))
 
   def __call__(self, x, idx, r, tag):
-    if self.keys is None:
-      return quantize_f32(x, self.fmt, self.rounding, jnp.zeros((), jnp.uint32), None)
-
-    def words(k):
-      return jnp.stack(key_words(jax.random.fold_in(jax.random.fold_in(k, r), tag)))
-
-    kw = jax.vmap(words)(self.keys)  # (leaves, 2)
+    if self.key is None:
+      return self._round(x, jnp.zeros((), jnp.uint32))
+    kw = jax.vmap(lambda k: jnp.stack(_noise_words(k, r, tag)))(self.key)  # (leaves, 2)
     if self.leaf_id is None:
       k0, k1 = kw[0, 0], kw[0, 1]
     else:  # per element of the last axis (the ring's APS pre-cast has a leading W axis)
       lead = (1,) * (jnp.ndim(idx) - 1)
       k0, k1 = (kw[self.leaf_id, i].reshape(lead + self.leaf_id.shape) for i in (0, 1))
-    return quantize_f32(x, self.fmt, self.rounding, B.hash_bits(k0, k1, idx), None)
+    return self._round(x, B.hash_bits(k0, k1, idx))
 
 
 def _layout(counts):
@@ -407,14 +408,6 @@ def ring_gather(s, axis_name, codec):
   i + 1): the (W * L,) flat sum in chunk order."""
   full = _gather(s, axis_name, codec)
   return jnp.roll(full, 1, axis=0).reshape(-1)
-
-
-def _ring(x, axis_name, w, me, q, kahan, codec):
-  n = x.size
-  length = cdiv(n, w)
-  xs = jnp.pad(x, (0, w * length - n)).reshape(w, length)
-  s = ring_reduce_scatter(xs, axis_name, w, me, q, kahan, codec)
-  return ring_gather(s, axis_name, codec)[:n]
 
 
 def payload_bytes(size: int, w: int, fmt, order: str = "ring", *, kahan: bool = False,
