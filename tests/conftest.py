@@ -78,24 +78,34 @@ def cpu_devices():
 
 @pytest.fixture
 def fast_compile():
-  """XLA's optimizations off in this process for one test (``jax_disable_most_optimizations``;
-  restored after it): for the smoke runs of the benchmark scripts and the README's snippets,
-  whose time is mostly compiling (tests/_bench.py, ``FAST_COMPILE``: the same for a
-  subprocess).
+  """XLA's optimizations off (``jax_disable_most_optimizations``) for the tests that use this
+  fixture, directly or through ``pytestmark = pytest.mark.usefixtures("fast_compile")``: the
+  smoke runs of the benchmark scripts, the README's snippets, toy training runs and the other
+  tests whose time is mostly compiling and whose checks hold at any optimization level (runs,
+  shapes, ranges, tolerances, bits among programs all compiled in the same test). Bits are
+  never compared with a program compiled normally or with a golden digest of one: XLA:CPU's
+  multiply-add contraction and reduction order change with the level (tests/_bench.py,
+  ``FAST_COMPILE``: the same for a subprocess).
 
-  The flag is not part of JAX's in-memory jit cache keys, so JAX's in-memory caches are
-  cleared before the test (every program it runs is compiled under the flag, so its bits are
-  compared only among programs compiled alike) and after it (later tests of this worker do not
-  reuse unoptimized programs; XLA:CPU's multiply-add contraction may differ from an optimized
-  compile). The persistent cache keys by the compile options, so its entries do not mix."""
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.clear_caches()
-  jax.config.update("jax_disable_most_optimizations", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_disable_most_optimizations", before)
+  The switch itself is made in :func:`pytest_runtest_setup` below, before any fixture of the
+  test (a module-scoped one included) is set up, and only when the level changes from the
+  previous test of this worker: the flag is not part of JAX's in-memory jit cache keys, so
+  JAX's in-memory caches are cleared at each change (later tests never reuse a program compiled
+  at the other level). The persistent cache keys by the compile options, so its entries do
+  not mix."""
+  assert jax.config.read("jax_disable_most_optimizations")
+  yield
+
+
+def _set_fast_compile(on):
+  if jax.config.read("jax_disable_most_optimizations") != on:
     jax.clear_caches()
+    jax.config.update("jax_disable_most_optimizations", on)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  _set_fast_compile("fast_compile" in getattr(item, "fixturenames", ()))
 
 
 # Tests whose longest case took 12 s or more in a full run on the 2-core CI VM (2026-11-28,
