@@ -147,6 +147,7 @@ _SCHEDULE_FIRST = (
     "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_compressor_in_an_optax_chain",
     "tests/test_layers_bench_smoke.py::test_layers_benchmark_gemm_census",
     "tests/cli/test_cli.py::test_real_devices_equal_emulation",
+    "tests/cli/test_cli.py::test_real_devices_equal_emulation_bit_for_bit_with_aps",
     "tests/parallel/compress/test_compress_allreduce.py::test_ring_vmap_shard_map_and_mixed_axes_identical",
     "tests/parallel/test_psum.py::test_stochastic_same_in_vmap_shard_map_and_oracle",
     "tests/cli/test_portable.py::test_the_exact_mlp_step_computes_its_portable_arithmetic_about_once",
@@ -283,6 +284,7 @@ _SLOW = (
     "tests/torch_bridge/test_qtorch_tree.py::test_qpytorch_suite_backward_fixed",
     # --- cli, training ---
     "tests/cli/test_cli.py::test_real_devices_equal_emulation",
+    "tests/cli/test_cli.py::test_real_devices_equal_emulation_bit_for_bit_with_aps",
     "tests/cli/test_cli.py::test_compare_and_plot",
     "tests/cli/test_cli.py::test_several_devices_compile_the_step_once",
     "tests/cli/test_cli.py::test_train_writes_outputs_and_is_deterministic",

@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _bench import FAST_COMPILE
 
 from jaxlp.cli import main
 from jaxlp.training import TrainConfig, train
@@ -115,6 +116,7 @@ def test_bench_is_the_benchmarks_front_door(capsys):
   assert "no benchmark named 'no_such_bench'" in err and "engine_compile" in err
 
 
+@pytest.mark.usefixtures("fast_compile")  # two runs' metrics and plots, no bits
 def test_compare_and_plot(tmp_path):
   out = str(tmp_path / "cmp")
   rc = main(["compare", "--out", out, "--config", "fp32=", "--config",
@@ -179,7 +181,8 @@ def _train_on_4_cpu_devices(args):
     assert main(args) == 0
     return
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  fast = FAST_COMPILE if jax.config.read("jax_disable_most_optimizations") else {}
+  env = dict(os.environ, **fast, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4",
              PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
   r = subprocess.run([sys.executable, "-m", "jaxlp"] + args, capture_output=True, text=True,
@@ -187,13 +190,11 @@ def _train_on_4_cpu_devices(args):
   assert r.returncode == 0, f"{args}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("flags", [[], ["--grad-exp", "3", "--grad-man", "0", "--aps"],
-                                   ["--compress", "onebit:algorithm=ring,min_size=512"]])
-def test_real_devices_equal_emulation(tmp_path, flags):
-  """Workers spread over 2 (forced CPU) devices x 2 emulated = the same run on one device
-  (both runs on the CPU backend, see _train_on_4_cpu_devices). (4 workers: the 1-bit ring's
-  steps grow with the workers; 8 cost the onebit case a third more CPU time, for the same
-  property.)"""
+def _devices_and_emulation(tmp_path, flags):
+  """Workers spread over 2 (forced CPU) devices x 2 emulated, and the same run on one device
+  (both runs on the CPU backend, see _train_on_4_cpu_devices): each run's (loss, accuracy) per
+  epoch and its checkpointed state. (4 workers: the 1-bit ring's steps grow with the workers;
+  8 cost the onebit case a third more CPU time, for the same property.)"""
   runs, states = [], []
   for d in ("1", "2"):
     out = str(tmp_path / d)
@@ -201,22 +202,35 @@ def test_real_devices_equal_emulation(tmp_path, flags):
                             + flags)
     runs.append([(m["train_loss"], m["test_accuracy"]) for m in _metrics(out)])
     states.append(_checkpoint_state(out))
-  if "--aps" in flags:
-    # jaxlp.parallel.psum is order-faithful and the 4-bit gradients absorb the last-bit
-    # differences of the per-worker gradients (below): every parameter has the same bits.
-    # The reported loss is a lax.psum of per-worker losses from batched (vmap) vs
-    # per-device forward passes; with jax 0.12 it differed in the last bit (1.7664451003 vs
-    # 1.7664451897) while every parameter was the same.
-    _assert_same_state(*states)
-    for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
-      assert l2 == pytest.approx(l1, rel=1e-6) and a2 == a1
-  else:
-    # plain lax.psum: XLA's fp32 summation order differs between the two layouts; and the
-    # per-worker gradients themselves come from batched (vmap) vs per-device matmuls, whose
-    # last bits differ -- compressed_allreduce's own layout-independence is tested in
-    # tests/parallel/compress (the 1-bit scale is an fp32 mean, so it carries those bits).
-    for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
-      assert l2 == pytest.approx(l1, rel=1e-5) and a2 == pytest.approx(a1, abs=0.01)
+  return runs, states
+
+
+@pytest.mark.usefixtures("fast_compile")  # both runs compiled alike, compared within rel 1e-5
+@pytest.mark.parametrize("flags", [[], ["--compress", "onebit:algorithm=ring,min_size=512"]])
+def test_real_devices_equal_emulation(tmp_path, flags):
+  """Plain lax.psum: XLA's fp32 summation order differs between the two layouts; and the
+  per-worker gradients themselves come from batched (vmap) vs per-device matmuls, whose last
+  bits differ -- compressed_allreduce's own layout-independence is tested in
+  tests/parallel/compress (the 1-bit scale is an fp32 mean, so it carries those bits). The
+  same run, then, within float32 rounding; XLA's optimizations off (tests/conftest.py,
+  ``fast_compile``), both runs alike."""
+  runs, _ = _devices_and_emulation(tmp_path, flags)
+  for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
+    assert l2 == pytest.approx(l1, rel=1e-5) and a2 == pytest.approx(a1, abs=0.01)
+
+
+def test_real_devices_equal_emulation_bit_for_bit_with_aps(tmp_path):
+  """jaxlp.parallel.psum is order-faithful and the 4-bit gradients absorb the last-bit
+  differences of the per-worker gradients (test above): every parameter has the same bits
+  (compiled normally: a claim on the production program). The reported loss is a lax.psum of
+  per-worker losses from batched (vmap) vs per-device forward passes; with jax 0.12 it
+  differed in the last bit (1.7664451003 vs 1.7664451897) while every parameter was the
+  same."""
+  runs, states = _devices_and_emulation(tmp_path, ["--grad-exp", "3", "--grad-man", "0",
+                                                   "--aps"])
+  _assert_same_state(*states)
+  for (l1, a1), (l2, a2) in zip(runs[0], runs[1]):
+    assert l2 == pytest.approx(l1, rel=1e-6) and a2 == a1
 
 
 def test_bad_devices_is_a_clear_error(capsys):
@@ -224,6 +238,7 @@ def test_bad_devices_is_a_clear_error(capsys):
   assert "--devices" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("fast_compile")  # counts compiles, at any optimization level
 @pytest.mark.parametrize("flags", [{}, {"compress": "cgx:bits=4,min_size=64"}])
 def test_several_devices_compile_the_step_once(flags):
   """On several devices the state is placed where the compiled step leaves it before the

@@ -31,6 +31,7 @@ def _write_idx(path, arr):
     f.write(header + arr.tobytes())
 
 
+@pytest.mark.usefixtures("fast_compile")  # the layout, and that a run trains on it
 def test_cifar10_reader_layout_and_training(tmp_path):
   last = _write_cifar(str(tmp_path))
   ds = D.load("cifar10", str(tmp_path))

@@ -15,6 +15,7 @@ def test_dgc_with_sgd_momentum_is_refused_naming_both(capsys):
   assert "--compress dgc:ratio=0.01" in err and "--momentum 0" in err and "twice" in err
 
 
+@pytest.mark.usefixtures("fast_compile")  # runs, finite; any optimization level
 @pytest.mark.parametrize("flags", [{"momentum": 0.0}, {"compress": "dgc:ratio=0.01,momentum=0"}])
 def test_dgc_runs_with_one_momentum(flags):
   cfg = TrainConfig(**({"compress": "dgc:ratio=0.01", "nodes": 2, "epochs": 1,

@@ -15,6 +15,7 @@ TOY = ["--epochs", "1", "--max-steps-per-epoch", "1", "--batch-size", "16", "--w
        "--quiet"]
 
 
+@pytest.mark.usefixtures("fast_compile")  # runs; what is recorded and checked on resume
 def test_cnn_exact_blocks_runs_is_recorded_and_resume_checks_it(tmp_path, capsys):
   out = tmp_path / "run"
   rc, err = _run(["train", "--model", "cnn", "--hbfp", "8", "--exact-blocks", *TOY,

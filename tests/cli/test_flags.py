@@ -141,6 +141,7 @@ def test_bad_flag_value_is_one_line_exit_2(args, needle, capsys, tmp_path):
   assert needle in lines[0] and "Traceback" not in err
 
 
+@pytest.mark.usefixtures("fast_compile")  # two runs of this test differ; any level
 def test_hbfp_tile_defines_the_run():
   """--hbfp with tiles 4 and 24 gives two different runs (the tile was ignored)."""
   losses = []
@@ -193,6 +194,7 @@ def test_a_policy_or_the_portable_layers_change_no_parameter():
                             conv_general_dilated=jaxlp.conv_general_dilated(pol))) == plain
 
 
+@pytest.mark.usefixtures("fast_compile")  # a count of NaN losses
 def test_nonfinite_steps_counts_a_nan_loss():
   t = Trainer(TrainConfig(nodes=2, batch_size=32, max_steps_per_epoch=2, quiet=True))
   t.ds.y_train[:] = 99  # out of range (loaders refuse this; the count must still see it)
@@ -215,6 +217,7 @@ def test_config_types_are_checked():
     Trainer(TrainConfig(epochs=2**30, schedule="triangle", max_steps_per_epoch=2))
 
 
+@pytest.mark.usefixtures("fast_compile")  # errors and their messages
 def test_out_of_device_memory_at_run_time_is_one_line(monkeypatch, capsys):
   """XLA's RESOURCE_EXHAUSTED while a step or the evaluation runs (which the estimate from
   the shapes cannot see: activations, fragmentation) becomes one line naming the flags."""

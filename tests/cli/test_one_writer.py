@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from _bench import FAST_COMPILE
 
 from jaxlp.cli import main
 from jaxlp.training import TrainConfig, Trainer, _runs, train
@@ -25,7 +26,12 @@ COMMON = dict(nodes=2, devices=1, width=2, batch_size=16, max_steps_per_epoch=2,
               quiet=True)
 FLAGS = ["--nodes", "2", "--devices", "1", "--width", "2", "--batch-size", "16",
          "--max-steps-per-epoch", "2", "--seed", "3", "--quiet"]
-ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+# XLA's optimizations off, in this process (tests/conftest.py, ``fast_compile``) and in the
+# ``jaxlp`` processes (tests/_bench.py, ``FAST_COMPILE``): the tests check locks, folders,
+# messages and exit codes, never bits
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **FAST_COMPILE)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _cli(argv, capsys):

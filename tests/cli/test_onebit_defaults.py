@@ -48,6 +48,7 @@ def test_onebit_says_why():
   assert "onebit's error feedback does not mix with SGD momentum" in " ".join(text.split())
 
 
+@pytest.mark.usefixtures("fast_compile")  # what is recorded; resume runs
 def test_a_short_onebit_run_records_what_it_ran(tmp_path, capsys):
   out = str(tmp_path / "run")
   assert cli.main(["train", "--model", "mlp", "--epochs", "1", "--compress", "onebit",

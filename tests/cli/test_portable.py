@@ -348,6 +348,12 @@ def test_portable_cnn_has_flax_params_and_the_exact_logits():
   _same_bits(jax.jit(b.apply)(pb, x), jax.jit(a.apply)(pa, x))
 
 
+# XLA's optimizations off (tests/conftest.py, ``fast_compile``): both runs compiled alike, and
+# compared with each other only. The exact block dots' bits against the emulation's from a
+# normally compiled program: tests/cli/test_exact_blocks.py
+# (test_mlp_exact_blocks_matches_the_emulation_on_the_toy_run); the portable arithmetic
+# against its numpy model, normally compiled: the tests above.
+@pytest.mark.usefixtures("fast_compile")
 def test_portable_run_with_workers_schedule_and_decay_agrees_with_optax_closely():
   """3 workers (tree sum over the worker axis), the triangle schedule (a learning-rate
   table) with nesterov momentum, weight decay: the portable run (``--hbfp 8 --exact-blocks``)

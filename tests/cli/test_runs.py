@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _bench import FAST_COMPILE
 
 from jaxlp.cli import main
 from jaxlp.training import TrainConfig, Trainer, _runs, train
@@ -23,6 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COMMON = dict(nodes=2, devices=1, batch_size=64, max_steps_per_epoch=3, seed=3, quiet=True)
 FLAGS = ["--nodes", "2", "--devices", "1", "--batch-size", "64", "--max-steps-per-epoch", "3",
          "--seed", "3", "--quiet"]
+# XLA's optimizations off, in this process (tests/conftest.py, ``fast_compile``; the session's
+# reference run ``ref`` too, made by the first test here that uses it) and in the killed
+# ``jaxlp`` process (tests/_bench.py, ``FAST_COMPILE``): every run compared here is compiled
+# alike. Resume's bits against the uninterrupted run's on a normally compiled program:
+# tests/cli/test_cli.py (test_resume_equals_uninterrupted, the same train() resume path).
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _strip(hist):
@@ -332,7 +339,8 @@ def test_killed_process_resumes_to_the_same_bits(ref, tmp_path):
   uninterrupted run's bits. (Crashes between the metrics append and the checkpoint, inside
   the checkpoint write and mid-append are injected deterministically in the test above.)"""
   d = str(tmp_path / "r")
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **FAST_COMPILE)
   rng = random.Random(15)
   for _ in range(1):
     resume = ["--resume"] if os.path.exists(os.path.join(d, "config.json")) else []

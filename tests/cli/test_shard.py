@@ -65,11 +65,17 @@ def test_fp32_sharded_runs_equal_the_replicated_run_bit_for_bit(fp32_runs):
   assert abs(m["wire_bytes"] - ref_m["wire_bytes"]) < 300
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_grad_format_zero2_equals_replicated_bit_for_bit():
   """--grad-format e4m3 --order ring --aps, zero2 against the replicated run, 2 workers on 2
   devices: each step's ring traces a quantizer per hop, so 4 workers traced 3x the hops. The
   ring and APS orders of 4 and 8 workers against the oracle: tests/parallel/test_sharded.py
-  (test_every_order_matches_the_oracle_w4, test_vmap_and_shard_map_give_the_oracles_bits)."""
+  (test_every_order_matches_the_oracle_w4, test_vmap_and_shard_map_give_the_oracles_bits).
+  Both runs compile with XLA's optimizations off (tests/conftest.py, ``fast_compile``); the
+  same claim on normally compiled programs: the trainer's zero2 == replicated in
+  test_fp32_sharded_runs_equal_the_replicated_run_bit_for_bit above, and the E4M3 APS
+  reduce-scatter + update == jaxlp's psum + the same update in tests/parallel/test_fsdp.py
+  (test_sharded_step_equals_replicated_step_bit_for_bit)."""
   kw = dict(grad_format="e4m3", order="ring", aps=True, nodes=2)
   _, ref_p, _ = _run(**kw)
   _, p, _ = _run(shard="zero2", **kw)
@@ -120,6 +126,7 @@ def test_lstm_sharded_runs_equal_the_replicated_run_bit_for_bit():
   assert 0 < m["state_bytes_per_device"] < m["replicated_state_bytes_per_device"]
 
 
+@pytest.mark.usefixtures("fast_compile")  # ranges and reports; no bits
 def test_lstm_trains_sharded_from_the_command_line(tmp_path):
   """jaxlp train --model lstm --shard fsdp (Adam, the language models' default; 2 workers on
   one device): perplexity of the gathered parameters and the memory in the metrics."""
@@ -225,6 +232,7 @@ def test_two_processes_over_jax_distributed(capsys):
   assert "2 worker(s) on 2 device(s)" in outs[0][1]
 
 
+@pytest.mark.usefixtures("fast_compile")  # what the summary reports
 def test_compare_summary_reports_sharded_memory(tmp_path, capsys):
   out = tmp_path / "cmp"
   assert main(["compare", "--config", "fsdp=--shard fsdp", "--out", str(out), "--no-plot", "--",

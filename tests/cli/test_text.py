@@ -13,6 +13,12 @@ from jaxlp.cli import main
 from jaxlp.training import TrainConfig, Trainer, train
 from jaxlp.training import _text as T
 
+# XLA's optimizations off for every test here (tests/conftest.py, ``fast_compile``): the runs
+# check metrics, ranges, reports and files, and the one bit comparison (resume == one run) is
+# between two runs of the same test. Resume's bits on a normally compiled program:
+# tests/cli/test_cli.py (test_resume_equals_uninterrupted) and tests/cli/test_runs.py.
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 # the smallest language models: width 1 (8 units), one layer, windows of 8, 2 workers
 TINY = ["--width", "1", "--layers", "1", "--seq-len", "8", "--batch-size", "4", "--nodes", "2",
         "--epochs", "1", "--max-steps-per-epoch", "2", "--quiet"]
