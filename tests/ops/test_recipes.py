@@ -179,6 +179,7 @@ def test_stochastic_rounding_only_on_the_gradient_operands(sr, tiles, rht):
 
 
 # -- per-layer ends and training -----------------------------------------------------------
+@pytest.mark.usefixtures("fast_compile")  # trains and is finite: any optimization level
 def test_a_flax_model_trains_under_the_recipe_with_bf16_ends():
   """A 3-layer MLP: first and last layer BF16 via quantize_model's rules, the middle one the
   full NVFP4 recipe; a few SGD steps lower the loss, every step finite, and the middle
@@ -238,6 +239,7 @@ def test_train_policy_names():
       recipe_policy(bad)
 
 
+@pytest.mark.usefixtures("fast_compile")  # runs, routes and is finite: any optimization level
 def test_jaxlp_train_runs_the_recipe_with_keys_and_bf16_ends(tmp_path):
   """``jaxlp train --policy nvfp4-recipe``: the trainer routes the model through
   quantize_model (BF16 on its first and last layer), one key per step and worker."""

@@ -198,6 +198,7 @@ def test_low_precision_dtypes_are_transformed_in_float32_and_rounded_back():
 
 
 # -- in a GEMM -----------------------------------------------------------------------------
+@pytest.mark.usefixtures("fast_compile")  # a tolerance: any optimization level
 def test_transform_cancels_in_the_product():
   t = RHT(seed=5)
   a = RNG.standard_normal((8, 48)).astype(np.float32)
@@ -230,6 +231,7 @@ def test_dot_general_with_rht_only_equals_the_plain_op_up_to_rounding(gemms):
     assert (not np.array_equal(np.asarray(a), np.asarray(b))) == (name in gemms), name
 
 
+@pytest.mark.usefixtures("fast_compile")  # tolerances: any optimization level
 def test_rht_on_n_d_dot_general_and_attention_einsum():
   """(batch, seq, features) activations: the weight-gradient GEMM contracts (batch, seq); the
   transform runs along seq (the innermost contracting axis) for every batch index."""
@@ -251,6 +253,7 @@ def test_rht_on_n_d_dot_general_and_attention_einsum():
                              atol=5e-5)
 
 
+@pytest.mark.usefixtures("fast_compile")  # a tolerance; it ran (bits differ): any level
 def test_rht_cancels_in_every_conv_gemm():
   """Convolutions: features (fwd), out-features (dlhs), batch (weight gradient)."""
   pol = jaxlp.DotPolicy(dlhs_rhs=None, drhs_lhs=None, drhs_grad=None,
