@@ -213,6 +213,7 @@ def test_bits_are_the_definition_on_the_declared_blocks(case):
                  BS.block_dot_reference(pa, pb.T, g, 7, 7))
 
 
+@pytest.mark.usefixtures("fast_compile")  # within bounds of each other, finite: any level
 def test_exact_and_fp8_vs_emulation_on_a_layer():
   """A 3x3 conv layer (16 -> 16 channels, 8x8, NHWC) with un-normalised channels, HBFP8
   tiled (K-blocks of 1 in the forward GEMM): exact and today's emulation differ only in the

@@ -162,6 +162,7 @@ def test_mx_conv_blocks_along_channels_then_batch():
 # computes (those do: per-sample HBFP in test_hbfp_conv_matches_independent_computation, tiled
 # HBFP in test_hbfp_main_tiles_activations_in_nchw_view, float_policy in
 # test_representable_operands_equal_plain_conv).
+@pytest.mark.usefixtures("fast_compile")  # finite and nonzero: any optimization level
 @pytest.mark.parametrize("pol", [mx_policy(), hbfp_policy(rounding="stochastic")])
 def test_conv_grads_finite(pol):
   x = normal(0, (4, 8, 8, 16)) * 3

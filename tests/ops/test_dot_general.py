@@ -182,6 +182,7 @@ ALL = [
 ]
 
 
+@pytest.mark.usefixtures("fast_compile")  # finite and nonzero: any optimization level
 @pytest.mark.parametrize("i", range(len(ALL)))
 def test_grads_finite_on_random_data(i):
   x = normal(0, (16, 48)) * 3

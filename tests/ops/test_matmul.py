@@ -242,6 +242,7 @@ def _ints(shape, seed):
   return np.random.default_rng(seed).integers(-4, 5, shape).astype(np.float32)
 
 
+@pytest.mark.usefixtures("fast_compile")  # tolerances: any optimization level
 def test_issue_probe_gradient_is_not_zero():
   """Issue 49: ``jax.grad`` of ``sum(matmul(a, b, acc=BF16))`` was all zeros (also with
   ``acc=None``, w.r.t. ``b`` and through ``jax.jvp``)."""

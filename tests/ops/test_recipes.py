@@ -179,6 +179,27 @@ def test_stochastic_rounding_only_on_the_gradient_operands(sr, tiles, rht):
 
 
 # -- per-layer ends and training -----------------------------------------------------------
+def test_train_policy_names():
+  pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
+  from jaxlp.training._recipes import recipe_policy
+
+  assert recipe_policy("nvfp4-recipe") == (jaxlp.nvfp4_recipe(), True)
+  assert recipe_policy("nvfp4") == (jaxlp.nvfp4_recipe(weight_tiles=False,
+                                                        stochastic_gradients=False,
+                                                        rht=False), False)
+  assert recipe_policy("nvfp4+rht+tiles") == (jaxlp.nvfp4_recipe(stochastic_gradients=False),
+                                              False)
+  assert recipe_policy("nvfp4+ends")[1] is True
+  assert recipe_policy("bf16") == (jaxlp.bf16_policy(), False)
+  assert recipe_policy("mxfp4") == (jaxlp.mx_policy(F.E2M1FN), False)
+  assert recipe_policy("mxfp8-rceil") == (jaxlp.mxfp8_recipe("rceil"), False)
+  assert recipe_policy("hbfp8") is None
+  for bad in ("nvfp4+tile", "nvfp4+sr+sr", "nvfp4+"):
+    with pytest.raises(ValueError, match="pieces of nvfp4"):
+      recipe_policy(bad)
+
+
+@pytest.mark.usefixtures("fast_compile")  # trains and is finite: any optimization level
 def test_a_flax_model_trains_under_the_recipe_with_bf16_ends():
   """A 3-layer MLP: first and last layer BF16 via quantize_model's rules, the middle one the
   full NVFP4 recipe; a few SGD steps lower the loss, every step finite, and the middle
@@ -218,26 +239,7 @@ def test_a_flax_model_trains_under_the_recipe_with_bf16_ends():
                             np.asarray(g_b["Dense_1"]["kernel"]))
 
 
-def test_train_policy_names():
-  pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
-  from jaxlp.training._recipes import recipe_policy
-
-  assert recipe_policy("nvfp4-recipe") == (jaxlp.nvfp4_recipe(), True)
-  assert recipe_policy("nvfp4") == (jaxlp.nvfp4_recipe(weight_tiles=False,
-                                                        stochastic_gradients=False,
-                                                        rht=False), False)
-  assert recipe_policy("nvfp4+rht+tiles") == (jaxlp.nvfp4_recipe(stochastic_gradients=False),
-                                              False)
-  assert recipe_policy("nvfp4+ends")[1] is True
-  assert recipe_policy("bf16") == (jaxlp.bf16_policy(), False)
-  assert recipe_policy("mxfp4") == (jaxlp.mx_policy(F.E2M1FN), False)
-  assert recipe_policy("mxfp8-rceil") == (jaxlp.mxfp8_recipe("rceil"), False)
-  assert recipe_policy("hbfp8") is None
-  for bad in ("nvfp4+tile", "nvfp4+sr+sr", "nvfp4+"):
-    with pytest.raises(ValueError, match="pieces of nvfp4"):
-      recipe_policy(bad)
-
-
+@pytest.mark.usefixtures("fast_compile")  # runs, routes and is finite: any optimization level
 def test_jaxlp_train_runs_the_recipe_with_keys_and_bf16_ends(tmp_path):
   """``jaxlp train --policy nvfp4-recipe``: the trainer routes the model through
   quantize_model (BF16 on its first and last layer), one key per step and worker."""
