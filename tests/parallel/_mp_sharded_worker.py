@@ -1,5 +1,6 @@
 """Worker of test_sharded_multiprocess.py: one process of a loopback jax.distributed job that
-runs jaxlp.parallel.reduce_scatter / all_gather / compressed_reduce_scatter under shard_map."""
+runs jaxlp.parallel.reduce_scatter / all_gather / compressed_reduce_scatter / psum under
+shard_map."""
 
 import os
 import sys
@@ -16,6 +17,7 @@ import jaxlp.parallel as jp  # noqa: E402
 from jaxlp import formats as F  # noqa: E402
 
 SHAPE = (3, 8)  # one leaf per worker; dimension 1 scattered (not psum's chunks), 0 gathered
+PSUM_N = 21
 
 
 def cases():
@@ -33,6 +35,11 @@ def cases():
       "qgz-ef": lambda x: jp.compressed_reduce_scatter(
           x, jp.init_sharded_state(mx, x, error_feedback=True), "dev", mx,
           scatter_dimension=1, mean=True)[0],
+      # psum's orders on PSUM_N values (not a multiple of W: the ring pads its chunks)
+      "psum-chain": lambda x: jp.psum(x.reshape(-1)[:PSUM_N], "dev", fmt=F.E4M3, order="chain"),
+      "psum-ring": lambda x: jp.psum(x.reshape(-1)[:PSUM_N], "dev", fmt=F.E4M3, order="ring"),
+      "psum-ring-aps": lambda x: jp.psum(x.reshape(-1)[:PSUM_N], "dev", fmt=F.E4M3,
+                                         order="ring", aps=True),
   }
 
 

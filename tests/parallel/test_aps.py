@@ -58,6 +58,7 @@ def test_aps_shard_map_and_two_level():
   assert_rows_equal(two_level(fn(("dev", "emu")), 4, 2)(gs), ref)
 
 
+@pytest.mark.usefixtures("fast_compile")  # ranges, not bits
 @pytest.mark.parametrize("fmt", [F.E4M3, F.FloatFormat(3, 0, subnormals=False),
                                  F.cpd_float(3, 0)], ids=str)
 def test_aps_recovers_underflowing_gradients(fmt):
@@ -70,6 +71,7 @@ def test_aps_recovers_underflowing_gradients(fmt):
   assert np.all(rel < (0.75 if fmt.man_bits == 0 else 0.2)) and np.all(scaled > 0)
 
 
+@pytest.mark.usefixtures("fast_compile")  # zeros, NaN and finiteness, not bits
 def test_aps_zero_leaf_and_nonfinite():
   w = 3
   tree = {"z": np.zeros((w, 4), np.float32), "bad": data(w, 5), "ok": data(w, 6, seed=5)}
@@ -170,6 +172,7 @@ def test_reduce_gradients_mean_divides_before_sum():
   assert_rows_equal(f(gs), oracle.chain(gs / np.float32(w), q))
 
 
+@pytest.mark.usefixtures("fast_compile")  # a count and a difference, not bits
 def test_reduce_gradients_stochastic_state_advances():
   w = 2
   gs = data(w, 64, seed=10)
@@ -193,6 +196,7 @@ def _lars_ref(w, g, buf, lr, mom=0.9, wd=1e-4, eta=0.001):
   return w - buf, buf
 
 
+@pytest.mark.usefixtures("fast_compile")  # a tolerance, not bits
 def test_lars_matches_cpd_and_guards_zero():
   rng = np.random.default_rng(11)
   params = {"a": rng.normal(size=(4, 3)).astype(np.float32), "z": np.zeros(3, np.float32)}

@@ -32,6 +32,7 @@ def test_stages_and_their_capacities():
     comp.at_stage(1.0)
 
 
+@pytest.mark.usefixtures("fast_compile")  # counts, not bits (tests/conftest.py, fast_compile)
 def test_stage_capacity_is_the_count_encode_selects():
   n = 4099
   comp = C.dgc(0.01, momentum=0.0, sample_rate=None, warmup=1)
@@ -84,6 +85,7 @@ def test_per_stage_transforms_give_the_bits_of_the_single_one():
   assert last == P.compressed_wire_bytes({"w": g[0]["w"][0]}, C.dgc(0.05), W, min_size=0)
 
 
+@pytest.mark.usefixtures("fast_compile")  # bytes and counts, not bits: XLA's optimizations off
 def test_train_sends_the_target_bytes_after_the_warm_up():
   pytest.importorskip("optax", reason="jaxlp.training needs the examples extra")
   from jaxlp.training import TrainConfig, Trainer

@@ -163,12 +163,22 @@ def crafted_blocks(bs, nblocks, seed):
   return np.concatenate(kinds).astype(np.float32)
 
 
-WIRE_FMTS = [F.BlockFormat(3, axis=-1, block_size=8), F.BlockFormat(7, axis=-1, block_size=8),
-             F.BlockFormat(3, axis=-1, block_size=5), F.BlockFormat(15, axis=-1, block_size=8),
+WIRE_FMTS = [F.BlockFormat(3, axis=-1, block_size=8), F.BlockFormat(3, axis=-1, block_size=5),
              F.BlockFormat(24, axis=-1, block_size=4),
              F.BlockFormat(7, axis=-1, block_size=8, exponent="hbfp"),
-             F.BlockFormat(3, axis=-1, block_size=8, exponent="hbfp", eps=0.0),
              F.BlockFormat(3, axis=-1, block_size=None)]
+# more code widths and exponent options on the same paths (packed codes of <= 8 bits, 16-bit
+# codes, the exact and hbfp exponents: WIRE_FMTS), with XLA's optimizations off
+# (tests/conftest.py, fast_compile)
+MORE_WIRE_FMTS = [F.BlockFormat(7, axis=-1, block_size=8),
+                  F.BlockFormat(15, axis=-1, block_size=8),
+                  F.BlockFormat(3, axis=-1, block_size=8, exponent="hbfp", eps=0.0)]
+
+
+@pytest.mark.usefixtures("fast_compile")
+@pytest.mark.parametrize("fmt", MORE_WIRE_FMTS, ids=str)
+def test_more_wire_formats_encode_and_decode_with_the_bits_of_the_scale_pow2_codec(fmt):
+  test_encode_nearest_and_decode_give_the_bits_of_the_scale_pow2_codec(fmt)
 
 
 @pytest.mark.parametrize("fmt", WIRE_FMTS, ids=str)

@@ -1,23 +1,31 @@
-"""Two processes x two CPU devices (W = 4) over loopback jax.distributed: the sharded
-collectives give the single-process oracles' bits and the same bits as one process's vmap."""
+"""Two processes x two CPU devices (W = 4) over loopback jax.distributed (gloo CPU collectives):
+the sharded collectives and psum give the numpy oracles' bits (those of one process's vmap and
+shard_map)."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _mp_sharded_worker as worker  # noqa: E402
 import oracle  # noqa: E402
-from test_multiprocess import _free_port  # noqa: E402
 from test_sharded import assert_same_bits  # noqa: E402
 
 from jaxlp import formats as F  # noqa: E402
+from jaxlp.parallel.compressors._base import exact_div  # noqa: E402
 
 HERE = Path(__file__).parent
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def test_two_processes_equal_one_process_vmap(tmp_path):
@@ -42,33 +50,38 @@ def test_two_processes_equal_one_process_vmap(tmp_path):
         p.kill()
   for p, log in zip(procs, logs, strict=True):
     assert p.returncode == 0, log
-  # the reference: the same functions over a named vmap in this process (bit-identical to the
-  # numpy oracles by tests/parallel/test_sharded*.py)
+  # the reference: the numpy oracles of every case (vmap and shard_map in one process give
+  # their bits: tests/parallel/test_sharded*.py); no program compiled in this process
   gs = np.load(tmp_path / "out0.npz")["gs"]
   w = gs.shape[0]
   assert w == 2 * nproc
-  fns = worker.cases()
-  # all cases in one program, as in the workers
-  ref = jax.jit(jax.vmap(lambda x: {k: fn(x) for k, fn in fns.items()}, axis_name="dev"))(gs)
-  ref = {name: np.asarray(a) for name, a in ref.items()}
-  for i in range(nproc):
-    r = np.load(tmp_path / f"out{i}.npz")
-    np.testing.assert_array_equal(r["gs"], gs)
-    for name in fns:
-      rows = r[name + "-rows"]
-      got = r[name].reshape((len(rows),) + ref[name].shape[1:])
-      assert_same_bits(got, ref[name][np.sort(rows)], f"process {i} {name}")
-  # and the numpy oracles directly
   flat = gs.reshape(w, -1)
   shape = worker.SHAPE
+  mx = F.mx(F.E2M1FN, 2)
   want = {
       "ring": oracle.reduce_scatter("ring", flat, shape, 1, oracle.Q(F.E4M3)),
       "ring-kahan-d0": oracle.reduce_scatter("ring", flat, (flat.shape[1],), 0,
                                              oracle.Q(F.E4M3), kahan=True),
       "chain": oracle.reduce_scatter("chain", flat, shape, 1, oracle.Q(F.E5M2)),
       "tree": oracle.reduce_scatter("tree", flat, shape, 1, oracle.Q(F.FP32)),
-      "a2a-mx": oracle.all_to_all_sum(flat, shape, 1, oracle.Q(F.mx(F.E2M1FN, 2))),
+      "a2a-mx": oracle.all_to_all_sum(flat, shape, 1, oracle.Q(mx)),
+      "ag-mx": np.tile(oracle.all_gather(gs, mx).reshape(1, -1), (w, 1)),
+      # qgZ, first step: each worker's gradient divided by W (mean) plus its zero residual
+      # (as test_sharded_compressed.format_oracle)
+      "qgz-ef": oracle.all_to_all_sum(np.asarray(exact_div(jnp.asarray(flat), w)) + np.float32(0),
+                                      shape, 1, oracle.Q(mx)),
   }
-  for name, rows in want.items():
-    assert_same_bits(ref[name].reshape(w, -1), rows, f"oracle {name}")
-  assert_same_bits(ref["ag-mx"][0], oracle.all_gather(gs, F.mx(F.E2M1FN, 2)), "oracle ag-mx")
+  q = oracle.Q(F.E4M3)
+  ps = flat[:, :worker.PSUM_N]
+  for name, red in (("psum-chain", oracle.chain(ps, q)), ("psum-ring", oracle.ring(ps, q)),
+                    ("psum-ring-aps", oracle.aps_sum(ps, F.E4M3, lambda p: oracle.ring(p, q),
+                                                     q))):
+    want[name] = np.tile(red.reshape(1, -1), (w, 1))  # every worker has the whole sum
+  assert set(want) == set(worker.cases())
+  for i in range(nproc):
+    r = np.load(tmp_path / f"out{i}.npz")
+    np.testing.assert_array_equal(r["gs"], gs)
+    for name, rows in want.items():
+      idx = r[name + "-rows"]
+      got = r[name].reshape(len(idx), -1)
+      assert_same_bits(got, rows[np.sort(idx)], f"process {i} {name}")
