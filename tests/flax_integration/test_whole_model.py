@@ -4,6 +4,12 @@ Each test traces a training step (loss + grad) with ``jax.make_jaxpr``, counts t
 ``dot_general`` / ``conv_general_dilated`` equations itself (recursively, through pjit,
 custom_vjp, scan and remat sub-jaxprs) and checks the report against that count and the
 policies asked for.
+
+The tests marked ``FAST`` check what holds at any XLA optimization level (traced jaxprs,
+reports, errors, shapes, stochastic runs compared with each other in the same test): they
+compile with XLA's optimizations off (``fast_compile``, tests/conftest.py). The tests that
+claim a quantized or rewired module's bits (== Flax's, == the quantizer applied by hand) compile
+normally.
 """
 
 import dataclasses
@@ -25,6 +31,7 @@ from jaxlp.flax import _report as R
 from jaxlp.flax._attention import dot_product_attention
 from jaxlp.ops._policy import DotPolicy, float_policy, hbfp_policy, mx_policy
 
+FAST = pytest.mark.usefixtures("fast_compile")
 HBFP = hbfp_policy(7, 4)
 BF16 = float_policy(F.BF16)
 E4M3 = float_policy(F.E4M3)
@@ -132,6 +139,7 @@ def _linen_step(qm, variables):
       {"params": p}, TOKENS)))(p))(variables["params"])
 
 
+@FAST
 @pytest.mark.parametrize("remat", [False, True])
 def test_linen_transformer_every_matmul_quantized_as_asked(remat):
   model = LinenLM(remat=remat)
@@ -176,6 +184,7 @@ def test_linen_transformer_quantized_paths_and_identity_bits():
   assert not np.array_equal(quantized, want)
 
 
+@FAST
 def test_nnx_transformer_every_matmul_quantized_as_asked():
   model = NnxLM(nnx.Rngs(0))
   q = jf.quantize_model(model, KIND_POLICY)
@@ -206,6 +215,7 @@ def test_nnx_transformer_every_matmul_quantized_as_asked():
   assert r.count(status="quantized") == 12 and r.unquantized_ops() == []
 
 
+@FAST
 def test_per_kind_policies_rules_and_precedence():
   model = LinenLM()
   v = lm_variables()
@@ -257,6 +267,7 @@ class Outer(nn.Module):
     return RawEinsum(name="gram")(x).sum() + nn.Dense(2)(x).sum()
 
 
+@FAST
 def test_strict_refuses_a_raw_matmul_and_names_it():
   x = jnp.ones((3, 5))
   q = jf.quantize_model(Outer(), HBFP, strict=True)
@@ -335,9 +346,14 @@ def test_attention_logits_equal_einsum_of_quantized_q_and_k(policy):
   np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(qm, x), nnx_ref(mha, x))
 
 
+@FAST
 def test_nnx_attention_function_equals_flax_einsum_path():
   """jaxlp's attention (plain dot_generals) == Flax's linen dot_product_attention, with a mask,
-  a bias and dropout; grouped-query attention == repeating the key/value heads."""
+  a bias and dropout; grouped-query attention == repeating the key/value heads.
+
+  Eager: both sides run the same primitives, each compiled alone, so the comparison holds at
+  any optimization level (FAST); the same function compiled normally, under a policy, is
+  compared with Flax's in test_attention_logits_equal_einsum_of_quantized_q_and_k."""
   ks = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(ks[0], (2, 5, 4, 8))
   k, v = jax.random.normal(ks[1], (2, 7, 4, 8)), jax.random.normal(ks[2], (2, 7, 4, 8))
@@ -378,6 +394,7 @@ def test_linen_recurrent_cells_through_rnn(cell):
   assert not np.array_equal(quantized, want)
 
 
+@FAST
 def test_other_linen_cells_are_recurrent_and_conv_transpose_is_reported():
   """MGUCell, SimpleCell (Dense gates) and ConvLSTMCell (Conv gates) are "recurrent"; a
   ConvTranspose (lax.conv_transpose, no hook) is listed as unquantized and refused by strict."""
@@ -403,6 +420,7 @@ def test_other_linen_cells_are_recurrent_and_conv_transpose_is_reported():
     jf.quantize_model(ct, HBFP, strict=True).init(jax.random.key(0), x2)
 
 
+@FAST
 @pytest.mark.parametrize("cell", ["LSTMCell", "OptimizedLSTMCell", "GRUCell"])
 def test_nnx_recurrent_cells_through_rnn(cell):
   x = jax.random.normal(jax.random.key(0), (2, 5, 3))
@@ -472,6 +490,7 @@ def test_einsum_linear_general_and_embed_attend_linen_and_nnx():
   assert not np.array_equal(quantized, want)
 
 
+@FAST
 def test_stochastic_policies_on_every_kind():
   """One layer: every kind (projections, q.k, p.v, MLP, tied logits) with stochastic rounding."""
   pol = float_policy(F.E4M3, F.E5M2, rounding="stochastic")
@@ -499,6 +518,7 @@ def test_stochastic_policies_on_every_kind():
   assert type(qn.blocks[0].attn.attention_fn).__name__ == "_StochasticAttentionFn"
 
 
+@FAST
 def test_report_direction_by_order_agrees_with_shapes():
   """Where q and k have the same shape (self-attention) dlhs/drhs are told apart by the order
   of the backward GEMMs; with different lengths (cross-attention) shapes decide: both agree,
@@ -521,6 +541,7 @@ def test_report_direction_by_order_agrees_with_shapes():
     assert sorted(by_shape[i] for i in att) == ["dlhs", "dlhs", "drhs", "drhs", "fwd", "fwd"]
 
 
+@FAST
 def test_patterns_and_rules_that_match_no_module_with_a_matmul_are_errors():
   """Every include/exclude/rules pattern must name a module with a matmul: one jaxlp wraps
   (attention, Embed.attend, cells too), or one an unwrapped matmul is attributed to."""
