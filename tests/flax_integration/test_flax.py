@@ -152,6 +152,27 @@ def test_include_exclude_by_path():
     jf.quantize_model(LinenNet(), POL, exclude=[3])
 
 
+def numpy_init(model, x, seed=0):
+  """He-normal kernels, unit scales, zero biases from the variable shapes (a jitted flax init
+  of ResNet-18 takes a minute to compile on a loaded CPU; eval_shape is instant)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def make(path, s):
+    name = path[-1].key
+    if name == "kernel":
+      return jnp.asarray(rng.normal(0, np.sqrt(2 / np.prod(s.shape[:-1])), s.shape), s.dtype)
+    return jnp.ones(s.shape, s.dtype) if name in ("scale", "var") else jnp.zeros(s.shape, s.dtype)
+
+  return jax.tree_util.tree_map_with_path(make, shapes)
+
+
+def test_identity_policy_model_is_plain():
+  v = LinenNet().init(jax.random.key(1), X)
+  assert_trees_equal(_linen_vals(jf.quantize_model(LinenNet(), DotPolicy()), v, X),
+                     _linen_vals(LinenNet(), v, X))
+
+
 @FAST
 def test_stochastic_policy_keys_from_rngs():
   pol = hbfp_policy(3, 4, rounding="stochastic")
@@ -187,21 +208,6 @@ def test_mx_policy_in_dense_general_and_einsum():
   np.testing.assert_allclose(ye, want, rtol=0.2, atol=0.2)
 
 
-def numpy_init(model, x, seed=0):
-  """He-normal kernels, unit scales, zero biases from the variable shapes (a jitted flax init
-  of ResNet-18 takes a minute to compile on a loaded CPU; eval_shape is instant)."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(model.init, jax.random.key(0), x)
-
-  def make(path, s):
-    name = path[-1].key
-    if name == "kernel":
-      return jnp.asarray(rng.normal(0, np.sqrt(2 / np.prod(s.shape[:-1])), s.shape), s.dtype)
-    return jnp.ones(s.shape, s.dtype) if name in ("scale", "var") else jnp.zeros(s.shape, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(make, shapes)
-
-
 @pytest.mark.slow
 @FAST
 def test_resnet18_trains_under_hbfp():
@@ -231,12 +237,6 @@ def test_resnet18_trains_under_hbfp():
   assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
   assert len(q.quantized_paths(jax.random.key(1), x)) == 21  # 17 3x3 + 3 shortcut + fc
   assert jax.tree.structure(v) == jax.tree.structure(jax.eval_shape(q.init, jax.random.key(0), x))
-
-
-def test_identity_policy_model_is_plain():
-  v = LinenNet().init(jax.random.key(1), X)
-  assert_trees_equal(_linen_vals(jf.quantize_model(LinenNet(), DotPolicy()), v, X),
-                     _linen_vals(LinenNet(), v, X))
 
 
 @FAST

@@ -139,6 +139,145 @@ def _linen_step(qm, variables):
       {"params": p}, TOKENS)))(p))(variables["params"])
 
 
+def test_linen_transformer_quantized_paths_and_identity_bits():
+  model = LinenLM()
+  q = jf.quantize_model(model, KIND_POLICY)
+  paths = q.quantized_paths(jax.random.key(0), TOKENS)
+  assert "Block_0/attn" in paths and "Embed_0" in paths
+  assert "Block_0/attn/query" in paths and len(paths) == len(set(paths)) == 15
+  # DotPolicy() everywhere: every rewired matmul (attention hooks, attend) gives Flax's bits
+  ident = jf.quantize_model(model, DotPolicy())
+  v = lm_variables(abstract=False)
+  want, got, quantized = jax.jit(lambda v: tuple(m.apply(v, TOKENS) for m in (model, ident, q)))(v)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(quantized, want)
+
+
+class RawEinsum(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4)(x)
+    return jnp.einsum("bd,be->de", x, x)  # a raw matmul jaxlp cannot wrap
+
+
+class Outer(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return RawEinsum(name="gram")(x).sum() + nn.Dense(2)(x).sum()
+
+
+def _quantized_along_last(x, policy):
+  return jaxlp.quantize(x, policy.lhs.fmt, policy.lhs.rounding)
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
+@pytest.mark.parametrize("policy", [E4M3, mx_policy(F.E4M3FN, block_size=4)],
+                         ids=["e4m3", "mxfp8-b4"])
+def test_attention_logits_equal_einsum_of_quantized_q_and_k(policy):
+  """q.k under a policy == jnp.einsum of the quantized q and k (an elementwise format, and MX
+  blocks of 4 along the head dim (8): the contraction), through the whole attention module."""
+  x = jax.random.normal(jax.random.key(0), (BATCH, SEQ, EMB))
+  ref_qk = lambda s, a, b: jnp.einsum(s, _quantized_along_last(a, policy),
+                                      _quantized_along_last(b, policy))
+  plain_pv = lambda s, a, b: jnp.einsum(s, a, b)
+  # linen: the same module with Flax's own hooks set to the reference
+  attn = nn.SelfAttention(num_heads=HEADS, qkv_features=2 * EMB)
+  v = attn.init(jax.random.key(1), x)
+  ref = nn.SelfAttention(num_heads=HEADS, qkv_features=2 * EMB,
+                         qk_attn_weights_einsum_cls=lambda: ref_qk,
+                         attn_weights_value_einsum_cls=lambda: plain_pv)
+  q = jf.quantize_model(attn, {"attention_qk": policy})
+  got, want = jax.jit(q.apply)(v, x), jax.jit(ref.apply)(v, x)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(got, attn.apply(v, x))
+  # nnx: jaxlp's attention function against linen's dot_product_attention with the reference
+  mha = nnx.MultiHeadAttention(HEADS, EMB, qkv_features=2 * EMB, decode=False,
+                               rngs=nnx.Rngs(0))
+  qm = jf.quantize_model(mha, {"attention_qk": policy})
+
+  @nnx.jit
+  def nnx_ref(m, x):
+    o = nn.dot_product_attention(m.query(x), m.key(x), m.value(x), qk_attn_weights_einsum=ref_qk,
+                                 attn_weights_value_einsum=plain_pv)
+    return m.out(o)
+
+  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(qm, x), nnx_ref(mha, x))
+
+
+@pytest.mark.parametrize("cell", ["LSTMCell", "OptimizedLSTMCell", "GRUCell"])
+def test_linen_recurrent_cells_through_rnn(cell):
+  x = jax.random.normal(jax.random.key(0), (2, 5, 3))
+  model = nn.RNN(getattr(nn, cell)(4))
+  v = model.init(jax.random.key(1), x)
+  q = jf.quantize_model(model, {"recurrent": BF16})
+  assert jax.tree.all(jax.tree.map(np.array_equal, q.init(jax.random.key(1), x), v))
+  n = len(matmul_eqns(jax.make_jaxpr(lambda v: jax.grad(
+      lambda p: jnp.sum(q.apply({"params": p}, x)))(v["params"]))(v)))
+  report = q.matmul_report(v, x, loss_fn=jnp.sum)
+  gates = {"LSTMCell": 8, "OptimizedLSTMCell": 2, "GRUCell": 6}[cell]
+  assert len(report) == n == 3 * gates  # inside the scan: fwd, dlhs, drhs of each gate matmul
+  assert report.count(kind="recurrent", status="quantized", policy=BF16) == n
+  assert report.count(direction="dlhs") == report.count(direction="drhs") == gates
+  # DotPolicy(): the rewired cell (OptimizedLSTMCell re-implemented) gives Flax's bits
+  ident = jf.quantize_model(model, DotPolicy())
+  want, got, quantized = jax.jit(lambda v: tuple(m.apply(v, x) for m in (model, ident, q)))(v)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(quantized, want)
+
+
+def test_einsum_linear_general_and_embed_attend_linen_and_nnx():
+  x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+  pol = mx_policy(F.E4M3FN, block_size=4)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      y = nn.Einsum((8, 2, 4), "btd,dhk->bthk")(x)
+      y = nn.DenseGeneral(8, axis=(-2, -1))(y)
+      return nn.Embed(5, 8).attend(y)
+
+  v = Net().init(jax.random.key(1), x)
+  q = jf.quantize_model(Net(), pol)
+  r = q.matmul_report(v, x, loss_fn=jnp.sum)
+  assert [(op.kind, op.direction) for op in r if op.direction == "fwd"] == [
+      ("einsum", "fwd"), ("dense", "fwd"), ("embed_attend", "fwd")]
+  # jaxlp's backward also computes the einsum's dlhs (x is constant; XLA drops it)
+  assert len(r) == 9 and r.count(status="quantized") == 9
+  # the einsum's forward == jnp.einsum of the operands quantized along the contraction (d)
+  e = nn.Einsum((8, 2, 4), "btd,dhk->bthk", use_bias=False)
+  ve = e.init(jax.random.key(2), x)
+  got = jax.jit(jf.quantize_model(e, pol).apply)(ve, x)
+  kq = jaxlp.quantize(ve["params"]["kernel"], dataclasses.replace(pol.rhs.fmt, axis=0))
+  want = jax.jit(lambda a, b: jnp.einsum("btd,dhk->bthk", a, b))(
+      jaxlp.quantize(x, pol.lhs.fmt), kq)
+  np.testing.assert_array_equal(got, want)
+  # identity policy: the re-implemented Einsum and attend give Flax's bits
+  ident = jf.quantize_model(Net(), DotPolicy())
+  want, got = jax.jit(lambda v: (Net().apply(v, x), ident.apply(v, x)))(v)
+  np.testing.assert_array_equal(got, want)
+
+  class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+      self.e = nnx.Einsum("btd,dhk->bthk", (8, 2, 4), (2, 4), rngs=rngs)
+      self.g = nnx.LinearGeneral((2, 4), 8, axis=(-2, -1), rngs=rngs)
+      self.emb = nnx.Embed(5, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.emb.attend(self.g(self.e(x)))
+
+  m = NnxNet(nnx.Rngs(0))
+  qn = jf.quantize_model(m, pol)
+  rn = jf.matmul_report(qn, x, loss_fn=jnp.sum)
+  assert [(op.path, op.kind) for op in rn if op.direction == "fwd"] == [
+      ("e", "einsum"), ("g", "dense"), ("emb", "embed_attend")]
+  assert rn.count(status="quantized") == len(rn) == 9
+  assert isinstance(qn.emb, nnx.Embed) and type(m.emb) is nnx.Embed
+  ident = jf.quantize_model(m, DotPolicy())
+  want, got, quantized = nnx.jit(lambda a, b, c: (a(x), b(x), c(x)))(m, ident, qn)
+  np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(quantized, want)
+
+
 @FAST
 @pytest.mark.parametrize("remat", [False, True])
 def test_linen_transformer_every_matmul_quantized_as_asked(remat):
@@ -168,20 +307,6 @@ def test_linen_transformer_every_matmul_quantized_as_asked(remat):
   plain = jf.matmul_report(jf.quantize_model(model, {}), v, TOKENS, loss_fn=loss_fn)
   assert len(plain) == len(eqns) and plain.count(status="excluded") == len(eqns)
   assert len(jf.quantize_model(model, {}).matmul_report(v, TOKENS)) == LM_MATMULS // 3
-
-
-def test_linen_transformer_quantized_paths_and_identity_bits():
-  model = LinenLM()
-  q = jf.quantize_model(model, KIND_POLICY)
-  paths = q.quantized_paths(jax.random.key(0), TOKENS)
-  assert "Block_0/attn" in paths and "Embed_0" in paths
-  assert "Block_0/attn/query" in paths and len(paths) == len(set(paths)) == 15
-  # DotPolicy() everywhere: every rewired matmul (attention hooks, attend) gives Flax's bits
-  ident = jf.quantize_model(model, DotPolicy())
-  v = lm_variables(abstract=False)
-  want, got, quantized = jax.jit(lambda v: tuple(m.apply(v, TOKENS) for m in (model, ident, q)))(v)
-  np.testing.assert_array_equal(got, want)
-  assert not np.array_equal(quantized, want)
 
 
 @FAST
@@ -254,19 +379,6 @@ def test_per_kind_policies_rules_and_precedence():
     jf.quantize_model(model, None)
 
 
-class RawEinsum(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(4)(x)
-    return jnp.einsum("bd,be->de", x, x)  # a raw matmul jaxlp cannot wrap
-
-
-class Outer(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    return RawEinsum(name="gram")(x).sum() + nn.Dense(2)(x).sum()
-
-
 @FAST
 def test_strict_refuses_a_raw_matmul_and_names_it():
   x = jnp.ones((3, 5))
@@ -308,44 +420,6 @@ def test_strict_refuses_a_raw_matmul_and_names_it():
   jf.quantize_model(NnxRaw(), HBFP, strict=True, example_args=(x,), rules=[("", None)])
 
 
-def _quantized_along_last(x, policy):
-  return jaxlp.quantize(x, policy.lhs.fmt, policy.lhs.rounding)
-
-
-@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
-@pytest.mark.parametrize("policy", [E4M3, mx_policy(F.E4M3FN, block_size=4)],
-                         ids=["e4m3", "mxfp8-b4"])
-def test_attention_logits_equal_einsum_of_quantized_q_and_k(policy):
-  """q.k under a policy == jnp.einsum of the quantized q and k (an elementwise format, and MX
-  blocks of 4 along the head dim (8): the contraction), through the whole attention module."""
-  x = jax.random.normal(jax.random.key(0), (BATCH, SEQ, EMB))
-  ref_qk = lambda s, a, b: jnp.einsum(s, _quantized_along_last(a, policy),
-                                      _quantized_along_last(b, policy))
-  plain_pv = lambda s, a, b: jnp.einsum(s, a, b)
-  # linen: the same module with Flax's own hooks set to the reference
-  attn = nn.SelfAttention(num_heads=HEADS, qkv_features=2 * EMB)
-  v = attn.init(jax.random.key(1), x)
-  ref = nn.SelfAttention(num_heads=HEADS, qkv_features=2 * EMB,
-                         qk_attn_weights_einsum_cls=lambda: ref_qk,
-                         attn_weights_value_einsum_cls=lambda: plain_pv)
-  q = jf.quantize_model(attn, {"attention_qk": policy})
-  got, want = jax.jit(q.apply)(v, x), jax.jit(ref.apply)(v, x)
-  np.testing.assert_array_equal(got, want)
-  assert not np.array_equal(got, attn.apply(v, x))
-  # nnx: jaxlp's attention function against linen's dot_product_attention with the reference
-  mha = nnx.MultiHeadAttention(HEADS, EMB, qkv_features=2 * EMB, decode=False,
-                               rngs=nnx.Rngs(0))
-  qm = jf.quantize_model(mha, {"attention_qk": policy})
-
-  @nnx.jit
-  def nnx_ref(m, x):
-    o = nn.dot_product_attention(m.query(x), m.key(x), m.value(x), qk_attn_weights_einsum=ref_qk,
-                                 attn_weights_value_einsum=plain_pv)
-    return m.out(o)
-
-  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(qm, x), nnx_ref(mha, x))
-
-
 @FAST
 def test_nnx_attention_function_equals_flax_einsum_path():
   """jaxlp's attention (plain dot_generals) == Flax's linen dot_product_attention, with a mask,
@@ -371,27 +445,6 @@ def test_nnx_attention_function_equals_flax_einsum_path():
                              atol=1e-6)
   with pytest.raises(ValueError, match="multiple"):
     dot_product_attention(q, k[:, :, :3], v[:, :, :3])
-
-
-@pytest.mark.parametrize("cell", ["LSTMCell", "OptimizedLSTMCell", "GRUCell"])
-def test_linen_recurrent_cells_through_rnn(cell):
-  x = jax.random.normal(jax.random.key(0), (2, 5, 3))
-  model = nn.RNN(getattr(nn, cell)(4))
-  v = model.init(jax.random.key(1), x)
-  q = jf.quantize_model(model, {"recurrent": BF16})
-  assert jax.tree.all(jax.tree.map(np.array_equal, q.init(jax.random.key(1), x), v))
-  n = len(matmul_eqns(jax.make_jaxpr(lambda v: jax.grad(
-      lambda p: jnp.sum(q.apply({"params": p}, x)))(v["params"]))(v)))
-  report = q.matmul_report(v, x, loss_fn=jnp.sum)
-  gates = {"LSTMCell": 8, "OptimizedLSTMCell": 2, "GRUCell": 6}[cell]
-  assert len(report) == n == 3 * gates  # inside the scan: fwd, dlhs, drhs of each gate matmul
-  assert report.count(kind="recurrent", status="quantized", policy=BF16) == n
-  assert report.count(direction="dlhs") == report.count(direction="drhs") == gates
-  # DotPolicy(): the rewired cell (OptimizedLSTMCell re-implemented) gives Flax's bits
-  ident = jf.quantize_model(model, DotPolicy())
-  want, got, quantized = jax.jit(lambda v: tuple(m.apply(v, x) for m in (model, ident, q)))(v)
-  np.testing.assert_array_equal(got, want)
-  assert not np.array_equal(quantized, want)
 
 
 @FAST
@@ -435,59 +488,6 @@ def test_nnx_recurrent_cells_through_rnn(cell):
   assert report.count(direction="dlhs") == gates
   y, y0 = nnx.jit(lambda q, m, x: (q(x), m(x)))(q, model, x)
   assert y.shape == (2, 5, 4) and not np.array_equal(y, y0)
-
-
-def test_einsum_linear_general_and_embed_attend_linen_and_nnx():
-  x = jax.random.normal(jax.random.key(0), (2, 3, 8))
-  pol = mx_policy(F.E4M3FN, block_size=4)
-
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      y = nn.Einsum((8, 2, 4), "btd,dhk->bthk")(x)
-      y = nn.DenseGeneral(8, axis=(-2, -1))(y)
-      return nn.Embed(5, 8).attend(y)
-
-  v = Net().init(jax.random.key(1), x)
-  q = jf.quantize_model(Net(), pol)
-  r = q.matmul_report(v, x, loss_fn=jnp.sum)
-  assert [(op.kind, op.direction) for op in r if op.direction == "fwd"] == [
-      ("einsum", "fwd"), ("dense", "fwd"), ("embed_attend", "fwd")]
-  # jaxlp's backward also computes the einsum's dlhs (x is constant; XLA drops it)
-  assert len(r) == 9 and r.count(status="quantized") == 9
-  # the einsum's forward == jnp.einsum of the operands quantized along the contraction (d)
-  e = nn.Einsum((8, 2, 4), "btd,dhk->bthk", use_bias=False)
-  ve = e.init(jax.random.key(2), x)
-  got = jax.jit(jf.quantize_model(e, pol).apply)(ve, x)
-  kq = jaxlp.quantize(ve["params"]["kernel"], dataclasses.replace(pol.rhs.fmt, axis=0))
-  want = jax.jit(lambda a, b: jnp.einsum("btd,dhk->bthk", a, b))(
-      jaxlp.quantize(x, pol.lhs.fmt), kq)
-  np.testing.assert_array_equal(got, want)
-  # identity policy: the re-implemented Einsum and attend give Flax's bits
-  ident = jf.quantize_model(Net(), DotPolicy())
-  want, got = jax.jit(lambda v: (Net().apply(v, x), ident.apply(v, x)))(v)
-  np.testing.assert_array_equal(got, want)
-
-  class NnxNet(nnx.Module):
-    def __init__(self, rngs):
-      self.e = nnx.Einsum("btd,dhk->bthk", (8, 2, 4), (2, 4), rngs=rngs)
-      self.g = nnx.LinearGeneral((2, 4), 8, axis=(-2, -1), rngs=rngs)
-      self.emb = nnx.Embed(5, 8, rngs=rngs)
-
-    def __call__(self, x):
-      return self.emb.attend(self.g(self.e(x)))
-
-  m = NnxNet(nnx.Rngs(0))
-  qn = jf.quantize_model(m, pol)
-  rn = jf.matmul_report(qn, x, loss_fn=jnp.sum)
-  assert [(op.path, op.kind) for op in rn if op.direction == "fwd"] == [
-      ("e", "einsum"), ("g", "dense"), ("emb", "embed_attend")]
-  assert rn.count(status="quantized") == len(rn) == 9
-  assert isinstance(qn.emb, nnx.Embed) and type(m.emb) is nnx.Embed
-  ident = jf.quantize_model(m, DotPolicy())
-  want, got, quantized = nnx.jit(lambda a, b, c: (a(x), b(x), c(x)))(m, ident, qn)
-  np.testing.assert_array_equal(got, want)
-  assert not np.array_equal(quantized, want)
 
 
 @FAST

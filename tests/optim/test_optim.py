@@ -40,6 +40,28 @@ def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
   assert not np.array_equal(s1.wide["w"], p1["w"])  # wide keeps more bits
 
 
+def test_fp32_formats_equal_optax():
+  for ours, theirs in ((scale_by_adam(), optax.scale_by_adam()),
+                       (trace(0.9), optax.trace(0.9)),
+                       (trace(0.9, nesterov=True), optax.trace(0.9, nesterov=True))):
+    s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+    for _ in range(3):
+      u1, s1 = ours.update(GRADS, s1)
+      u2, s2 = theirs.update(GRADS, s2)
+      jax.tree.map(np.testing.assert_array_equal, u1, u2)
+
+
+TRANSFORMS = {
+    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), fmt=NARROW, wide_fmt=WIDE,
+                                             rounding="stochastic", key=jax.random.key(0)),
+    "master_lars": lambda: master_weights(optax.lars(0.1), fmt=NARROW, wide_fmt=WIDE),
+    "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
+    "adam": lambda: optax.chain(scale_by_adam(mu_fmt=BF16, nu_fmt=E5M2,
+                                              key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
+    "trace": lambda: trace(0.9, fmt=E4M3, key=jax.random.key(1)),
+}
+
+
 @FAST
 def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
   tx = master_weights(optax.lars(0.1, momentum=0.9), fmt=NARROW, wide_fmt=WIDE,
@@ -56,17 +78,6 @@ def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
     master_weights(optax.sgd(0.1), fmt=NARROW, rounding="stochastic")
   with pytest.raises(ValueError, match="params"):
     master_weights(optax.sgd(0.1), fmt=NARROW).update(GRADS, s, None)
-
-
-def test_fp32_formats_equal_optax():
-  for ours, theirs in ((scale_by_adam(), optax.scale_by_adam()),
-                       (trace(0.9), optax.trace(0.9)),
-                       (trace(0.9, nesterov=True), optax.trace(0.9, nesterov=True))):
-    s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
-    for _ in range(3):
-      u1, s1 = ours.update(GRADS, s1)
-      u2, s2 = theirs.update(GRADS, s2)
-      jax.tree.map(np.testing.assert_array_equal, u1, u2)
 
 
 @FAST
@@ -97,17 +108,6 @@ def test_stochastic_moments_unbiased_on_average():
   _, st = tr.update(g, tr.init(g))
   m = st.trace["w"]
   assert len(np.unique(m)) == 2 and abs(float(m.mean()) - 0.1) < 2e-3
-
-
-TRANSFORMS = {
-    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), fmt=NARROW, wide_fmt=WIDE,
-                                             rounding="stochastic", key=jax.random.key(0)),
-    "master_lars": lambda: master_weights(optax.lars(0.1), fmt=NARROW, wide_fmt=WIDE),
-    "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
-    "adam": lambda: optax.chain(scale_by_adam(mu_fmt=BF16, nu_fmt=E5M2,
-                                              key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
-    "trace": lambda: trace(0.9, fmt=E4M3, key=jax.random.key(1)),
-}
 
 
 @FAST
