@@ -1,4 +1,10 @@
-"""jaxlp.flax: linen + nnx injection, quantize_model, linen == nnx, ResNet-18 training."""
+"""jaxlp.flax: linen + nnx injection, quantize_model, linen == nnx, ResNet-18 training.
+
+The tests marked ``FAST`` check what holds at any XLA optimization level (a loss that falls,
+stochastic runs compared with each other, shapes and tolerances, errors): they compile with
+XLA's optimizations off (``fast_compile``, tests/conftest.py). The tests that claim bits
+(linen == nnx, quantize_model == injection, excluded or identity layers == the plain model)
+compile normally."""
 
 import flax.linen as nn
 import jax
@@ -14,6 +20,7 @@ from jaxlp.ops._conv import conv_general_dilated
 from jaxlp.ops._dot_general import dot_general
 from jaxlp.ops._policy import DotPolicy, hbfp_policy, mx_policy
 
+FAST = pytest.mark.usefixtures("fast_compile")
 POL = hbfp_policy(7, 4, weight_man_bits=7)
 
 
@@ -145,6 +152,28 @@ def test_include_exclude_by_path():
     jf.quantize_model(LinenNet(), POL, exclude=[3])
 
 
+def numpy_init(model, x, seed=0):
+  """He-normal kernels, unit scales, zero biases from the variable shapes (a jitted flax init
+  of ResNet-18 takes a minute to compile on a loaded CPU; eval_shape is instant)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def make(path, s):
+    name = path[-1].key
+    if name == "kernel":
+      return jnp.asarray(rng.normal(0, np.sqrt(2 / np.prod(s.shape[:-1])), s.shape), s.dtype)
+    return jnp.ones(s.shape, s.dtype) if name in ("scale", "var") else jnp.zeros(s.shape, s.dtype)
+
+  return jax.tree_util.tree_map_with_path(make, shapes)
+
+
+def test_identity_policy_model_is_plain():
+  v = LinenNet().init(jax.random.key(1), X)
+  assert_trees_equal(_linen_vals(jf.quantize_model(LinenNet(), DotPolicy()), v, X),
+                     _linen_vals(LinenNet(), v, X))
+
+
+@FAST
 def test_stochastic_policy_keys_from_rngs():
   pol = hbfp_policy(3, 4, rounding="stochastic")
   v = LinenNet().init(jax.random.key(1), X)
@@ -163,6 +192,7 @@ def test_stochastic_policy_keys_from_rngs():
   assert not np.array_equal(a, b)  # a fresh key per call, counter in the model state
 
 
+@FAST
 def test_mx_policy_in_dense_general_and_einsum():
   x = jax.random.normal(jax.random.key(0), (2, 3, 8))
   dg = nn.DenseGeneral((2, 4), axis=-1)
@@ -178,22 +208,8 @@ def test_mx_policy_in_dense_general_and_einsum():
   np.testing.assert_allclose(ye, want, rtol=0.2, atol=0.2)
 
 
-def numpy_init(model, x, seed=0):
-  """He-normal kernels, unit scales, zero biases from the variable shapes (a jitted flax init
-  of ResNet-18 takes a minute to compile on a loaded CPU; eval_shape is instant)."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(model.init, jax.random.key(0), x)
-
-  def make(path, s):
-    name = path[-1].key
-    if name == "kernel":
-      return jnp.asarray(rng.normal(0, np.sqrt(2 / np.prod(s.shape[:-1])), s.shape), s.dtype)
-    return jnp.ones(s.shape, s.dtype) if name in ("scale", "var") else jnp.zeros(s.shape, s.dtype)
-
-  return jax.tree_util.tree_map_with_path(make, shapes)
-
-
 @pytest.mark.slow
+@FAST
 def test_resnet18_trains_under_hbfp():
   model = ResNet18(num_classes=10, width=4)
   q = jf.quantize_model(model, hbfp_policy(7, 24))
@@ -223,12 +239,7 @@ def test_resnet18_trains_under_hbfp():
   assert jax.tree.structure(v) == jax.tree.structure(jax.eval_shape(q.init, jax.random.key(0), x))
 
 
-def test_identity_policy_model_is_plain():
-  v = LinenNet().init(jax.random.key(1), X)
-  assert_trees_equal(_linen_vals(jf.quantize_model(LinenNet(), DotPolicy()), v, X),
-                     _linen_vals(LinenNet(), v, X))
-
-
+@FAST
 def test_patterns_that_match_no_layer_are_errors():
   """Issue 49: ``exclude="Dense_l"`` (a typo for ``Dense_1``) was accepted and ignored."""
   v = LinenNet().init(jax.random.key(1), X)

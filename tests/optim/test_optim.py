@@ -1,4 +1,9 @@
-"""jaxlp.optim: master weights, quantized updates, low-precision optimizer state."""
+"""jaxlp.optim: master weights, quantized updates, low-precision optimizer state.
+
+The tests marked ``FAST`` check what holds at any XLA optimization level (finite, representable
+in the format, fresh noise, statistics, state types, one trace; two key types compared in the
+same test): they compile with XLA's optimizations off (``fast_compile``, tests/conftest.py).
+The comparisons with an independent computation and with optax compile normally."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +19,7 @@ PARAMS = {"w": jax.random.normal(jax.random.key(0), (30, 20)),
           "b": jax.random.normal(jax.random.key(1), (20,)) * 0.1}
 GRADS = jax.tree.map(lambda p: 0.05 * jnp.cos(3 * p), PARAMS)
 NARROW, WIDE = hbfp(7, 24), hbfp(15, 24)
+FAST = pytest.mark.usefixtures("fast_compile")
 
 
 def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
@@ -34,6 +40,29 @@ def test_master_weights_wide_and_narrow_from_the_same_fp32_update():
   assert not np.array_equal(s1.wide["w"], p1["w"])  # wide keeps more bits
 
 
+def test_fp32_formats_equal_optax():
+  for ours, theirs in ((scale_by_adam(), optax.scale_by_adam()),
+                       (trace(0.9), optax.trace(0.9)),
+                       (trace(0.9, nesterov=True), optax.trace(0.9, nesterov=True))):
+    s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
+    for _ in range(3):
+      u1, s1 = ours.update(GRADS, s1)
+      u2, s2 = theirs.update(GRADS, s2)
+      jax.tree.map(np.testing.assert_array_equal, u1, u2)
+
+
+TRANSFORMS = {
+    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), fmt=NARROW, wide_fmt=WIDE,
+                                             rounding="stochastic", key=jax.random.key(0)),
+    "master_lars": lambda: master_weights(optax.lars(0.1), fmt=NARROW, wide_fmt=WIDE),
+    "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
+    "adam": lambda: optax.chain(scale_by_adam(mu_fmt=BF16, nu_fmt=E5M2,
+                                              key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
+    "trace": lambda: trace(0.9, fmt=E4M3, key=jax.random.key(1)),
+}
+
+
+@FAST
 def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
   tx = master_weights(optax.lars(0.1, momentum=0.9), fmt=NARROW, wide_fmt=WIDE,
                       rounding="stochastic", key=jax.random.key(0))
@@ -51,17 +80,7 @@ def test_master_weights_composes_with_lars_and_is_stochastic_with_key():
     master_weights(optax.sgd(0.1), fmt=NARROW).update(GRADS, s, None)
 
 
-def test_fp32_formats_equal_optax():
-  for ours, theirs in ((scale_by_adam(), optax.scale_by_adam()),
-                       (trace(0.9), optax.trace(0.9)),
-                       (trace(0.9, nesterov=True), optax.trace(0.9, nesterov=True))):
-    s1, s2 = ours.init(PARAMS), theirs.init(PARAMS)
-    for _ in range(3):
-      u1, s1 = ours.update(GRADS, s1)
-      u2, s2 = theirs.update(GRADS, s2)
-      jax.tree.map(np.testing.assert_array_equal, u1, u2)
-
-
+@FAST
 def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
   tx = scale_by_adam(mu_fmt=E4M3, nu_fmt=E5M2, key=jax.random.key(3))
   s = tx.init(PARAMS)
@@ -82,6 +101,7 @@ def test_low_precision_moments_are_representable_and_fresh_noise_each_step():
     np.testing.assert_array_equal(quantize(g, E4M3), g)
 
 
+@FAST
 def test_stochastic_moments_unbiased_on_average():
   g = {"w": jnp.full((20000,), 0.1)}  # 0.1 is not representable in E4M3
   tr = trace(0.0, fmt=E4M3, key=jax.random.key(0))
@@ -90,17 +110,7 @@ def test_stochastic_moments_unbiased_on_average():
   assert len(np.unique(m)) == 2 and abs(float(m.mean()) - 0.1) < 2e-3
 
 
-TRANSFORMS = {
-    "master_weights": lambda: master_weights(optax.sgd(0.1, 0.9), fmt=NARROW, wide_fmt=WIDE,
-                                             rounding="stochastic", key=jax.random.key(0)),
-    "master_lars": lambda: master_weights(optax.lars(0.1), fmt=NARROW, wide_fmt=WIDE),
-    "quantize_updates": lambda: quantize_updates(BF16, "stochastic", key=jax.random.key(0)),
-    "adam": lambda: optax.chain(scale_by_adam(mu_fmt=BF16, nu_fmt=E5M2,
-                                              key=jax.random.PRNGKey(0)), optax.scale(-1e-3)),
-    "trace": lambda: trace(0.9, fmt=E4M3, key=jax.random.key(1)),
-}
-
-
+@FAST
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_state_types_stable_and_no_recompilation(name):
   tx = TRANSFORMS[name]()
@@ -122,6 +132,7 @@ def test_state_types_stable_and_no_recompilation(name):
   assert jax.tree.structure(state0) == jax.tree.structure(state3)
 
 
+@FAST
 def test_state_keys_are_typed_and_legacy_keys_give_the_same_bits():
   params = {"w": jnp.linspace(-1.0, 1.0, 16)}
   g = {"w": jnp.linspace(0.3, -0.7, 16)}
