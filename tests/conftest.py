@@ -528,6 +528,7 @@ _SLOW = (
     "tests/test_compressors_bench_smoke.py",
     "tests/test_docs.py",
     "tests/test_doctests.py::test_docstring_examples",
+    "tests/test_doctests.py::test_docstring_examples_at_any_level",
     "tests/test_engine_compile_bench_smoke.py::test_engine_compile_tiny",
     "tests/test_exact_train_check.py",
     "tests/test_fp4_bench_smoke.py",

@@ -38,7 +38,6 @@ def test_docstring_examples(name):
   _run_doctests(name)
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("name", _ANY_LEVEL)
 def test_docstring_examples_at_any_level(name):
