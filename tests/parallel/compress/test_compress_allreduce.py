@@ -241,6 +241,7 @@ def _run_mixed(comp, **kw):
   return run
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_allgather_fusion_and_plan():
   comp = C.cgx(4, 64)
   g = _grads(3, 4, FUSION_PARAMS)
@@ -264,6 +265,7 @@ def test_allgather_fusion_and_plan():
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_powersgd_allreduce_recovers_low_rank_mean():
   comp = C.powersgd(2)
   w, n, m = 4, 30, 20
@@ -344,6 +346,7 @@ def _np_orth(x):
   return q * np.where(np.diag(r) < 0, -1.0, 1.0)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_powersgd_batched_bucket_matches_reference():
   """batched=True + bucket_mb: the bucket (a, c, d concatenated; b is a filtered vector) is
   one zero-padded s x s matrix with EF on the padded vector (batched_powerSGD_hook)."""

@@ -184,6 +184,7 @@ def test_terngrad_constant_tensor_exact():
 
 # ---- onebit, QSGD ------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("scaling", ["mean", "pos_neg_means"])
 def test_onebit_reference_and_residual(scaling):
   c = C.onebit(scaling)
@@ -206,6 +207,7 @@ def test_onebit_reference_and_residual(scaling):
     np.testing.assert_allclose(np.asarray(st["residual"]), r, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_qsgd_fixed_noise_and_unbiased():
   x = _g((300,), 9)
   c = C.qsgd(7, 100)
@@ -256,6 +258,7 @@ def test_dgc_momentum_correction_and_masking_exact_topk():
     np.testing.assert_array_equal(np.asarray(st["v"]), v)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_dgc_warmup_schedule_and_sampled_threshold():
   n = 4000
   c = C.dgc(0.01, sample_rate=0.05, warmup=2)
@@ -357,6 +360,7 @@ def test_cast_bad_format_is_a_clear_error():
     C.cast(3.5)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_powersgd_recovers_exact_low_rank():
   rng = np.random.default_rng(0)
   m = (rng.standard_normal((40, 2)) @ rng.standard_normal((2, 30))).astype(np.float32)
@@ -385,6 +389,7 @@ ALL = [C.cgx(), C.cgx(3, 100, True, True), C.qsgd(15, 64), C.onebit(), C.onebit(
        C.cast("bf16"), C.cast("E5M2"), C.cast("E3M2FN")]
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_wire_bytes_exact_and_packed_dtypes():
   shape = (67, 31)
   sts = [comp.init(shape, key=KEY) for comp in ALL]
@@ -404,6 +409,7 @@ EF = [C.onebit(), C.onebit("pos_neg_means"), C.tbq(3.0), C.topk(0.1), C.randomk(
       C.graddrop(0.9), C.powersgd(1)]
 
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("comp", EF, ids=lambda c: type(c).__name__)
 def test_error_feedback_time_average_converges(comp):
   # constant mean gradient + noise: sum(decoded) = sum(g) - residual, so the time average of

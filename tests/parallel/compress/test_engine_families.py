@@ -45,6 +45,13 @@ PARAMS = {"big": jax.ShapeDtypeStruct((24, 40), jnp.float32),
           "mid": jax.ShapeDtypeStruct((16, 12), jnp.float32)}
 MIN_SIZE = 64
 
+# Every check holds at any optimization level (bytes counted from traced programs, bits
+# compared within one program or among the programs of one test, tolerances): XLA's
+# optimizations off. Production bit claims of the engine (vmap == shard_map == pmap, the
+# formulas, non-finite digests) are compiled normally in test_compress_allreduce.py and
+# test_nonfinite.py
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
 
 def test_every_compressor_is_covered():
   names = {type(c).__name__ for c, _ in COMPRESSORS.values()}

@@ -35,6 +35,7 @@ def test_rule_gram_schmidt_up_to_rank_2_qr_above():
     C.powersgd(2, orthogonalization="svd")
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_gram_schmidt_epsilon_and_zero_columns():
   """PyTorch's formula ``col / (||col|| + eps)``; with eps = 0 an all-zero column stays zero
   (PyTorch: NaN)."""
@@ -76,6 +77,7 @@ def _rel(a, b):
   return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("rank,grad_rank", [(4, 2), (2, 1)])
 def test_rank_above_the_gradients_rank_recovers_it_exactly(rank, grad_rank):
   """Rank r > rank(G), G the same on both workers: with QR (PyTorch's choice for r > 2, and

@@ -9,6 +9,7 @@ import jaxlp.parallel.compressors as C
 from jaxlp.parallel.compressors._sparse import feistel_sample
 
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 100, 1000, 4097])
 def test_distinct_in_range(n):
   for k in sorted({1, max(1, n // 3), n}):
@@ -34,6 +35,7 @@ def test_o_k_memory_for_huge_n():
     feistel_sample(jnp.zeros(2, jnp.uint32), 10, 11)
 
 
+@pytest.mark.usefixtures("fast_compile")
 def test_uniform_inclusion_and_position():
   """Chi-square tests at 99.9% confidence (a false alarm 1 time in 1000 per statistic; the
   seeds are fixed, so the test is deterministic): every index is sent with probability k/n,
@@ -63,6 +65,7 @@ def test_randomk_roundtrip_and_residual():
   assert c.wire_bytes((1000,)) == 8 + 4 * 100
 
 
+@pytest.mark.usefixtures("fast_compile")
 @pytest.mark.parametrize("n,k", [(1, 1), (2 ** 16, 655), (2 ** 16 + 1, 656), (100_003, 1000),
                                  (5000, 5000), (77, 0)])
 def test_gpu_schedule_gives_the_same_indices(n, k):

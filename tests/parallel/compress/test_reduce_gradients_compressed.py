@@ -14,6 +14,9 @@ from jaxlp.parallel import reduce_gradients
 from jaxlp.parallel._compressed import compressed_allreduce, init_compression_state
 
 W = 4
+# Every check holds at any optimization level (bits among workers of one program and
+# between the programs of one test, tolerances): XLA's optimizations off
+pytestmark = pytest.mark.usefixtures("fast_compile")
 # The transform's plumbing (the state in the optax state, the step key, mean=True, the options)
 # is the same for every compressor: one per kind of compressor state and aggregation, each its
 # own program to compile: dense quantizers stateless and deterministic (cgx4), drawing from

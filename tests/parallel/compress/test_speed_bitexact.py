@@ -122,9 +122,19 @@ def _cgx_inputs():
   yield x
 
 
-@pytest.mark.parametrize("bits,bucket,stochastic", [(4, 512, False), (8, 64, False),
-                                                    (3, 7, True)])
+@pytest.mark.parametrize("bits,bucket,stochastic", [(4, 512, False), (3, 7, True)])
 def test_cgx_equals_per_element_division(bits, bucket, stochastic):
+  _cgx_equals_per_element_division(bits, bucket, stochastic)
+
+
+# 8 bits: the deterministic case above at another width (the same code, other constants):
+# XLA's optimizations off (8 bits against numpy, compiled normally: test_compress_compressors.py)
+@pytest.mark.usefixtures("fast_compile")
+def test_cgx_8_bits_equals_per_element_division():
+  _cgx_equals_per_element_division(8, 64, False)
+
+
+def _cgx_equals_per_element_division(bits, bucket, stochastic):
   c = C.cgx(bits, bucket, stochastic)
   key = KEY if stochastic else None
   xs = [jnp.asarray(x) for x in _cgx_inputs()]
