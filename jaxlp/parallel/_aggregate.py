@@ -183,7 +183,12 @@ def _pieces(comp, n, parts):
 # The three aggregation algorithms of elementwise payloads
 
 def allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
-  """Every worker's encoding of ``x`` all-gathered, decoded and summed in rank order."""
+  """Every worker's encoding of ``x`` all-gathered, decoded and summed in rank order.
+
+  The ``w`` gathered payloads are decoded by one decode vmapped over them (one batched
+  scatter or sampler in the program, not ``w`` copies: XLA:CPU compiles every kernel on its
+  own), then added as ``d_0 + d_1 + ... + d_{w-1}`` (:func:`rank_order_sum`): the same adds
+  in the same order as decoding and adding one worker at a time, so the same bits."""
   n = x.shape[0]
   if _pieces(comp, n, parts)[0] > 1:
     payload, st, c = _encode_pieces(comp, x, st, key, parts)
@@ -192,11 +197,9 @@ def allgather_reduce(comp, x, st, key, axis_name, w, parts=1):
     payload, st = comp.encode(x, st, key)
     dec = lambda p: comp.decode(p, (n,))  # noqa: E731
   gathered = tree_collective(_axes.all_gather, payload, axis_name)
-  out = None
-  for j in range(w):
-    d = dec(jax.tree_util.tree_map(lambda a, j=j: a[j], gathered))
-    out = d if out is None else out + d
-  return out, st
+  decoded = jax.vmap(dec)(gathered)
+  assert decoded.shape[0] == w, (decoded.shape, w)
+  return rank_order_sum(decoded), st
 
 
 def sra_reduce(comp, x, st, key, axis_name, w, me):
