@@ -21,7 +21,8 @@ biases a plain median of long repetitions against the slower side. ``OptimLP``'s
 cost is also given over the plain ``torch.optim.SGD`` step it wraps, timed in the same run
 (its own row).
 
-Goals. CPU (the NumPy path of ``jaxlp/torch/_cpu.py``): <= 2x QPyTorch's time at 100
+Goals. CPU (the NumPy path of ``jaxlp/torch/_cpu.py``, with its C accelerator of the
+stochastic noise and fixed-point rounding where it was built; the header says which): <= 2x QPyTorch's time at 100
 elements, >= 1x QPyTorch's speed at 4K, and a second pass over new shapes no slower than the
 first. CUDA (the Triton kernels): >= 1.5x QPyTorch's throughput at 16M, <= 50 us per call at
 4K. ``--with-jax-route`` adds a column: the same call with the NumPy path switched off (the
@@ -355,6 +356,10 @@ def main():
   print(f"# {platform.node()} {platform.processor() or platform.machine()} "
         f"torch {torch.__version__} jax {jax.__version__} threads {torch.get_num_threads()} "
         f"device={args.device} {time.strftime('%Y-%m-%d')}")
+  from jaxlp.torch import _cpu  # noqa: PLC0415
+  print("# CPU path: " + ("NumPy with the C accelerator jaxlp.torch._cnoise"
+                          if _cpu._cnoise is not None else
+                          "NumPy only (jaxlp.torch._cnoise is not built)"))
   print(f"# formats: float E{EXP}M{MAN} (QPyTorch FloatingPoint), block wl={WL_BLOCK} "
         f"(one block), fixed wl={WL_FIXED} fl={FL_FIXED}; every time the {_stat.__name__} of "
         f"{reps} repetitions (per-call rows: each the mean of {args.inner} calls; large rows: of "

@@ -47,6 +47,10 @@ and check ranges with ``argmax``/``argmin`` (0.25 us against 0.7 for ``np.maximu
 A stochastic call also derives the key words (Threefry-2x32 in Python integers, about 2.6
 us: :func:`_threefry_words`) and hashes the flat index (12 NumPy operations, about 3 us:
 :func:`noise`); together more than QPyTorch's whole stochastic call at that size (4.5-5.5 us).
+Where the optional C accelerator ``jaxlp.torch._cnoise`` was built (``setup.py``, where the
+install finds a C compiler; ``_cnoise.c``) both are one C call of well under a microsecond at
+that size, with the same words (tests/torch_bridge/test_cpu_noise_c.py compares the two and
+JAX); without it the NumPy functions here run.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ from jaxlp.formats._compat import CPDFloat, QPyTorchFloat
 from jaxlp.formats._fixed_point import FixedPoint
 from jaxlp.formats._float_format import FloatFormat
 from jaxlp.torch._formats import QPyTorchFixedPoint
+
+try:  # the optional C accelerator of the noise words (module docstring)
+  from jaxlp.torch import _cnoise
+except ImportError:  # not built (no C compiler at install, or a source tree on sys.path)
+  _cnoise = None
 
 _U = np.uint32
 _I = np.int32
@@ -687,9 +696,17 @@ def _scaled(fl: int, rounding: str, qpytorch: bool = False):
   half = _kf(0.5)
   two32 = _kf(_TWO32)
 
+  upf, downf = float(2.0**fl), float(2.0**-fl)
+
   def core(bits, rand, mag=None):
     x = bits.view(np.float32)
     if rounding == "stochastic":
+      c = _cnoise
+      if mag is not None and c is not None:
+        # the fast path's call (every |x| * 2**fl finite): the same operations in C
+        out = np.empty(bits.shape, _U)
+        c.scaled_stochastic(out, bits, rand, upf, downf)
+        return out
       # |x| (from the magnitude bits where the caller has them: a new array it hands over)
       y = np.abs(x) if mag is None else mag.view(np.float32)
       y *= up
@@ -1131,10 +1148,7 @@ def runner(fmt, rounding: str):
     if stochastic:
       if n > MAX_ELEMENTS:
         return None
-      # a draw (a tuple of ints) is new at every call: no cache; a seed's words repeat
-      k0, k1 = (_threefry_words(*words) if type(words) is tuple
-                else key_words(int(words[0]), int(words[1])))
-      rand = noise(n, k0, k1)
+      rand = _rand(n, words)
     mask = None
     if kind == "elementwise":
       out = fast(bits, rand)
@@ -1154,6 +1168,26 @@ def runner(fmt, rounding: str):
     return q, torch.from_numpy(mask.reshape(t.shape))
 
   return run
+
+
+def _rand(n: int, words) -> np.ndarray:
+  """The noise words of ``n`` elements under key data ``words``: a tuple of ints (a fresh
+  draw, new at every call: its key words are not cached) or a uint32[2] array (a seed's,
+  whose key words repeat: :func:`key_words`)."""
+  c = _cnoise
+  if type(words) is tuple:
+    if c is not None:
+      rand = np.empty(n, _U)
+      c.fill_drawn(rand, *words)
+      return rand
+    k0, k1 = _threefry_words(*words)
+  else:
+    k0, k1 = key_words(int(words[0]), int(words[1]))
+  if c is not None:
+    rand = np.empty(n, _U)
+    c.fill(rand, k0, k1)
+    return rand
+  return noise(n, k0, k1)
 
 
 def _stochastic_supported() -> bool:
