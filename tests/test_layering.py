@@ -55,10 +55,12 @@ LAYERS = {
 
 
 def _modules(root=None):
-  """{dotted module name: (path, is_package)} for every .py file under ``root`` (jaxlp/)."""
+  """{dotted module name: (path, is_package)} for every .py file under ``root`` (jaxlp/), and
+  every C extension's source (``setup.py``: ``jaxlp/torch/_cnoise.c``, a module that imports
+  nothing from jaxlp)."""
   root = ROOT if root is None else root
   mods = {}
-  for path in sorted(root.rglob("*.py")):
+  for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     is_pkg = parts[-1] == "__init__"
     if is_pkg:
@@ -100,6 +102,8 @@ def import_graph(root=None):
   graph = {}
   for name, (path, is_pkg) in mods.items():
     edges = graph.setdefault(name, {})
+    if path.suffix != ".py":
+      continue
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
       for t in _targets(node, name, is_pkg, mods):
         if t != name:
