@@ -5,6 +5,7 @@ or ``python -m benchmarks NAME`` the docs name exists."""
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -51,21 +52,60 @@ def test_listing_covers_every_script_with_its_docstring(capsys):
   assert fd.main(["--help"]) == 0 and "--list-tools" in capsys.readouterr().out
 
 
+# Each listed script's --help, all in ONE Python process (the scripts run one after the other
+# as ``__main__`` with ``sys.argv = [script, "--help"]``, as ``python SCRIPT --help`` runs
+# them): ``python -m benchmarks NAME`` starts the front door and then the script, two
+# interpreters and their imports for each of the ~25 names (20 CPU s in a full run, 2-core
+# VM, 2026-11-30). What the front door adds for a name is the same for every name
+# (``script(name)`` then ``run``): the lookup of each name is checked here, and the command
+# itself runs for a tool here and for a benchmark in test_arguments_and_exit_status_pass_through
+# (its status and its stderr), and the command with an unknown name in
+# test_unknown_names_and_options_exit_with_status_2.
+_HELP_ALL = r"""
+import contextlib, io, json, runpy, sys
+res = {}
+for name, path in json.loads(sys.argv[1]).items():
+  out, err, code = io.StringIO(), io.StringIO(), 0
+  sys.argv = [path, "--help"]
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:  # an import that fails: as the interpreter reports it
+      code, _ = 1, err.write(f"{type(e).__name__}: {e}")
+  res[name] = (code, out.getvalue(), err.getvalue())
+print(json.dumps(res))
+"""
+
+
 def test_every_listed_name_runs_its_help():
-  """``python -m benchmarks NAME --help`` for every benchmark and tool, all at once."""
+  """``NAME --help`` of every benchmark and tool, each script as its own ``__main__`` in one
+  process; ``python -m benchmarks NAME --help`` through the front door for one tool."""
   fd = _front_door()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  procs = {n: subprocess.Popen([sys.executable, "-m", "benchmarks", n, "--help"], cwd=ROOT,
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-           for n in [*fd.BENCHMARKS, *fd.TOOLS]}
-  for name, p in procs.items():
-    out, err = p.communicate(timeout=300)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  names = [*fd.BENCHMARKS, *fd.TOOLS]
+  paths = {n: fd.script(n) for n in names}
+  for n, path in paths.items():  # the front door's lookup: benchmarks/NAME.py or tools/NAME.py
+    folder = BENCH if n in fd.BENCHMARKS else os.path.join(BENCH, "tools")
+    assert path == os.path.join(folder, f"{n}.py") and os.path.isfile(path), (n, path)
+  tool = next(iter(fd.TOOLS))
+  door = subprocess.Popen([sys.executable, "-m", "benchmarks", tool, "--help"], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  r = subprocess.run([sys.executable, "-c", _HELP_ALL, json.dumps(paths)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, timeout=600)
+  out, err = door.communicate(timeout=300)
+  assert door.returncode == 0 and "usage:" in out, (tool, out[-2000:], err[-2000:])
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = json.loads(r.stdout.strip().splitlines()[-1])
+  assert set(results) == set(names)
+  for name, (code, out, err) in results.items():
     dep = OPTIONAL.get(name)
     if dep and importlib.util.find_spec(dep) is None:
-      assert p.returncode != 0 and f"No module named '{dep}'" in err, (name, err[-2000:])
+      assert code != 0 and f"No module named '{dep}'" in err, (name, err[-2000:])
     else:
-      assert p.returncode == 0 and "usage:" in out, (name, out[-2000:], err[-2000:])
+      assert code == 0 and "usage:" in out, (name, out[-2000:], err[-2000:])
 
 
 def test_unknown_names_and_options_exit_with_status_2(capsys):
