@@ -108,7 +108,7 @@ def test_mxint8_significands_and_definition():
   x = x.at[0, :32].set(jnp.linspace(-63.97, 30.0, 32))  # -63.97 / 2**-1 -> -128
   a = F.quantize(x, F.mx("int8", 32, axis=1))
   b = F.quantize(_wide(rng, (64, 3), 3.0), F.mx("int8", 32, axis=0))
-  k, q = BS.split_significands(a, 32, 7)
+  k, q = jax.jit(BS.split_significands, static_argnums=(1, 2))(a, 32, 7)  # (eagerly: per op)
   assert int(k.min()) >= -128 and int(k.max()) <= 127 and int(k.min()) == -128
   back = np.asarray(k, np.float64) * np.exp2(np.asarray(q, np.float64))[..., None]
   assert np.array_equal(back.reshape(6, 64), np.asarray(a, np.float64))
@@ -186,45 +186,64 @@ def _grads(policy, x, w, dn=DN):
                                     argnums=(0, 1)))(x, w)
 
 
+def _vjp(policy, x, w, dy, dn=DN):
+  """The forward GEMM and both backward GEMMs of a given cotangent, as one program."""
+  f = jaxlp.dot_general(policy)
+
+  @jax.jit
+  def run(x, w, dy):
+    y, pull = jax.vjp(lambda a, b: f(a, b, dn), x, w)
+    return (y, *pull(dy))
+
+  return run(x, w, dy)
+
+
+# The policy GEMMs below are compared with _definition (exact rationals, in numpy) on the
+# quantized operands -- the definition that block_dot_reference equals in the tests above --
+# with the quantized operands computed by one program per test.
 @pytest.mark.parametrize("transpose", [False, True], ids=["xw", "xTwT"])
 def test_dot_general_exact_gemms(transpose):
   """fwd, dlhs and drhs go through the block dot with the forward-quantized operands and
   the quantized gradient (hbfp tiles: K-blocks of 24 in all three GEMMs)."""
   rng = np.random.default_rng(3)
-  x, w = _wide(rng, (30, 50), 2.0), _wide(rng, (50, 20), 2.0)
+  x, w, dy = _wide(rng, (30, 50), 2.0), _wide(rng, (50, 20), 2.0), _wide(rng, (30, 20), 2.0)
   fmt = F.hbfp(7, 24)
   policy = jaxlp.hbfp_policy(7, 24, "tiled", block_dot="exact")
-  xq, wq = F.quantize(x, fmt), F.quantize(w, fmt)
   dn = DN
-  xa, wa = x, w
-  if transpose:
-    xa, wa, dn = x.T, w.T, (((0,), (1,)), ((), ()))
-    xq, wq = F.quantize(x.T, fmt).T, F.quantize(w.T, fmt).T
-  y = _ref(xq, wq, 24, 7, 7)
-  out = jax.jit(lambda x, w: jaxlp.dot_general(policy)(x, w, dn))(xa, wa)
-  assert _same(out, y)
-  (_, (gx, gw)) = _grads(policy, xa, wa, dn)
-  gq = F.quantize(jnp.cos(y), fmt)
-  dx = _ref(gq, wq.T, 24, 7, 7)
-  dw = _ref(xq.T, gq, 24, 7, 7)
-  assert _same(gx, dx.T if transpose else dx)
-  assert _same(gw, dw.T if transpose else dw)
+  xa, wa, dya = x, w, dy
+  if transpose:  # (the same GEMMs on the transposed operands, the output transposed too)
+    xa, wa, dn, dya = x.T, w.T, (((0,), (1,)), ((), ())), dy
+
+  @jax.jit  # the quantized operands as one program
+  def parts(x, w, dy):
+    if transpose:
+      return F.quantize(x.T, fmt).T, F.quantize(w.T, fmt).T, F.quantize(dy, fmt)
+    return F.quantize(x, fmt), F.quantize(w, fmt), F.quantize(dy, fmt)
+
+  out, gx, gw = _vjp(policy, xa, wa, dya, dn)
+  xq, wq, gq = (np.asarray(v) for v in parts(x, w, dy))
+  assert _same(out, _definition(xq, wq, 24)), "fwd"
+  dx, dw = _definition(gq, wq.T, 24), _definition(xq.T, gq, 24)
+  assert _same(gx, dx.T if transpose else dx), "dlhs"
+  assert _same(gw, dw.T if transpose else dw), "drhs"
 
 
 def test_dot_general_mxint8_requantizes_along_each_contraction():
   rng = np.random.default_rng(4)
-  x, w = _wide(rng, (16, 64), 2.0), _wide(rng, (64, 40), 2.0)
+  x, w, dy = _wide(rng, (16, 64), 2.0), _wide(rng, (64, 40), 2.0), _wide(rng, (16, 40), 1.0)
   policy = jaxlp.mx_policy("int8", 32, block_dot="exact")
-  (v, (gx, gw)) = _grads(policy, x, w)
-  y = _ref(F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
-           32, 7, 7)
-  assert _same(v, jnp.sum(jnp.sin(y)))
-  g = jnp.cos(y)
-  dx = _ref(F.quantize(g, F.mx("int8", 32, 1)),
-            F.quantize(w, F.mx("int8", 32, 1)).T, 32, 7, 7)
-  dw = _ref(F.quantize(x, F.mx("int8", 32, 0)).T,
-            F.quantize(g, F.mx("int8", 32, 0)), 16, 7, 7)  # M=16: one block
-  assert _same(gx, dx) and _same(gw, dw)
+  y, gx, gw = _vjp(policy, x, w, dy)
+
+  @jax.jit  # the quantized operands as one program
+  def parts(x, w, g):
+    return (F.quantize(x, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 0)),
+            F.quantize(g, F.mx("int8", 32, 1)), F.quantize(w, F.mx("int8", 32, 1)),
+            F.quantize(x, F.mx("int8", 32, 0)), F.quantize(g, F.mx("int8", 32, 0)))
+
+  xa, wb, ga, wa, xb, gb = (np.asarray(v) for v in parts(x, w, dy))
+  assert _same(y, _definition(xa, wb, 32)), "fwd"
+  assert _same(gx, _definition(ga, wa.T, 32)), "dlhs"
+  assert _same(gw, _definition(xb.T, gb, 16)), "drhs"  # M=16: one block
 
 
 def test_exact_differs_from_emulation_only_in_rounding():
@@ -278,10 +297,10 @@ def test_xla_int8_unrolled_accumulation_keeps_the_bits():
   accumulation for a block count that leaves a remainder (20: 1 + 16 + 3) and for 2 and 1."""
   rng = np.random.default_rng(9)
   assert BD.SCAN_UNROLL == 16
-  for nb in (20, 2, 1):
+  for nb in (20, 2, 1):  # (against the definition: block_dot_reference's, checked above)
     a = F.quantize(_wide(rng, (6, 8 * nb)), F.BlockFormat(7, axis=1, block_size=8))
     b = F.quantize(_wide(rng, (8 * nb, 5)), F.BlockFormat(7, axis=0, block_size=8))
-    assert _same(_xla_int8(a, b, 8, 7, 7), _ref(a, b, 8, 7, 7))
+    assert _same(_xla_int8(a, b, 8, 7, 7), _definition(a, b, 8)), nb
 
 
 @pytest.mark.parametrize("M,K,N,g,split", [

@@ -104,8 +104,9 @@ def test_significand_specs():
   assert BS.significand_spec(F.E4M3) is None
   # every MXFP8 value of a block is its significand times the block's power of two
   x = F.quantize(_wide(np.random.default_rng(0), (8, 64), 8.0), F.mx(F.E5M2, 32, 1))
+  split = jax.jit(BS.split_limbs, static_argnums=(1, 2, 3))  # (eagerly: a program per op)
   for W, nl in ((9, 4), (8, 4), (10, 4)):
-    limbs, q, _ = BS.split_limbs(x.reshape(8, 2, 32), 32, W, nl)
+    limbs, q, _ = split(x.reshape(8, 2, 32), 32, W, nl)
     k = sum(np.asarray(lb, np.float64) * 2.0 ** (W * i) for i, lb in enumerate(limbs))
     assert all(int(np.abs(lb).max()) <= 2**W for lb in limbs)
     back = k * np.exp2(np.asarray(q, np.float64))[..., None]
@@ -182,7 +183,9 @@ def test_nvfp4_reference_is_the_definition():
                         _parts_jit(jnp.asarray(ws), fb))
     out = _ref(a, b, 16, 8, 8, (ga, gb))
     assert _same(out, _definition(a, b, 16, Fraction(float(ga)) * Fraction(float(gb))))
-  assert float(BS.tensor_scale(jnp.float32(1e-38) * jnp.ones(4), fa)) == 2.0**-121
+  # (jitted: eagerly, each operation of tensor_scale would compile on its own)
+  tiny = jax.jit(BS.tensor_scale, static_argnums=1)(jnp.full(4, 1e-38, jnp.float32), fa)
+  assert float(tiny) == 2.0**-121
   b = jax.jit(F.quantize, static_argnums=1)(jnp.asarray(w), F.nvfp4(axis=0, tensor_scale=False))
   for fmt in (F.nvfp4(axis=1, tensor_scale=False),
               F.ScaledBlockFormat(F.E2M1FN, axis=1, scale_fmt="e8m0", tensor_scale=False)):
@@ -236,47 +239,58 @@ def test_policy_and_dispatch_validation():
                                        (1, 1), "VALID")
 
 
-def _vg(policy, x, w, dn=DN, key=None, argnums=(0, 1)):
-  """The forward output and the gradients of sum(sin(y)). The output is returned itself
-  (not only the loss) so the forward check compares bits, not a sum whose reduction order
-  XLA may choose differently in two programs."""
+def _vjp(policy, x, w, dy, key=None, wrt_w=True):
+  """jit(x, w, dy -> (y, dx[, dw])) through ``jaxlp.dot_general(policy)``: the forward GEMM
+  and the backward GEMMs of a given cotangent (with ``wrt_w=False`` the lhs's only)."""
   f = jaxlp.dot_general(policy, key=key)
 
-  def loss(x, w):
-    y = f(x, w, dn)
-    return jnp.sum(jnp.sin(y)), y
+  @jax.jit
+  def run(x, w, dy):
+    if not wrt_w:
+      y, pull = jax.vjp(lambda a: f(a, w, DN), x)
+      return (y, *pull(dy))
+    y, pull = jax.vjp(lambda a, b: f(a, b, DN), x, w)
+    return (y, *pull(dy))
 
-  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(x, w)
-  return y, grads
+  return run(x, w, dy)
 
 
+def _scale(*gs):
+  """The product of tensor scales (float32 scalars) as an exact rational."""
+  out = Fraction(1)
+  for g in gs:
+    out *= Fraction(float(g))
+  return out
+
+
+# The policy GEMMs below are compared with :func:`_definition` (exact rationals, in numpy) on
+# the quantized operands: the definition that block_dot_reference (the jnp reference the
+# Pallas kernels are checked against) equals in the tests above. One compiled program of
+# quantized parts per test instead of a compiled reference of the three GEMMs.
 def test_nvfp4_policy_gemms():
   """fwd, dlhs and drhs of an NVFP4 policy in the recipe's shape -- stochastic gradients,
   weights and activations re-quantized along each backward GEMM's contraction -- are the
-  reference on the operands' parts (the same keys); the drhs GEMM reuses the gradient
+  definition on the operands' parts (the same keys); the drhs GEMM reuses the gradient
   blocked along N, so it contracts the tokens in K-blocks of 1."""
   rng = np.random.default_rng(5)
-  x, w = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0)
+  x, w, dy = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0), _wide(rng, (8, 20), 2.0)
   f = F.nvfp4()
   policy = jaxlp.DotPolicy(lhs=f, rhs=f, grad=jaxlp.Quant(f, "stochastic"), dlhs_rhs=f,
                            drhs_lhs=f, block_dot="exact")
   key = jax.random.key(3)
-  y_out, (gx, gw) = _vg(policy, x, w, key=key)
+  y, gx, gw = _vjp(policy, x, w, dy, key=key)
 
-  @jax.jit  # the reference as one program
-  def want(x, w, key):
-    (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, F.nvfp4(axis=0))
-    y = _ref(a, b, 16, 8, 8, (ga, gb))
+  @jax.jit  # the parts as one program
+  def parts(x, w, dy, key):
     slot_key = jax.random.fold_in(key, 2)  # the "grad" slot
-    gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1), "stochastic", slot_key)
-    (wq, gw_) = _parts(w, F.nvfp4(axis=1))
-    (xq, gx_) = _parts(x, F.nvfp4(axis=0))
-    return y, _ref(gq, wq.T, 16, 8, 8, (gg, gw_)), _ref(xq.T, gq, 1, 8, 8, (gx_, gg))
+    return (_parts(x, F.nvfp4(axis=1)), _parts(w, F.nvfp4(axis=0)),
+            _parts(dy, F.nvfp4(axis=1), "stochastic", slot_key), _parts(w, F.nvfp4(axis=1)),
+            _parts(x, F.nvfp4(axis=0)))
 
-  y, want_gx, want_gw = want(x, w, key)
-  assert _same(y_out, y)
-  assert _same(gx, want_gx)
-  assert _same(gw, want_gw)
+  (a, ga), (b, gb), (gq, gg), (wq, gw_), (xq, gx_) = parts(x, w, dy, key)
+  assert _same(y, _definition(a, b, 16, _scale(ga, gb))), "fwd"
+  assert _same(gx, _definition(gq, np.asarray(wq).T, 16, _scale(gg, gw_))), "dlhs"
+  assert _same(gw, _definition(np.asarray(xq).T, gq, 1, _scale(gx_, gg))), "drhs"
 
 
 def test_nvfp4_weight_tiles_and_nd_operands():
@@ -286,52 +300,43 @@ def test_nvfp4_weight_tiles_and_nd_operands():
   scales. (An N-D operand without batch dimensions is its 2-D reshape for every block_dot
   mode: tests/ops/test_dot_general_nd.py.)"""
   rng = np.random.default_rng(6)
-  x, w = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0)
+  x, w, dy = _wide(rng, (8, 48), 2.0), _wide(rng, (48, 20), 2.0), _wide(rng, (8, 20), 2.0)
   f, ft = F.nvfp4(), F.nvfp4(tile=16)
   policy = jaxlp.DotPolicy(lhs=f, rhs=ft, grad=f, block_dot="exact")
   # the weight tiles are operands of fwd and dlhs only: no weight gradient (the drhs GEMM of
   # NVFP4 operands: test_nvfp4_policy_gemms)
-  y_out, (gx,) = _vg(policy, x, w, argnums=(0,))
+  y, gx = _vjp(policy, x, w, dy, wrt_w=False)
   # batch dimensions ('bik,bkn->bin'): one GEMM per batch index, with the tensors' own scales
   x3, wb = x.reshape(2, 4, 48), _wide(rng, (2, 48, 20), 2.0)
   dot = jaxlp.dot_general(policy)
 
-  @jax.jit  # the N-D GEMMs and the reference as one program
-  def run(x, w, x3, wb):
-    (a, ga), (b, gb) = _parts(x, F.nvfp4(axis=1)), _parts(w, ft)
-    y = _ref(a, b, 16, 8, 8, (ga, gb))
-    gq, gg = _parts(jnp.cos(y), F.nvfp4(axis=1))
+  @jax.jit  # the batched GEMM and the parts as one program
+  def run(x, w, dy, x3, wb):
     yb = dot(x3, wb, (((2,), (1,)), ((0,), (0,))))
-    (a3, ga3), (b3, gb3) = _parts(x3, F.nvfp4(axis=2)), _parts(wb, ft)
-    # one compiled copy of the reference, run per batch index
-    want_yb = jax.lax.map(lambda ab: _ref(*ab, 16, 8, 8, (ga3, gb3)), (a3, b3))
-    return y, _ref(gq, b.T, 16, 8, 8, (gg, gb)), yb, want_yb
+    return (yb, _parts(x, F.nvfp4(axis=1)), _parts(w, ft), _parts(dy, F.nvfp4(axis=1)),
+            _parts(x3, F.nvfp4(axis=2)), _parts(wb, ft))
 
-  y, want_gx, yb, want_yb = run(x, w, x3, wb)
-  assert _same(y_out, y)
-  assert _same(gx, want_gx)
+  yb, (a, ga), (b, gb), (gq, gg), (a3, ga3), (b3, gb3) = run(x, w, dy, x3, wb)
+  assert _same(y, _definition(a, b, 16, _scale(ga, gb))), "fwd"
+  assert _same(gx, _definition(gq, np.asarray(b).T, 16, _scale(gg, gb))), "dlhs"
   for i in range(2):
-    assert _same(yb[i], want_yb[i])
+    assert _same(yb[i], _definition(a3[i], b3[i], 16, _scale(ga3, gb3))), f"batch index {i}"
 
 
 def test_mxfp8_policy_gemms():
-  """MXFP8 (E4M3FN forward, E5M2 gradients): all three GEMMs are the reference (limbs)."""
+  """MXFP8 (E4M3FN forward, E5M2 gradients): all three GEMMs are the definition (limbs)."""
   rng = np.random.default_rng(7)
-  x, w = _wide(rng, (6, 64), 3.0), _wide(rng, (64, 40), 3.0)
+  x, w, dy = _wide(rng, (6, 64), 3.0), _wide(rng, (64, 40), 3.0), _wide(rng, (6, 40), 1.0)
   policy = jaxlp.mx_policy(F.E4M3FN, 32, grad_fmt=F.E5M2, block_dot="exact")
-  y_out, (gx, gw) = _vg(policy, x, w)
+  y, gx, gw = _vjp(policy, x, w, dy)
 
-  @jax.jit  # the reference as one program
-  def want(x, w):
-    y = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 0)), 32,
-             18, 18)
-    g = jnp.cos(y)
-    dx = _ref(F.quantize(g, F.mx(F.E5M2, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 1)).T, 32,
-              32, 18)
-    dw = _ref(F.quantize(x, F.mx(F.E4M3FN, 32, 0)).T, F.quantize(g, F.mx(F.E5M2, 32, 0)), 6,
-              18, 32)  # M = 6: one block
-    return y, dx, dw
+  @jax.jit  # the quantized operands as one program
+  def parts(x, w, g):
+    return (F.quantize(x, F.mx(F.E4M3FN, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 0)),
+            F.quantize(g, F.mx(F.E5M2, 32, 1)), F.quantize(w, F.mx(F.E4M3FN, 32, 1)),
+            F.quantize(x, F.mx(F.E4M3FN, 32, 0)), F.quantize(g, F.mx(F.E5M2, 32, 0)))
 
-  y, dx, dw = want(x, w)
-  assert _same(y_out, y)
-  assert _same(gx, dx) and _same(gw, dw)
+  xa, wb, ga, wa, xb, gb = (np.asarray(v) for v in parts(x, w, dy))
+  assert _same(y, _definition(xa, wb, 32)), "fwd"
+  assert _same(gx, _definition(ga, wa.T, 32)), "dlhs"
+  assert _same(gw, _definition(xb.T, gb, 6)), "drhs"  # M = 6: one block

@@ -93,12 +93,19 @@ def test_cpu_lowering_runs_the_spec(monkeypatch, fresh_dispatch):
   array committed to a CPU device, as on a GPU host) contains no Pallas kernel."""
   _kernel_everywhere(monkeypatch)
   x = jax.device_put(_x(), jax.devices("cpu")[0])
-  for fmt in FAMILY_FORMATS.values():
+  # one program per family, lowered once and run: the dispatched quantize and the spec
+  for fam, fmt in FAMILY_FORMATS.items():
     f = functools.partial(jaxlp.quantize, fmt=fmt, rounding="stochastic", key=KEY)
-    text = jax.jit(f).lower(x).as_text()
-    assert "triton" not in text and "pallas" not in text
-    np.testing.assert_array_equal(_bits(f(x)), _bits(F.quantize(x, fmt, "stochastic",
-                                                                 key=KEY)))
+    lowered = jax.jit(lambda x, f=f, fmt=fmt: (
+        f(x), F.quantize(x, fmt, "stochastic", key=KEY))).lower(x)
+    text = lowered.as_text()
+    assert "triton" not in text and "pallas" not in text, fam
+    got, want = lowered.compile()(x)
+    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=fam)
+
+
+#: The rounding of each family (sorted) in test_kernel_branch_same_bits_gradient_and_vmap.
+ROTATION = ("stochastic", "nearest", "down", "stochastic", "up")
 
 
 def test_kernel_branch_same_bits_gradient_and_vmap(monkeypatch, fresh_dispatch):
@@ -112,19 +119,32 @@ def test_kernel_branch_same_bits_gradient_and_vmap(monkeypatch, fresh_dispatch):
   monkeypatch.setattr(OQ, "_KERNEL_PLATFORMS", ("cpu",))
   monkeypatch.setattr(OQ, "_kernel_words", interpreted)
   x = _on_cpu(_x((16, 64)))  # compiled for the CPU on any host (the re-pointed platform)
-  for fmt in FAMILY_FORMATS.values():
-    for r in ("nearest", "stochastic", "down"):
-      got = jaxlp.quantize(x, fmt, r, key=KEY)
-      want = F.quantize(x, fmt, r, key=KEY)
-      np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"{fmt} {r}")
-  assert len(calls) == 3 * len(FAMILY_FORMATS)
+  # Each rounding through the dispatch on a rotation of the families (stochastic, with its
+  # key, twice), all in one program; every family's kernel with every rounding against the
+  # spec: tests/pallas/test_pallas_quantize.py.
+  cases = [(fam, r) for fam, r in zip(sorted(FAMILY_FORMATS), ROTATION, strict=True)]
+
+  @jax.jit
+  def both(x):
+    return [(jaxlp.quantize(x, FAMILY_FORMATS[fam], r, key=KEY),
+             F.quantize(x, FAMILY_FORMATS[fam], r, key=KEY)) for fam, r in cases]
+
+  for (fam, r), (got, want) in zip(cases, both(x), strict=True):
+    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"{fam} {r}")
+  assert calls == [FAMILY_FORMATS[fam] for fam, _ in cases]
   fmt = FAMILY_FORMATS["axis_blocks"]
-  v, g = jax.value_and_grad(lambda x: jnp.sum(jaxlp.quantize(x, fmt) * 2.0))(x)
-  np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 2.0, np.float32))
-  assert v == jnp.sum(F.quantize(x, fmt) * 2.0)
   xs = _on_cpu(jnp.stack([x, -x]))
-  got = jax.vmap(lambda x: jaxlp.quantize(x, fmt))(xs)
-  np.testing.assert_array_equal(_bits(got), _bits(F.quantize(xs, fmt)))
+
+  @jax.jit  # the gradient, vmap and their specs as one program
+  def grad_and_vmap(x, xs):
+    v, g = jax.value_and_grad(lambda x: jnp.sum(jaxlp.quantize(x, fmt) * 2.0))(x)
+    return (v, g, jnp.sum(F.quantize(x, fmt) * 2.0), jax.vmap(lambda x: jaxlp.quantize(x, fmt))(xs),
+            F.quantize(xs, fmt))
+
+  v, g, want_v, got, want = grad_and_vmap(x, xs)
+  np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 2.0, np.float32))
+  assert v == want_v
+  np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 def test_can_use_pallas_quantize_reads_the_device_not_the_default_backend(monkeypatch):
@@ -168,14 +188,20 @@ def test_matmul_kernel_branch_same_bits(monkeypatch, fresh_dispatch):
   monkeypatch.setattr(OM, "_KERNEL_PLATFORMS", ("cpu",))
   monkeypatch.setattr(OM, "_kernel_matmul", interpreted)
   a, b, bias = (_on_cpu(_x(s, i)) for i, s in enumerate(((6, 10), (10, 5), (5,))))
-  for kw in (dict(acc=F.E4M3, algorithm="kahan", bias=bias),
-             dict(mul=F.BF16, acc=F.FP16, rounding="stochastic", key=KEY),
-             dict(acc=F.E5M2, algorithm="naive",
-                  dimension_numbers=[[[0], [0]], [[], []]])):
-    lhs = a if "dimension_numbers" not in kw else _on_cpu(a.T)
-    got = jaxlp.matmul(lhs, b, **kw)
-    want = OM.matmul_reference(lhs, b, **kw)
-    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+  @jax.jit  # the three dispatched GEMMs and their references as one program
+  def both(a, b, bias):
+    out = []
+    for kw in (dict(acc=F.E4M3, algorithm="kahan", bias=bias),
+               dict(mul=F.BF16, acc=F.FP16, rounding="stochastic", key=KEY),
+               dict(acc=F.E5M2, algorithm="naive",
+                    dimension_numbers=[[[0], [0]], [[], []]])):
+      lhs = a if "dimension_numbers" not in kw else a.T
+      out.append((jaxlp.matmul(lhs, b, **kw), OM.matmul_reference(lhs, b, **kw)))
+    return out
+
+  for i, (got, want) in enumerate(both(a, b, bias)):
+    np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"GEMM {i}")
   assert calls == ["kahan", "naive", "naive"]
 
 

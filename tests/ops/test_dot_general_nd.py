@@ -80,30 +80,39 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-def test_dense_nd_equals_2d_gemm_on_the_reshape(mode):
-  """(B, S, F) . (F, N): forward, dlhs and drhs have the bits of the 2-D GEMM on the
-  (B * S, F) reshape (the activations' flat indices, and so the noise, are the same). MX
-  blocks of the weight gradient's GEMM run along the tokens of one sequence (the N-D dot's
-  innermost contracted axis); S = 8 makes them the blocks of 8 of the reshape too."""
+def _vjp(policy, dn, x, w, dy, key=None):
+  """(y, dx, dw) through ``jaxlp.dot_general(policy)``, traced into the caller's program."""
+  dg = jaxlp.dot_general(policy, key=key)
+  y, pull = jax.vjp(lambda a, b: dg(a, b, dn), x, w)
+  return (y, *pull(dy))
+
+
+def test_dense_nd_equals_2d_gemm_on_the_reshape():
+  """(B, S, F) . (F, N), for each mode of MODES: forward, dlhs and drhs have the bits of the
+  2-D GEMM on the (B * S, F) reshape (the activations' flat indices, and so the noise, are
+  the same). MX blocks of the weight gradient's GEMM run along the tokens of one sequence
+  (the N-D dot's innermost contracted axis); S = 8 makes them the blocks of 8 of the reshape
+  too. All modes, both views and the float32 dot are one compiled program."""
   B, S, Fe, N = 2, 8, 24, 12
   x, w, dy = _data(1, (B, S, Fe), (Fe, N), (B, S, N))
-  policy = MODES[mode]
-  key = KEY if policy.stochastic else None
-  y, dx, dw = vjp_fn(policy, DENSE, key)(x, w, dy)
-  y2, dx2, dw2 = vjp_fn(policy, DN2, key)(x.reshape(B * S, Fe), w, dy.reshape(B * S, N))
-  assert_same((y, dx, dw), (y2.reshape(B, S, N), dx2.reshape(B, S, Fe), dw2))
-  # the mode really acts (the test can fail): not the float32 dot of the data
-  plain = _plain_dense(B, S, Fe, N)
-  assert any(not np.array_equal(_bits(u), _bits(v)) for u, v in zip((y, dx, dw), plain))
 
+  @jax.jit
+  def run(x, w, dy):
+    out = {}
+    for mode, policy in sorted(MODES.items()):
+      key = KEY if policy.stochastic else None
+      out[mode] = (_vjp(policy, DENSE, x, w, dy, key),
+                   _vjp(policy, DN2, x.reshape(B * S, Fe), w, dy.reshape(B * S, N), key))
+    return out, _vjp(DotPolicy(), DENSE, x, w, dy)
 
-@functools.cache
-def _plain_dense(B, S, Fe, N):
-  """The float32 dot's (y, dx, dw) on test_dense_nd_equals_2d_gemm_on_the_reshape's data: one
-  program for its five modes."""
-  x, w, dy = _data(1, (B, S, Fe), (Fe, N), (B, S, N))
-  return tuple(np.asarray(v) for v in vjp_fn(DotPolicy(), DENSE)(x, w, dy))
+  out, plain = run(x, w, dy)
+  for mode, ((y, dx, dw), (y2, dx2, dw2)) in sorted(out.items()):
+    try:
+      assert_same((y, dx, dw), (y2.reshape(B, S, N), dx2.reshape(B, S, Fe), dw2))
+    except AssertionError as e:
+      raise AssertionError(f"mode {mode}: {e}") from None
+    # the mode really acts (the test can fail): not the float32 dot of the data
+    assert any(not np.array_equal(_bits(u), _bits(v)) for u, v in zip((y, dx, dw), plain)), mode
 
 
 ATTN = (((3,), (3,)), ((0, 2), (0, 2)))  # 'bqhd,bkhd->bhqk'
@@ -111,7 +120,7 @@ PV = (((3,), (1,)), ((0, 1), (0, 2)))  # 'bhqk,bkhd->bhqd'
 ROW8 = F.BlockFormat(7, tile=(1, 8), exponent="hbfp")
 # batch dimensions are one vmap of the 2-D GEMM for every block_dot mode (_dot_general's
 # _batched): the exact mode stands for fp8 too (whose 2-D GEMM is checked on N-D operands in
-# test_dense_nd_equals_2d_gemm_on_the_reshape[fp8_mx]; its batched lowering in
+# test_dense_nd_equals_2d_gemm_on_the_reshape, mode fp8_mx; its batched lowering in
 # tests/ops/test_block_dot.py::test_batched_dot_general_lowers_for_cuda[fp8])
 BATCH_MODES = {
     "exact_rows": DotPolicy(lhs=ROW8, rhs=ROW8, grad=ROW8, block_dot="exact"),
