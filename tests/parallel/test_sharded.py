@@ -165,12 +165,12 @@ MODE_CASES = {k: ORDER_CASES[k] for k in ("ring", "ring-d0", "ring-kahan", "chai
                                            "ring-fp32", "ring-aps")}
 
 
+# (vmap == oracle for these cases: test_every_order_matches_the_oracle_w4, W = 4, and the
+# stochastic test below, W = 8; here shard_map == oracle)
 @pytest.mark.parametrize("w", [4, 8])
-def test_vmap_and_shard_map_give_the_oracles_bits(w, cpu_devices):
+def test_shard_map_gives_the_oracles_bits(w, cpu_devices):
   data = make_data(w, seed=w)
   cases = MODE_CASES if w == 8 else {k: MODE_CASES[k] for k in ("ring", "ring-d0", "tree")}
-  ref = run_vmap(rs_fn(cases, w), data)
-  check_cases(ref, cases, data, w)
   check_cases(run_shard_map(rs_fn(cases, w), data, w), cases, data, w)
 
 
