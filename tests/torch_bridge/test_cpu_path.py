@@ -266,7 +266,8 @@ def test_flushed_subnormals_change_nothing():
   try:
     assert not C._ieee_subnormals()
     fams = ("qpytorch_float", "fixed_point", "qpytorch_fixed")
-    segs = _segments(1024)
+    # the segments' size of test_every_branch_of_the_fast_paths: its compiled spec programs
+    segs = _segments()
     for family in fams:
       cases, fn = _spec_fn(family)
       for seg in ("tiny", "wide", "zeros"):
