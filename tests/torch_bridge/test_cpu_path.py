@@ -177,7 +177,9 @@ BLOCKS = [F.qpytorch_block(wl, dim) for wl in (2, 4, 8, 16, 23) for dim in (-1, 
 def _block_inputs(seed=0):
   """2-D inputs for block formats: rows at exponents from float32's bottom to its top (a
   block maximum >= 2**126 included), a zero row, a row whose maximum is a subnormal, ties; a
-  copy holding a NaN and an inf; random finite patterns."""
+  copy holding a NaN and an inf; random finite patterns (32 tensors of 64 x 64 as one
+  (32, 64, 64) array: the shape of the others, so that one compiled spec program takes
+  every input)."""
   rng = np.random.default_rng(seed)
   n = 64
   x = rng.standard_normal((n, n)) * np.exp2(rng.integers(-12, 0, (n, n)))
@@ -201,8 +203,8 @@ def _block_inputs(seed=0):
   top[0, 0] = np.float32(2.0**125 * 0.9999999)  # the largest magnitude still below 2**125
   bottom = (g.astype(np.float64) * 2.0**-99).astype(np.float32)
   bottom[0, 0] = np.float32(2.0**-100)
-  return {"scales": x, "specials": y, "random": r.view(np.float32), "randn": g, "top": top,
-          "bottom": bottom}
+  return {"scales": x, "specials": y, "random": r.view(np.float32).reshape(-1, n, n),
+          "randn": g, "top": top, "bottom": bottom}
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -210,10 +212,12 @@ def test_block_formats(rounding):
   key = jax.random.key(SEED)
   fn = jax.jit(lambda v: [F.quantize(v, f, rounding, key=key if rounding == "stochastic"
                                      else None) for f in BLOCKS])
-  for name, x in _block_inputs().items():
+  inputs = [(f"{name}[{i}]" if xs.ndim == 3 else name, x)
+            for name, xs in _block_inputs().items() for i, x in enumerate(xs.reshape(-1, 64, 64))]
+  rand = C.noise(64 * 64, *C.key_words(int(WORDS[0]), int(WORDS[1])))
+  for name, x in inputs:
     wants = fn(jnp.asarray(x))
     t = torch.from_numpy(x.copy())
-    rand = C.noise(x.size, *C.key_words(int(WORDS[0]), int(WORDS[1])))
     for fmt, want in zip(BLOCKS, wants, strict=True):
       w = WORDS if rounding == "stochastic" else None
       got = Q.quantize_raw(t, fmt, rounding, w).numpy()
