@@ -243,15 +243,16 @@ def test_every_half_precision_pattern(dtype):
   """Every float16 / bfloat16 bit pattern: widened, rounded and narrowed as the JAX route
   does (XLA's ``astype``), bit for bit (NaN payloads aside)."""
   t = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.int16).copy()).view(dtype)
-  for fmt in _HALF:
-    for rounding in ("nearest", "stochastic"):
-      if rounding not in fmt.supported_roundings:
-        continue
-      w = WORDS if rounding == "stochastic" else None
-      got = Q.quantize_raw(t, fmt, rounding, w)
-      want = Q.jax_route(t, fmt, rounding, w)
-      assert got.dtype == dtype
-      assert _same_half(got, want), (fmt, rounding)
+  cases = [(f, r) for f in _HALF for r in ("nearest", "stochastic") if r in f.supported_roundings]
+  # the JAX route's computation (Q._kernel, what jax_route compiles for one case), compiled
+  # normally, every case in one program
+  wants = jax.jit(lambda x, key: [Q._kernel(f, r, False, x, key) for f, r in cases])(
+      jt.to_jax(t), WORDS)
+  for (fmt, rounding), want in zip(cases, wants, strict=True):
+    w = WORDS if rounding == "stochastic" else None
+    got = Q.quantize_raw(t, fmt, rounding, w)
+    assert got.dtype == dtype
+    assert _same_half(got, jt.to_torch(want)), (fmt, rounding)
   # and a block format on a 2-D half tensor
   x = torch.from_numpy(_block_inputs()["scales"]).clamp(-6e4, 6e4).to(dtype)
   for rounding in ("nearest", "stochastic"):
