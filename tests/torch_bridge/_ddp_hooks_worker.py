@@ -200,10 +200,12 @@ def train(ddp, rank):
 
 def comm_variants():
   """jaxlp's CommState with an error-feedback compressor from step 0, several buckets: the
-  state must follow each parameter through DDP's bucket rebuild."""
+  state must follow each parameter through DDP's bucket rebuild. PowerSGD with an explicit
+  ``layer_min_size`` (the 4 x 32 weight then goes uncompressed: the per-tensor filter of
+  ``_comm_powersgd``; PowerSGD's plan without one runs in the ``psgd_*`` variants)."""
   return {
       "comm_onebit": dict(compressor=C.onebit(), layer_min_size=0, skip_vectors=False),
-      "comm_powersgd": dict(compressor=C.powersgd(rank=2)),
+      "comm_powersgd": dict(compressor=C.powersgd(rank=2), layer_min_size=256),
   }
 
 
@@ -233,6 +235,8 @@ def run_comm_variant(name, kw, rank):
 
   ddp.register_comm_hook(state, hook)
   train(ddp, rank)
+  for i, p in enumerate(params):
+    rec[f"{name}/param{i}"] = p.detach().numpy()
   for p in params:
     st = state.param_states.get(id(p), {})
     res = st.get("residual", st.get("error"))

@@ -3,12 +3,15 @@ bit for bit (NaN-aware), for every format family and rounding the kernels take.
 
 ``python _triton_check.py cpu`` runs the kernels in Triton's interpreter on CPU tensors (the
 caller sets ``TRITON_INTERPRET=1``); ``cuda`` runs them on the GPU. The reference is always
-the JAX route on the CPU (``jaxlp.torch._quantize.jax_route`` with a CPU tensor: the spec).
+the JAX route on the CPU (what ``jaxlp.torch._quantize.jax_route`` compiles for a CPU tensor:
+the spec), compiled normally, one program per input for a group of cases (:class:`Spec`).
 Exit status 1 and one line per difference on failure.
 """
 
+import functools
 import sys
 
+import jax
 import numpy as np
 import torch
 import triton
@@ -16,6 +19,7 @@ import triton
 from jaxlp import formats as F
 from jaxlp.torch import _quantize as Q
 from jaxlp.torch import _triton as T
+from jaxlp.torch import to_jax, to_torch
 from jaxlp.torch._formats import QPyTorchFixedPoint
 
 FRACS = np.array([0, 1, 2, 3, 0x400000, 0x3FFFFF, 0x7FFFFF, 0x200000, 0x100000, 0x080000,
@@ -95,6 +99,49 @@ def crafted(n_random, seed=0, block=T.BLOCK):
                           .view(np.float32))
 
 
+@functools.cache
+def _spec_program(cases):
+  """One jitted program: the JAX route's computation (``_quantize._kernel``, what
+  :func:`~jaxlp.torch._quantize.jax_route` compiles for one case) for every ``(fmt, rounding,
+  with_mask)`` of ``cases`` on one input. Compiles are most of the references' time and go
+  with the number of programs: one per input (and dtype) instead of one per case."""
+  def spec(x, key):
+    return [Q._kernel(fmt, r, m, x, key) for fmt, r, m in cases]  # noqa: SLF001
+  return jax.jit(spec)
+
+
+def _group(fmt):
+  """Formats whose references share a program: same input (see :func:`inputs`), same type."""
+  block = isinstance(fmt, F.QPyTorchBlock)
+  return type(fmt).__name__, block and fmt.dim == -1
+
+
+class Spec:
+  """The references: ``spec(x, fmt, rounding, with_mask)`` is ``Q.jax_route(x, fmt, rounding,
+  words, with_mask)`` on the CPU (the same ``_kernel`` compiled normally), computed for every
+  case of ``fmt``'s group (:func:`_group`) at the first call on an input and kept."""
+
+  def __init__(self, cases, words):
+    self.groups = {}
+    for c in cases:
+      self.groups.setdefault(_group(c[0]), []).append(c)
+    self.groups = {k: tuple(v) for k, v in self.groups.items()}
+    self.words = words
+    self.memo = {}
+    self.cpu = jax.devices("cpu")[0]
+
+  def __call__(self, x, fmt, rounding, w, with_mask=False):
+    assert w is None or np.array_equal(w, self.words), w
+    x = x.contiguous()
+    content = (x.dtype, tuple(x.shape), x.view(torch.uint8).numpy().tobytes())
+    cases = self.groups[_group(fmt)]
+    if (content, cases) not in self.memo:
+      out = _spec_program(cases)(jax.device_put(to_jax(x), self.cpu), self.words)
+      self.memo[content, cases] = {c: tuple(map(to_torch, o)) if c[2] else to_torch(o)
+                                   for c, o in zip(cases, out, strict=True)}
+    return self.memo[content, cases][fmt, rounding, with_mask]
+
+
 def differences(got, ref):
   a = got.float().cpu().numpy()
   b = ref.float().cpu().numpy()
@@ -110,7 +157,7 @@ def inputs(fmt, x):
   return x
 
 
-def whole_block_cases(device, fmt, rounding, w, x, ok_so_far):
+def whole_block_cases(device, fmt, rounding, w, x, ok_so_far, spec):
   """A whole-tensor block (``dim=-1``): the one-program kernel (up to WHOLE_BLOCK_MAX) and the
   amax + kernel route, on ``x``, an odd length, and tensors holding a NaN, an inf, all zeros."""
   run = T.run if device == "cpu" else T.quantize
@@ -127,7 +174,7 @@ def whole_block_cases(device, fmt, rounding, w, x, ok_so_far):
         if limit == saved and name == "x" and ok_so_far:
           continue  # checked by the caller
         got = run(xi.to(device), fmt, rounding, w)
-        d = differences(got, Q.jax_route(xi, fmt, rounding, w))
+        d = differences(got, spec(xi, fmt, rounding, w))
         if d.size:
           route = "one program" if limit else "amax + kernel"
           bad.append(f"{fmt!r} {rounding} {xi.dtype} whole block ({route}), {name}: "
@@ -145,13 +192,17 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
   bad = []
   checked = 0
   saved = T.BLOCK
+  fmts = [f for f in (FORMATS if formats is None else formats)
+          if device != "cpu" or interpretable(f)]
+  spec = Spec([(f, r, m) for f in fmts for r in roundings_checked(device, f)
+               if roundings is None or r in roundings
+               for m in ((False, True) if isinstance(f, QPyTorchFixedPoint) else (False,))],
+              words)
   try:
-    for fmt in FORMATS if formats is None else formats:
-      if device == "cpu" and not interpretable(fmt):
-        continue
+    for fmt in fmts:
       whole = isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1
       T.BLOCK = saved if whole else block
-      checked += check_format(device, fmt, x0, words, dtypes, roundings, bad)
+      checked += check_format(device, fmt, x0, words, dtypes, roundings, bad, spec)
   finally:
     T.BLOCK = saved
   if not checked:
@@ -159,8 +210,9 @@ def check(device: str, n_random: int = 4096, dtypes=(torch.float32,), formats=No
   return bad
 
 
-def check_format(device, fmt, x0, words, dtypes, roundings, bad) -> int:
-  """:func:`check` for one format: appends its problems to ``bad``; returns the cases run."""
+def check_format(device, fmt, x0, words, dtypes, roundings, bad, spec) -> int:
+  """:func:`check` for one format: appends its problems to ``bad``; returns the cases run.
+  ``spec``: the references (:class:`Spec`)."""
   checked = 0
   for rounding in roundings_checked(device, fmt):
     if roundings is not None and rounding not in roundings:
@@ -176,13 +228,13 @@ def check_format(device, fmt, x0, words, dtypes, roundings, bad) -> int:
       if got.device != xd.device or got.dtype != dtype or got.shape != x.shape:
         bad.append(f"{fmt!r} {rounding} {dtype}: got {got.device} {got.dtype} {got.shape}")
         continue
-      ref = Q.jax_route(x, fmt, rounding, w)
+      ref = spec(x, fmt, rounding, w)
       d = differences(got, ref)
       if isinstance(fmt, F.QPyTorchBlock) and fmt.dim == -1:
-        bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0)
+        bad += whole_block_cases(device, fmt, rounding, w, x, d.size == 0, spec)
       if isinstance(fmt, QPyTorchFixedPoint):
         gm = (T.run if device == "cpu" else T.quantize)(xd, fmt, rounding, w, True)
-        rm = Q.jax_route(x, fmt, rounding, w, True)
+        rm = spec(x, fmt, rounding, w, True)
         d = np.union1d(d, differences(gm[0], rm[0]))
         if not torch.equal(gm[1].cpu(), rm[1]):
           bad.append(f"{fmt!r} {rounding} {dtype}: clamp masks differ")

@@ -177,7 +177,9 @@ BLOCKS = [F.qpytorch_block(wl, dim) for wl in (2, 4, 8, 16, 23) for dim in (-1, 
 def _block_inputs(seed=0):
   """2-D inputs for block formats: rows at exponents from float32's bottom to its top (a
   block maximum >= 2**126 included), a zero row, a row whose maximum is a subnormal, ties; a
-  copy holding a NaN and an inf; random finite patterns."""
+  copy holding a NaN and an inf; random finite patterns (32 tensors of 64 x 64 as one
+  (32, 64, 64) array: the shape of the others, so that one compiled spec program takes
+  every input)."""
   rng = np.random.default_rng(seed)
   n = 64
   x = rng.standard_normal((n, n)) * np.exp2(rng.integers(-12, 0, (n, n)))
@@ -201,8 +203,8 @@ def _block_inputs(seed=0):
   top[0, 0] = np.float32(2.0**125 * 0.9999999)  # the largest magnitude still below 2**125
   bottom = (g.astype(np.float64) * 2.0**-99).astype(np.float32)
   bottom[0, 0] = np.float32(2.0**-100)
-  return {"scales": x, "specials": y, "random": r.view(np.float32), "randn": g, "top": top,
-          "bottom": bottom}
+  return {"scales": x, "specials": y, "random": r.view(np.float32).reshape(-1, n, n),
+          "randn": g, "top": top, "bottom": bottom}
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -210,10 +212,12 @@ def test_block_formats(rounding):
   key = jax.random.key(SEED)
   fn = jax.jit(lambda v: [F.quantize(v, f, rounding, key=key if rounding == "stochastic"
                                      else None) for f in BLOCKS])
-  for name, x in _block_inputs().items():
+  inputs = [(f"{name}[{i}]" if xs.ndim == 3 else name, x)
+            for name, xs in _block_inputs().items() for i, x in enumerate(xs.reshape(-1, 64, 64))]
+  rand = C.noise(64 * 64, *C.key_words(int(WORDS[0]), int(WORDS[1])))
+  for name, x in inputs:
     wants = fn(jnp.asarray(x))
     t = torch.from_numpy(x.copy())
-    rand = C.noise(x.size, *C.key_words(int(WORDS[0]), int(WORDS[1])))
     for fmt, want in zip(BLOCKS, wants, strict=True):
       w = WORDS if rounding == "stochastic" else None
       got = Q.quantize_raw(t, fmt, rounding, w).numpy()
@@ -239,15 +243,16 @@ def test_every_half_precision_pattern(dtype):
   """Every float16 / bfloat16 bit pattern: widened, rounded and narrowed as the JAX route
   does (XLA's ``astype``), bit for bit (NaN payloads aside)."""
   t = torch.from_numpy(np.arange(65536, dtype=np.uint16).view(np.int16).copy()).view(dtype)
-  for fmt in _HALF:
-    for rounding in ("nearest", "stochastic"):
-      if rounding not in fmt.supported_roundings:
-        continue
-      w = WORDS if rounding == "stochastic" else None
-      got = Q.quantize_raw(t, fmt, rounding, w)
-      want = Q.jax_route(t, fmt, rounding, w)
-      assert got.dtype == dtype
-      assert _same_half(got, want), (fmt, rounding)
+  cases = [(f, r) for f in _HALF for r in ("nearest", "stochastic") if r in f.supported_roundings]
+  # the JAX route's computation (Q._kernel, what jax_route compiles for one case), compiled
+  # normally, every case in one program
+  wants = jax.jit(lambda x, key: [Q._kernel(f, r, False, x, key) for f, r in cases])(
+      jt.to_jax(t), WORDS)
+  for (fmt, rounding), want in zip(cases, wants, strict=True):
+    w = WORDS if rounding == "stochastic" else None
+    got = Q.quantize_raw(t, fmt, rounding, w)
+    assert got.dtype == dtype
+    assert _same_half(got, jt.to_torch(want)), (fmt, rounding)
   # and a block format on a 2-D half tensor
   x = torch.from_numpy(_block_inputs()["scales"]).clamp(-6e4, 6e4).to(dtype)
   for rounding in ("nearest", "stochastic"):
@@ -266,7 +271,8 @@ def test_flushed_subnormals_change_nothing():
   try:
     assert not C._ieee_subnormals()
     fams = ("qpytorch_float", "fixed_point", "qpytorch_fixed")
-    segs = _segments(1024)
+    # the segments' size of test_every_branch_of_the_fast_paths: its compiled spec programs
+    segs = _segments()
     for family in fams:
       cases, fn = _spec_fn(family)
       for seg in ("tiny", "wide", "zeros"):

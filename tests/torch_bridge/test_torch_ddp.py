@@ -1,4 +1,5 @@
-"""A real 2-process DDP run (gloo, 127.0.0.1) with every jaxlp.torch.ddp hook variant.
+"""A real 2-process DDP run (gloo, 127.0.0.1) with jaxlp.torch.ddp's CommState variants (those
+with onebit and PowerSGD compressors run in ``test_ddp_hooks.py``'s job).
 
 The worker (``_ddp_worker.py``) runs all variants in one process group: 5 SGD steps each;
 it records the first two steps' bucket inputs/outputs. Checks: parameters bitwise identical
@@ -34,9 +35,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORLD = 2
 CPU = jax.devices("cpu")[0]  # the workers' JAX backend; references run there too
-VARIANTS = ("fp32", "e4m3_aps", "e5m2_kahan_bucket_aps", "cgx4", "powersgd2", "onebit", "topk")
+# onebit and PowerSGD (CommState's error-feedback compressors): in test_ddp_hooks.py's run
+# (identical on both ranks, close to full-batch training, error feedback kept across DDP's
+# bucket rebuild)
+VARIANTS = ("fp32", "e4m3_aps", "e5m2_kahan_bucket_aps", "cgx4", "topk")
 TOLERANCE = {"fp32": 0.0, "e4m3_aps": 0.01, "e5m2_kahan_bucket_aps": 0.02, "cgx4": 0.01,
-             "powersgd2": 0.02, "onebit": 0.05, "topk": 0.02}
+             "topk": 0.02}
 
 
 def _free_port():
