@@ -461,7 +461,6 @@ _SLOW = (
     "tests/parallel/compress/test_randomk_sampling.py::test_gpu_schedule_gives_the_same_indices",
     "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_compressor_in_an_optax_chain",
     "tests/parallel/compress/test_reduce_gradients_compressed.py::test_reduce_gradients_with_compressor_over_steps",
-    "tests/parallel/compress/test_speed_bitexact.py::test_cgx_8_bits_equals_per_element_division",
     "tests/parallel/compress/test_speed_bitexact.py::test_cgx_equals_per_element_division",
     "tests/parallel/compress/test_speed_bitexact.py::test_cgx_near_tie_fallback_paths",
     "tests/parallel/compress/test_speed_bitexact.py::test_pack_unpack_equal_bit_stream_reference",

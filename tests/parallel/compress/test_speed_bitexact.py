@@ -127,11 +127,10 @@ def test_cgx_equals_per_element_division(bits, bucket, stochastic):
   _cgx_equals_per_element_division(bits, bucket, stochastic)
 
 
-# 8 bits: the deterministic case above at another width (the same code, other constants):
-# XLA's optimizations off (8 bits against numpy, compiled normally: test_compress_compressors.py)
-@pytest.mark.usefixtures("fast_compile")
-def test_cgx_8_bits_equals_per_element_division():
-  _cgx_equals_per_element_division(8, 64, False)
+# Other widths (8, 5, 1 bits; buckets of 7, 9, 24, 32: the same code, other constants) are
+# compared with numpy's per-element division in test_speed_dense.py's
+# test_cgx_other_widths_equal_numpy_division, and 8 bits compiled normally in
+# test_compress_compressors.py's test_cgx_deterministic_exact.
 
 
 def _cgx_equals_per_element_division(bits, bucket, stochastic):

@@ -288,6 +288,10 @@ def test_a_compressor_on_the_radix_schedule_keeps_the_bits(make):
   assert runs[0] == runs[1]
 
 
+# integer selections of one program compared with each other (no arithmetic that XLA's
+# optimization level changes): XLA's optimizations off; a sparsifier under vmap against its
+# per-worker selection, compiled normally: test_sparsifiers_under_vmap_match_per_worker
+@pytest.mark.usefixtures("fast_compile")
 def test_every_schedule_under_vmap_matches_per_row():
   """Under vmap (the engine's emulated workers) each schedule ("cpu", "gpu", "radix") selects
   per row what it selects alone (the fallback's conditional becomes a select there); every
