@@ -22,11 +22,12 @@ cost is also given over the plain ``torch.optim.SGD`` step it wraps, timed in th
 (its own row).
 
 Goals. CPU (the NumPy path of ``jaxlp/torch/_cpu.py``, with its C accelerator of the
-stochastic noise and fixed-point rounding where it was built; the header says which): <= 2x QPyTorch's time at 100
-elements, >= 1x QPyTorch's speed at 4K, and a second pass over new shapes no slower than the
-first. CUDA (the Triton kernels): >= 1.5x QPyTorch's throughput at 16M, <= 50 us per call at
-4K. ``--with-jax-route`` adds a column: the same call with the NumPy path switched off (the
-JAX route every CPU call took before; slow in the shape loop: it compiles).
+stochastic noise and fixed-point rounding where it was built; the header says which): <= 2x
+QPyTorch's time at 100 elements, >= 1x QPyTorch's speed at 4K, and a second pass over new
+shapes no slower than the first. CUDA (the Triton kernels): >= 1.5x QPyTorch's throughput
+at 16M, <= 50 us per call at 4K. ``--with-jax-route`` adds a column: the same call with the
+NumPy path switched off (the JAX route every CPU call took before; slow in the shape loop: it
+compiles).
 
 Usage: python benchmarks/torch_quantize.py [--device cpu|cuda] [--small] [--n N]
        [--sizes A,B,..] [--shapes S] [--reps R] [--inner I] [--stat median|min|minmed]
