@@ -63,3 +63,23 @@ def gpu_host() -> bool:
     return bool(jax.devices("gpu"))
   except RuntimeError:
     return False
+
+
+def full_batch_train(worker, world: int):
+  """``worker.model_fn()``'s model trained in this process, without DDP or a hook, on the
+  batches of all ``world`` ranks of a DDP worker script (``_ddp_worker.py``,
+  ``_ddp_hooks_worker.py``: step ``s`` of rank ``r`` draws its batch of 32 x 16 inputs and 4
+  classes from ``torch.Generator().manual_seed(1000 * s + r)``): the uncompressed mean
+  gradient of every step, SGD with lr 0.1 for ``worker.STEPS`` steps."""
+  model = worker.model_fn()
+  opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  for step in range(worker.STEPS):
+    xs, ys = [], []
+    for rank in range(world):
+      g = torch.Generator().manual_seed(1000 * step + rank)
+      xs.append(torch.randn(32, 16, generator=g))
+      ys.append(torch.randint(0, 4, (32,), generator=g))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+    opt.step()
+  return model

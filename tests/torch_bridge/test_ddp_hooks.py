@@ -192,17 +192,8 @@ def _full_batch_params():
   uncompressed mean gradient of every step."""
   sys.path.insert(0, HERE)
   import _ddp_hooks_worker as w  # noqa: PLC0415
-  model = w.model_fn()
-  opt = torch.optim.SGD(model.parameters(), lr=0.1)
-  for step in range(w.STEPS):
-    xs, ys = [], []
-    for rank in range(WORLD):
-      g = torch.Generator().manual_seed(1000 * step + rank)
-      xs.append(torch.randn(32, 16, generator=g))
-      ys.append(torch.randint(0, 4, (32,), generator=g))
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
-    opt.step()
+  from _torch_testutil import full_batch_train  # noqa: PLC0415
+  model = full_batch_train(w, WORLD)
   return [p.detach().numpy() for p in model.parameters()]
 
 

@@ -29,7 +29,11 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 import jax  # noqa: E402
 
 import jaxlp  # noqa: E402
-from tests.torch_bridge._torch_testutil import assert_same_bits, gpu_host  # noqa: E402
+from tests.torch_bridge._torch_testutil import (  # noqa: E402
+    assert_same_bits,
+    full_batch_train,
+    gpu_host,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -105,17 +109,7 @@ def test_parameters_identical_across_ranks_and_close(runs, name):
 def test_fp32_hook_equals_full_batch_training(runs):
   sys.path.insert(0, HERE)
   import _ddp_worker as w  # noqa: PLC0415
-  model = w.model_fn()
-  opt = torch.optim.SGD(model.parameters(), lr=0.1)
-  for step in range(w.STEPS):
-    xs, ys = [], []
-    for rank in range(WORLD):
-      g = torch.Generator().manual_seed(1000 * step + rank)
-      xs.append(torch.randn(32, 16, generator=g))
-      ys.append(torch.randint(0, 4, (32,), generator=g))
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
-    opt.step()
+  model = full_batch_train(w, WORLD)
   # (on CUDA, torch's GEMMs sum in another order than the CPU's: a looser tolerance)
   tol = 1e-5 if runs[0]["device"] == "cpu" else 1e-4
   for p, q in zip(model.parameters(), _params(runs[0], "fp32"), strict=True):
