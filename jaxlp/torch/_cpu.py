@@ -748,9 +748,17 @@ def _scaled_fast(fl, rounding, full, bounds, qpytorch=False, with_mask=False):
   hi_f, lo_f = float(hi_b.view(np.float32)), float(lo_b.view(np.float32))
   # |x| <= inside: no clamp, no overflow, no NaN. The bounds are multiples of 2**-fl (float32
   # values at least 2**-fl apart there), so x <= hi rounds to at most hi (every rounding here
-  # is monotone and moves x by less than 2**-fl), and hi <= |lo|.
-  inside = min(int(hi_b & ABS), int(lo_b & ABS)) if bounds else (
-      (min(254, 254 - fl) << 23) | 0x7FFFFF)
+  # is monotone and moves x by less than 2**-fl), and hi <= |lo|. Without bounds: y = |x| *
+  # 2**fl is finite, and a result rounded up stays finite while FLT_MAX is a multiple of the
+  # quantum 2**-fl (fl >= -104); for fl < -104 a |x| above FLT_MAX's largest multiple of the
+  # quantum, 2**128 - 2**-fl, can round up to 2**128 (inf: the spec's overflow, which the
+  # range check below finds; FixedPoint and QPyTorchFixedPoint allow fl >= -100 only).
+  if bounds:
+    inside = min(int(hi_b & ABS), int(lo_b & ABS))
+  elif fl < -104:
+    inside = _f32_bits(2.0**128 - 2.0**-fl)
+  else:
+    inside = (min(254, 254 - fl) << 23) | 0x7FFFFF
 
   abs0 = _k(ABS)
 

@@ -140,6 +140,9 @@ def test_scaled_stochastic_equals_the_numpy_core(monkeypatch, fl):
   monkeypatch.setattr(C, "_cnoise", None)
   with np.errstate(over="ignore"):  # fl = -126: the largest |x| can round up to 2**128 (inf)
     want = core(bits, rand, bits & np.uint32(0x7FFFFFFF))
+  # (the fast path calls the core only below that, _scaled_fast's bound; the formats allow
+  # fl >= -100 only, where FLT_MAX is on the grid)
   bad = np.flatnonzero(got != want)
   assert bad.size == 0, (fl, bad[:5], bits[bad[:5]], rand[bad[:5]], got[bad[:5]], want[bad[:5]])
   assert (got != bits).any()  # something was rounded
+
