@@ -11,6 +11,8 @@
  *                      for every uint32 element i of the writable buffer `out`
  *                      (jaxlp/formats/_bits.py).
  *   fill_drawn(out, w0, w1)  fill(out, *words(w0, w1)): one call for a fresh draw.
+ *   scaled_stochastic(out, bits, rand, up, down)  fixed point's stochastic rounding on the
+ *                      fast path of _cpu.py's `_scaled` (see that function below).
  *
  * tests/torch_bridge/test_cpu_noise_c.py compares every function with the NumPy code and JAX.
  *
