@@ -49,8 +49,9 @@ us: :func:`_threefry_words`) and hashes the flat index (12 NumPy operations, abo
 :func:`noise`); together more than QPyTorch's whole stochastic call at that size (4.5-5.5 us).
 Where the optional C accelerator ``jaxlp.torch._cnoise`` was built (``setup.py``, where the
 install finds a C compiler; ``_cnoise.c``) both are one C call of well under a microsecond at
-that size, with the same words (tests/torch_bridge/test_cpu_noise_c.py compares the two and
-JAX); without it the NumPy functions here run.
+that size, with the same words, and so is fixed point's stochastic rounding on its fast path
+(8 NumPy operations: :func:`_scaled`); tests/torch_bridge/test_cpu_noise_c.py compares them
+with the NumPy functions and JAX. Without it the NumPy functions here run.
 """
 
 from __future__ import annotations
