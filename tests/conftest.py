@@ -19,8 +19,48 @@ counts (two tests have it).
 
 import os
 import shutil
+import subprocess
 import sys
 
+# XLA:CPU's fusion codegen for the whole suite: its older elemental emitters
+# (``--xla_cpu_use_fusion_emitters=false``) instead of the MLIR fusion emitters, XLA's default.
+# Most of the suite's CPU time is XLA compiling the programs the bit claims need (75% of the
+# in-process CPU time in a profiled run, 2026-11-30), and the elemental emitters compile them in
+# a third less time (tests/formats/test_nvfp4.py + tests/ops/test_conv.py: 111 -> 78 CPU s;
+# an NVFP4 GEMM's vjp 8.5 -> 5.7 s) with the same results: the library's exact operations are
+# integer or exactly rounded float arithmetic, which every emitter must compile to the same
+# bits, and tests/test_xla_emitters.py checks them under both emitters (a float program with
+# multiplies and adds can differ in its last bits between them: LLVM may contract a * b + c
+# into an FMA in one and not the other; no test compares such bits across processes with
+# different flags). Users' programs compile with XLA's defaults; the subprocesses the tests
+# start get the same flag (tests/_bench.py, ``xla_flags``). ``JAXLP_TEST_XLA_CPU_FLAGS=""``
+# runs the suite with XLA's default emitters; an ``xla_cpu_use_fusion_emitters`` given in
+# ``XLA_FLAGS`` is kept as it is. A jaxlib that does not know the flag (XLA aborts on an unknown
+# one) is probed once per run, in a subprocess, and then runs without it.
+EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_FLAGS_ENV = "JAXLP_TEST_XLA_CPU_FLAGS"
+
+
+def _test_cpu_flags() -> str:
+  """The XLA:CPU flags of the suite, decided once per run (the workers and subprocesses
+  inherit ``JAXLP_TEST_XLA_CPU_FLAGS``)."""
+  if _FLAGS_ENV not in os.environ:
+    given = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "xla_cpu_use_fusion_emitters" in f]
+    if given:
+      flags = " ".join(given)
+    else:
+      probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                             env=dict(os.environ, XLA_FLAGS=EMITTER_FLAG, JAX_PLATFORMS="cpu"),
+                             capture_output=True, timeout=300, check=False)
+      flags = EMITTER_FLAG if probe.returncode == 0 else ""
+    os.environ[_FLAGS_ENV] = flags
+  return os.environ[_FLAGS_ENV]
+
+
+_cpu_flags = _test_cpu_flags()
+if _cpu_flags and _cpu_flags not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f'{os.environ.get("XLA_FLAGS", "")} {_cpu_flags}'.strip()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -551,6 +591,7 @@ _SLOW = (
     "tests/test_torch_bench_smoke.py::test_torch_bench_cuda_rows_say_not_measured_without_a_gpu",
     "tests/test_torch_bench_smoke.py::test_torch_bench_profile_lists_each_entry_points_host_time",
     "tests/test_torch_bench_smoke.py::test_torch_bench_small",
+    "tests/test_xla_emitters.py",  # the suite's XLA flag against the defaults: ~35 CPU s
     # --- added from the fast tier of main 51154a2 (2026-11-29, ``-n 2``, load about 6):
     # functions whose cases took 12 s or more together there ---
     "tests/cli/test_shard.py::test_grad_format_zero2_equals_replicated_bit_for_bit",

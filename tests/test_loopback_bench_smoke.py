@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 
-from _bench import FAST_COMPILE
+from _bench import FAST_COMPILE, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 METHODS = ("fp32", "onebit")
@@ -23,7 +23,7 @@ METHODS = ("fp32", "onebit")
 
 def test_loopback_smoke():
   env = dict(os.environ, **FAST_COMPILE)
-  env.pop("XLA_FLAGS", None)  # the conftest's 8 forced devices: each worker wants ONE
+  env["XLA_FLAGS"] = xla_flags()  # not the conftest's 8 forced devices: each worker wants ONE
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   # the script adds fp32 (the baseline of every ratio) to --methods
   p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loopback.py"), "--smoke",

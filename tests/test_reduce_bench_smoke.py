@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _bench import FAST_COMPILE
+from _bench import FAST_COMPILE, xla_flags
 
 ROOT = Path(__file__).parent.parent
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent
 def test_reduce_benchmark_small(tmp_path):
   env = dict(os.environ, **FAST_COMPILE)
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags()
   # reduce.py forces 8 host devices but only *defaults* JAX_PLATFORMS to cpu: under an
   # inherited JAX_PLATFORMS=cuda,cpu its 8-device mesh would be made of the single GPU
   env["JAX_PLATFORMS"] = "cpu"

@@ -8,14 +8,14 @@ import re
 import subprocess
 import sys
 
-from _bench import FAST_COMPILE
+from _bench import FAST_COMPILE, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_sharded_bench_smoke():
   env = dict(os.environ, **FAST_COMPILE)
-  env.pop("XLA_FLAGS", None)  # the conftest's 8 forced devices: each worker wants ONE
+  env["XLA_FLAGS"] = xla_flags()  # not the conftest's 8 forced devices: each worker wants ONE
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharded.py"), "--smoke"],
                      env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))

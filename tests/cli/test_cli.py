@@ -8,7 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from _bench import FAST_COMPILE
+from _bench import FAST_COMPILE, xla_flags
 
 from jaxlp.cli import main
 from jaxlp.training import TrainConfig, train
@@ -183,7 +183,7 @@ def _train_on_4_cpu_devices(args):
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   fast = FAST_COMPILE if jax.config.read("jax_disable_most_optimizations") else {}
   env = dict(os.environ, **fast, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
              PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
   r = subprocess.run([sys.executable, "-m", "jaxlp"] + args, capture_output=True, text=True,
                      env=env, timeout=300)

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _bench import xla_flags
 
 from jaxlp.cli import main
 from jaxlp.training import TrainConfig, Trainer
@@ -198,7 +199,7 @@ def test_two_processes_over_jax_distributed(capsys):
   flags = ["train", "--shard", "fsdp", "--grad-wire", "int8-block", "--nodes", "2", "--width",
            "2", "--batch-size", "32", "--epochs", "1", "--max-steps-per-epoch", "2"]
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device per process
+  env["XLA_FLAGS"] = xla_flags()  # one CPU device per process
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   port = _free_port()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from _bench import FAST_COMPILE
+from _bench import FAST_COMPILE, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +31,7 @@ _GROUP = pytest.mark.xdist_group("examples_one_process")  # one worker runs the 
 def _env(**extra):
   env = dict(os.environ, **extra)
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=4")
   env["JAX_PLATFORMS"] = "cpu"
   return env
 

@@ -14,6 +14,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import _mp_sharded_worker as worker  # noqa: E402
 import oracle  # noqa: E402
+from _bench import xla_flags  # noqa: E402
 from test_sharded import assert_same_bits  # noqa: E402
 
 from jaxlp import formats as F  # noqa: E402
@@ -33,7 +34,7 @@ def test_two_processes_equal_one_process_vmap(tmp_path):
   port = _free_port()
   env = dict(os.environ)
   env["PYTHONPATH"] = str(HERE.parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags()
   env["JAX_PLATFORMS"] = "cpu"
   procs = [subprocess.Popen([sys.executable, str(HERE / "_mp_sharded_worker.py"), str(port),
                              str(nproc), str(i), str(tmp_path / f"out{i}.npz")], env=env,

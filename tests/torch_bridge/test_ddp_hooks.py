@@ -31,6 +31,7 @@ import sys
 
 import numpy as np
 import pytest
+from _bench import xla_flags
 
 pytestmark = pytest.mark.xdist_group("torch_ddp_hooks")
 
@@ -58,7 +59,7 @@ def runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("ddp_hooks")
   port = str(_free_port())
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS="", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
+             XLA_FLAGS=xla_flags(), OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_ddp_hooks_worker.py"),
                              str(r), str(WORLD), port, str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+from _bench import xla_flags
 
 # one worker runs the whole module: its module fixture starts the processes once
 pytestmark = pytest.mark.xdist_group("torch_ddp")
@@ -68,7 +69,7 @@ def runs(request, tmp_path_factory):
   out = tmp_path_factory.mktemp(f"ddp_{device}")
   port = str(_free_port())
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             XLA_FLAGS="", OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
+             XLA_FLAGS=xla_flags(), OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
   if device == "cuda":
     env.update(JAX_PLATFORMS="cuda,cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false")
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_ddp_worker.py"), str(r),

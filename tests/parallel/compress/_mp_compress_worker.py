@@ -14,7 +14,9 @@ import os
 import sys
 
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  # the suite's XLA:CPU flags (tests/conftest.py), then two devices per process
+  os.environ["XLA_FLAGS"] = (os.environ.get("JAXLP_TEST_XLA_CPU_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=2").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
