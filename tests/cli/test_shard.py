@@ -66,6 +66,7 @@ def test_fp32_sharded_runs_equal_the_replicated_run_bit_for_bit(fp32_runs):
   assert abs(m["wire_bytes"] - ref_m["wire_bytes"]) < 300
 
 
+@pytest.mark.xla_default_emitters
 @pytest.mark.usefixtures("fast_compile")
 def test_grad_format_zero2_equals_replicated_bit_for_bit():
   """--grad-format e4m3 --order ring --aps, zero2 against the replicated run, 2 workers on 2

@@ -90,6 +90,7 @@ def test_sharded_step_equals_replicated_step_bit_for_bit(fmt, order, aps):
   assert state.count.tolist() == [2] * W
 
 
+@pytest.mark.xla_default_emitters
 def test_user_shard_map_over_devices_times_vmap_equals_vmap(cpu_devices):
   # the same qgZ (int4 blocks, error feedback) + qwZ (MXINT8) step inside a user's shard_map
   # over 2 devices x 2 emulated workers: the bits of the 4-worker vmap
