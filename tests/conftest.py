@@ -26,7 +26,7 @@ import sys
 # (``--xla_cpu_use_fusion_emitters=false``) instead of the MLIR fusion emitters, XLA's default.
 # Most of the suite's CPU time is XLA compiling the programs the bit claims need (75% of the
 # in-process CPU time in a profiled partial run, 2026-11-30), and the elemental emitters compile
-# them in less time: the full run at 9f1782d took 36.8 min and 4,275 CPU s of summed test
+# them in less time: the full run at f106dc5 took 36.0 min and 4,181 CPU s of summed test
 # time against 45.5 min and 5,293 CPU s at 60fe7b1 (README, "Development"). The library's
 # exact operations (integer arithmetic and exactly rounded float operations) give the same bits
 # under both emitters, which tests/test_xla_emitters.py checks against a subprocess with XLA's
