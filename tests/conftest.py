@@ -30,15 +30,14 @@ import sys
 # time against 45.5 min and 5,293 CPU s at 60fe7b1 (README, "Development"). The library's
 # exact operations (integer arithmetic and exactly rounded float operations) give the same bits
 # under both emitters, which tests/test_xla_emitters.py checks against a subprocess with XLA's
-# default flags. Float
-# programs with multiplies and adds are another matter: XLA:CPU contracts ``a * b + c`` into an
-# FMA under both emitters, but where depends on how the program was fused, so a claim that two
-# differently built float programs give the same bits (sharded == replicated with Adam) can
-# hold under one and not the other. Users compile with the defaults: a test of such a claim
-# that the elemental emitters break is marked ``xla_default_emitters`` and runs in a
-# subprocess with the defaults (:func:`pytest_pyfunc_call`). Compiled code also runs slower
-# under the elemental emitters (an NVFP4 GEMM's vjp 0.40 -> 0.60 ms): no test asserts a
-# speed (the benchmarks, which do, run with XLA's defaults outside the suite).
+# default flags. Float programs with multiplies and adds are another matter: XLA:CPU contracts
+# ``a * b + c`` into an FMA under both emitters, but where depends on how the program was
+# fused, so a claim that two differently built float programs give the same bits (sharded ==
+# replicated with Adam) can hold under one and not the other. Users compile with the defaults:
+# a test of such a claim that the elemental emitters break is marked ``xla_default_emitters``
+# and runs in a subprocess with the defaults (:func:`pytest_pyfunc_call`). Compiled code also
+# runs slower under the elemental emitters (an NVFP4 GEMM's vjp 0.40 -> 0.60 ms): no test
+# asserts a speed (the benchmarks, which do, run with XLA's defaults outside the suite).
 # The subprocesses the tests start get the same flag (tests/_bench.py, ``xla_flags``).
 # ``JAXLP_TEST_XLA_CPU_FLAGS=""`` runs the suite with XLA's default emitters; an
 # ``xla_cpu_use_fusion_emitters`` given in ``XLA_FLAGS`` is kept as it is. A jaxlib that does

@@ -145,4 +145,3 @@ def test_scaled_stochastic_equals_the_numpy_core(monkeypatch, fl):
   bad = np.flatnonzero(got != want)
   assert bad.size == 0, (fl, bad[:5], bits[bad[:5]], rand[bad[:5]], got[bad[:5]], want[bad[:5]])
   assert (got != bits).any()  # something was rounded
-
